@@ -1,0 +1,77 @@
+"""Command line: ``broker serve [--host --port --role all|api|worker]``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from broker import __version__
+from broker.app import Runtime, Server, create_app
+from broker.connection import RedisConnectError
+from broker.embedded_redis import EmbeddedRedisError
+from broker.settings import ROLES, Settings, SettingsError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="broker", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"broker {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve", help="serve the API and run workers (with an embedded Redis by default)"
+    )
+    serve.add_argument("--host", help="address to bind (BROKER_HOST, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to bind, 0 = any free (BROKER_PORT, 8000)")
+    serve.add_argument("--role", choices=ROLES, help="all (default), api or worker (BROKER_ROLE)")
+    return parser
+
+
+def serve(settings: Settings) -> int:
+    """Run the broker until SIGINT/SIGTERM; returns the exit code."""
+    return asyncio.run(_serve(settings))
+
+
+async def _serve(settings: Settings) -> int:
+    # Start Redis (or connect) before uvicorn, so a failure is one clear line, not a traceback.
+    runtime = await Runtime.start(settings)
+    config = uvicorn.Config(
+        create_app(settings, runtime),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        lifespan="on",
+        timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
+        access_log=False,
+    )
+    server = Server(config)
+    try:
+        await server.serve()
+    finally:
+        await runtime.close()  # idempotent; covers a bind failure before the lifespan ran
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = Settings.from_env(host=args.host, port=args.port, role=args.role)
+    except SettingsError as exc:
+        print(f"broker: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return serve(settings)
+    except (RedisConnectError, EmbeddedRedisError) as exc:
+        print(f"broker: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The broker's runtime (Redis, scripts, hub, worker) and the ASGI app around it.
+
+The app's lifespan owns the runtime. Shutdown runs in the order that loses nothing: stop taking
+jobs, let running generations finish (or interrupt them with a terminal event after
+``BROKER_DRAIN_TIMEOUT_S``), end the open streams so their clients resume elsewhere, and only then
+close Redis and stop the embedded server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
+from fastapi import FastAPI
+from redis.asyncio import Redis
+
+from broker import __version__
+from broker.api import BodySizeLimit, api_router, install_error_handlers, ops_router
+from broker.connection import check_eviction_policy, client, connect, redact
+from broker.embedded_redis import EmbeddedRedis
+from broker.keys import Keys
+from broker.metrics import Metrics
+from broker.providers import Providers
+from broker.scripts import Scripts
+from broker.settings import Settings
+from broker.streams import Hub, Streams
+from broker.turns import Turns
+from broker.worker import Worker, ensure_group
+
+log = logging.getLogger("broker")
+
+
+class Runtime:
+    """Everything one broker process holds; built by :meth:`start`, torn down by :meth:`close`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        redis: Redis,
+        blocking_redis: Redis,
+        metrics: Metrics,
+        embedded: EmbeddedRedis | None,
+    ) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.blocking_redis = blocking_redis
+        self.metrics = metrics
+        self.embedded = embedded
+        self.keys = Keys(settings.key_prefix)
+        self.scripts = Scripts(redis)
+        self.providers = Providers(settings)
+        self.hub = Hub(blocking_redis, metrics)
+        self.streams = Streams(redis, self.keys, self.hub, settings, metrics)
+        self.turns = Turns(redis, self.scripts, self.keys, settings, self.providers, metrics)
+        self.worker: Worker | None = None
+        self._drained = False
+        self._closed = False
+
+    @classmethod
+    async def start(cls, settings: Settings) -> Runtime:
+        embedded = None
+        url = settings.redis_url
+        if url is None:
+            embedded = EmbeddedRedis(settings.redis_server)
+            url = embedded.start()
+            log.info("using embedded %s (%s)", embedded.version, embedded.binary)
+        else:
+            log.info("using Redis at %s", redact(url))
+        try:
+            redis = await connect(url)
+            # Blocking reads hold a connection each for up to a few seconds: keep them apart.
+            blocking = client(url, max_connections=10_000)
+            metrics = Metrics(providers=Providers(settings).names)
+            rt = cls(settings, redis, blocking, metrics, embedded)
+            policy = await check_eviction_policy(redis)
+            metrics.eviction_policy_safe.set(1 if policy == "noeviction" else 0)
+            await rt.scripts.load()
+            await ensure_group(redis, rt.keys)
+        except BaseException:
+            if embedded is not None:
+                embedded.stop()
+            raise
+        if settings.runs_worker:
+            rt.worker = Worker(redis, rt.scripts, rt.keys, settings, rt.providers, metrics)
+            rt.worker.start()
+        return rt
+
+    async def drain(self) -> None:
+        """Stop work in the order that loses nothing; safe to call more than once."""
+        if self._drained:
+            return
+        self._drained = True
+        if self.worker is not None:
+            await self.worker.stop(self.settings.drain_timeout_s)
+        await self.hub.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.drain()
+        for redis in (self.redis, self.blocking_redis):
+            with contextlib.suppress(Exception):
+                await redis.aclose()
+        if self.embedded is not None:
+            self.embedded.stop()
+
+
+def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
+    """The ASGI app; its lifespan starts (unless given one) and stops the runtime."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        rt = runtime if runtime is not None else await Runtime.start(settings)
+        app.state.runtime = rt
+        app.state.metrics = rt.metrics
+        try:
+            yield
+        finally:
+            await rt.close()
+
+    app = FastAPI(
+        title="Resumable stream broker",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    install_error_handlers(app)
+    app.include_router(ops_router)
+    if settings.runs_api:
+        app.include_router(api_router)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, draining the broker before it waits for open connections to close.
+
+    uvicorn waits for every open response before the lifespan shutdown runs; live streams would
+    hold it for ever. Draining first ends them after their terminal events.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Handle SIGINT/SIGTERM as a graceful stop that exits 0 (uvicorn re-raises them)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in str(host) else host
+            self.bound_port = int(port)
+            print(f"broker serving on http://{shown}:{port}", flush=True)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        rt = _find_runtime(self.config.loaded_app)
+        if rt is not None:
+            try:
+                await asyncio.wait_for(rt.drain(), rt.settings.drain_timeout_s + 10)
+            except TimeoutError:
+                log.warning("drain did not finish in time; closing connections anyway")
+        await super().shutdown(sockets)
+
+
+def _find_runtime(app: object) -> Runtime | None:
+    seen = 0
+    while app is not None and seen < 20:
+        state = getattr(app, "state", None)
+        rt = getattr(state, "runtime", None) if state is not None else None
+        if isinstance(rt, Runtime):
+            return rt
+        app = getattr(app, "app", None)
+        seen += 1
+    return None

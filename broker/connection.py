@@ -1,0 +1,74 @@
+"""Connecting to Redis: one clear line when it fails, a loud warning when eviction is on."""
+
+from __future__ import annotations
+
+import logging
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+log = logging.getLogger("broker.connection")
+
+
+class RedisConnectError(RuntimeError):
+    """Redis could not be reached at start."""
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced, for logs and error messages."""
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return url
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.partition(":")[0]
+    return f"{scheme}{sep}{user}:***@{host}" if user else f"{scheme}{sep}***@{host}"
+
+
+def client(url: str, *, max_connections: int = 512) -> Redis:
+    """A client for ``url`` that answers strings; commands wait at most 10 s for a connection."""
+    return Redis.from_url(
+        url,
+        decode_responses=True,
+        max_connections=max_connections,
+        socket_connect_timeout=5,
+        health_check_interval=30,
+    )
+
+
+async def connect(url: str) -> Redis:
+    """Connect and ping; raise ``RedisConnectError`` with one line saying what failed."""
+    redis = client(url)
+    try:
+        await redis.ping()
+    except (RedisError, OSError) as exc:
+        await redis.aclose()
+        raise RedisConnectError(f"cannot connect to Redis at {redact(url)}: {exc}") from None
+    return redis
+
+
+async def eviction_policy(redis: Redis) -> str | None:
+    """The server's ``maxmemory-policy``, or None where CONFIG is not allowed (managed Redis)."""
+    try:
+        reply = await redis.config_get("maxmemory-policy")
+    except ResponseError:
+        return None
+    value = reply.get("maxmemory-policy")
+    return str(value) if value is not None else None
+
+
+async def check_eviction_policy(redis: Redis) -> str | None:
+    """Warn loudly unless Redis refuses writes rather than evicting keys (streams would vanish)."""
+    policy = await eviction_policy(redis)
+    if policy is None:
+        log.warning(
+            "could not read maxmemory-policy (CONFIG GET refused); make sure it is 'noeviction', "
+            "or Redis may silently delete streams that clients are reading"
+        )
+    elif policy != "noeviction":
+        log.warning(
+            "!!! Redis maxmemory-policy is %r, not 'noeviction': under memory pressure Redis will "
+            "DELETE streams, leases and turns that clients are reading. Set "
+            "'maxmemory-policy noeviction' on this server. !!!",
+            policy,
+        )
+    return policy

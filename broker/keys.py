@@ -1,0 +1,50 @@
+"""Every Redis key name the broker uses, built in one place.
+
+All keys of one conversation carry the hash tag ``{c:<conversation_id>}`` so that every Lua script
+touches a single slot and the broker runs unchanged on Redis Cluster. The two index keys map ids a
+client holds (turn id, stream id) to their conversation; they live in their own slots and are only
+read and written with single-key commands.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Ids chosen by clients become part of key names and hash tags: keep them to a safe alphabet.
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+STREAM_ID_PATTERN = re.compile(r"^st_[0-9a-f]{32}$")
+
+JOB_GROUP = "workers"
+
+
+class Keys:
+    """Key builder for one key prefix (``BROKER_KEY_PREFIX``)."""
+
+    __slots__ = ("jobs", "prefix")
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.jobs = f"{prefix}:jobs"
+
+    def tag(self, conversation_id: str) -> str:
+        return f"{self.prefix}:{{c:{conversation_id}}}"
+
+    def turn(self, conversation_id: str, turn_id: str) -> str:
+        """Hash: the turn's request, status, attempts, canonical attempt and fence counter."""
+        return f"{self.tag(conversation_id)}:turn:{turn_id}"
+
+    def lease(self, conversation_id: str, turn_id: str) -> str:
+        """Hash with a PEXPIRE: the fencing token and owner of the worker writing the turn."""
+        return f"{self.tag(conversation_id)}:lease:{turn_id}"
+
+    def events(self, conversation_id: str, turn_id: str) -> str:
+        """Redis Stream: the turn's events; entry ids are the wire offsets."""
+        return f"{self.tag(conversation_id)}:events:{turn_id}"
+
+    def turn_index(self, turn_id: str) -> str:
+        """String: turn id → conversation id (outlives the data as a tombstone)."""
+        return f"{self.prefix}:turn-index:{turn_id}"
+
+    def stream_index(self, stream_id: str) -> str:
+        """String: stream id → ``<conversation_id> <turn_id>`` (a tombstone outliving the data)."""
+        return f"{self.prefix}:stream-index:{stream_id}"

@@ -1,0 +1,108 @@
+"""The writer side of a turn: a lease with a fencing token, fenced appends, an atomic finish."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from broker.keys import Keys
+from broker.metrics import Metrics
+from broker.scripts import Scripts
+
+FINAL_STATUSES = frozenset({"complete", "interrupted", "cancelled", "failed"})
+# The attempt's own status, as stored on the turn: an interrupted turn holds a partial attempt.
+ATTEMPT_STATUS = {
+    "complete": "complete",
+    "interrupted": "partial",
+    "cancelled": "cancelled",
+    "failed": "failed",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claim:
+    """The answer of ``claim_lease``: ``result`` is claimed, held, stale or missing."""
+
+    result: str
+    token: str = ""
+    previous_status: str = ""
+
+
+def encode(data: dict[str, Any]) -> str:
+    return orjson.dumps(data).decode()
+
+
+class TurnWriter:
+    """Appends to one turn's stream under one fencing token; every call is checked by Lua."""
+
+    def __init__(
+        self,
+        scripts: Scripts,
+        keys: Keys,
+        metrics: Metrics,
+        conversation_id: str,
+        turn_id: str,
+        *,
+        max_events: int,
+        lease_ttl_ms: int,
+        retention_ms: int,
+    ) -> None:
+        self._scripts = scripts
+        self._metrics = metrics
+        self._turn = keys.turn(conversation_id, turn_id)
+        self._lease = keys.lease(conversation_id, turn_id)
+        self._events = keys.events(conversation_id, turn_id)
+        self._max_events = max_events
+        self._lease_ttl_ms = lease_ttl_ms
+        self._retention_ms = retention_ms
+        self.token = ""
+
+    async def claim(self, owner: str, attempt: int) -> Claim:
+        reply = await self._scripts(
+            "claim_lease", [self._turn, self._lease], [owner, self._lease_ttl_ms, attempt]
+        )
+        if reply[0] == "claimed":
+            self.token = reply[1]
+            return Claim("claimed", reply[1], reply[2])
+        return Claim(reply[0])
+
+    async def renew(self) -> None:
+        """Extend the lease; raises ``FencedWrite`` when it was lost."""
+        await self._scripts("renew_lease", [self._lease], [self.token, self._lease_ttl_ms])
+
+    async def append(self, events: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        """Append events in order; returns their entry ids. Raises FencedWrite or StreamFull."""
+        args: list[Any] = [self.token, self._max_events]
+        for kind, data in events:
+            args += (kind, encode(data))
+        began = time.perf_counter()
+        ids: list[str] = await self._scripts("append_events", [self._lease, self._events], args)
+        self._metrics.append_seconds.observe(time.perf_counter() - began)
+        return ids
+
+    async def finish(
+        self,
+        *,
+        attempt: int,
+        strategy: str,
+        status: str,
+        reason: str | None,
+        text: str,
+        before_end: Sequence[tuple[str, dict[str, Any]]] = (),
+    ) -> list[str]:
+        """Write the last events and the ``end`` sentinel, set the turn at rest, drop the lease."""
+        record = {"n": attempt, "strategy": strategy, "status": ATTEMPT_STATUS[status],
+                  "reason": reason}  # fmt: skip
+        events = [*before_end, ("end", {"attempt": attempt, "status": status, "reason": reason})]
+        args: list[Any] = [self.token, attempt, status, encode(record), text, self._retention_ms]
+        for kind, data in events:
+            args += (kind, encode(data))
+        ids: list[str] = await self._scripts(
+            "finish_attempt", [self._turn, self._lease, self._events], args
+        )
+        self._metrics.turns_finished.labels(status).inc()
+        return ids

@@ -1,0 +1,34 @@
+-- claim_lease: take the writer lease of a turn's attempt, minting a new fencing token.
+--
+-- The lease expires on the Redis server clock (PEXPIRE), so no worker clock is trusted. Each claim
+-- increments the turn's fence counter; appends must present the token of the live lease.
+--
+-- KEYS[1]  turn hash   {c:<conversation>}:turn:<turn_id>
+-- KEYS[2]  lease hash  {c:<conversation>}:lease:<turn_id>
+-- ARGV[1]  owner       the worker's id (for operators; not used for fencing)
+-- ARGV[2]  ttl_ms      lease lifetime in milliseconds
+-- ARGV[3]  attempt     the attempt number the job was queued for
+--
+-- Returns  {"claimed", token, previous_status}  previous_status "streaming" means a takeover
+--          {"held", owner, pttl_ms}             a live lease exists; nothing changed
+--          {"stale", status, attempt}           the turn is at rest or moved to another attempt
+--          {"missing"}                          the turn does not exist (expired)
+-- Errors   none of its own.
+local turn, lease = KEYS[1], KEYS[2]
+if redis.call('EXISTS', turn) == 0 then
+  return {'missing'}
+end
+local v = redis.call('HMGET', turn, 'status', 'attempt')
+local status, attempt = v[1], v[2]
+if attempt ~= ARGV[3] or (status ~= 'queued' and status ~= 'streaming') then
+  return {'stale', status or '', attempt or ''}
+end
+local holder = redis.call('HGET', lease, 'owner')
+if holder then
+  return {'held', holder, redis.call('PTTL', lease)}
+end
+local token = redis.call('HINCRBY', turn, 'fence', 1)
+redis.call('HSET', lease, 'token', token, 'owner', ARGV[1])
+redis.call('PEXPIRE', lease, ARGV[2])
+redis.call('HSET', turn, 'status', 'streaming')
+return {'claimed', tostring(token), status}

@@ -1,0 +1,31 @@
+-- create_turn: create a turn once; a second call with the same turn id finds the first.
+--
+-- KEYS[1]  turn hash            {c:<conversation>}:turn:<turn_id>
+-- ARGV[1]  request fingerprint  hex SHA-256 of the canonical request
+-- ARGV[2]  stream id            server-minted, used only when the turn is new
+-- ARGV[3]  conversation id
+-- ARGV[4]  turn id
+-- ARGV[5]  request              canonical JSON of the request
+-- ARGV[6]  session              the retry-budget session named by the client
+-- ARGV[7]  attempt record       JSON of attempt 1 ({"n":1,"strategy":"initial",...})
+--
+-- Returns  {"created", stream_id, status, attempt, created_ms}
+--          {"exists",  stream_id, status, attempt, created_ms, enqueued}   same fingerprint
+--          {"conflict"}                                                    other fingerprint
+-- Errors   none of its own.
+local turn = KEYS[1]
+local existing = redis.call('HGET', turn, 'fingerprint')
+if existing then
+  if existing ~= ARGV[1] then
+    return {'conflict'}
+  end
+  local v = redis.call('HMGET', turn, 'stream_id', 'status', 'attempt', 'created_ms', 'enqueued')
+  return {'exists', v[1], v[2], v[3], v[4], v[5] or '0'}
+end
+local now = redis.call('TIME')
+local created_ms = tostring(tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+redis.call('HSET', turn,
+  'fingerprint', ARGV[1], 'stream_id', ARGV[2], 'conversation_id', ARGV[3], 'turn_id', ARGV[4],
+  'request', ARGV[5], 'session', ARGV[6], 'status', 'queued', 'attempt', 1, 'fence', 0,
+  'upstream_calls', 0, 'enqueued', 0, 'created_ms', created_ms, 'attempt:1', ARGV[7])
+return {'created', ARGV[2], 'queued', '1', created_ms}

@@ -1,0 +1,94 @@
+"""Every Prometheus metric of the broker, defined in one place.
+
+Names follow ``broker_<noun>_<unit>``; counters end in ``_total``; labels come from small fixed
+sets (never ids or messages) and every known label set is created at zero so that rates and
+alerts work from the first scrape. Each app gets its own registry, so several brokers can run in
+one process (the tests do) without sharing counts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from broker import __version__
+
+TURN_STATUSES = ("complete", "interrupted", "cancelled", "failed")
+UPSTREAM_OUTCOMES = ("ok", "retryable_error", "fatal_error", "interrupted")
+RESUME_RESULTS = ("ok", "expired", "not_found")
+STREAM_MODES = ("sse", "json")
+
+
+class Metrics:
+    """The broker's metrics, registered in their own registry."""
+
+    def __init__(self, providers: tuple[str, ...] = ("simulated",)) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.build_info = Info("broker_build", "Version of the broker.", registry=r)
+        self.build_info.info({"version": __version__})
+        self.turns_started = Counter(
+            "broker_turns_started_total", "Turns created (not counting idempotent repeats).",
+            registry=r,
+        )  # fmt: skip
+        self.turns_deduplicated = Counter(
+            "broker_turns_deduplicated_total",
+            "POST /v1/turns that found the existing turn of the same turn_id.",
+            registry=r,
+        )
+        self.turns_finished = Counter(
+            "broker_turns_finished_total", "Attempts that ended, by turn status.", ["status"],
+            registry=r,
+        )  # fmt: skip
+        for status in TURN_STATUSES:
+            self.turns_finished.labels(status)
+        self.upstream_requests = Counter(
+            "broker_upstream_requests_total",
+            "Calls to the upstream model, by provider and outcome.",
+            ["provider", "outcome"],
+            registry=r,
+        )
+        for provider in providers:
+            for outcome in UPSTREAM_OUTCOMES:
+                self.upstream_requests.labels(provider, outcome)
+        self.fenced_writes = Counter(
+            "broker_fenced_writes_total",
+            "Writes refused because the writer's lease was lost or taken over.",
+            registry=r,
+        )
+        self.lease_takeovers = Counter(
+            "broker_lease_takeovers_total",
+            "Leases claimed on a turn whose previous writer stopped heartbeating.",
+            registry=r,
+        )
+        self.resumes = Counter(
+            "broker_resumes_total",
+            "Stream reads that resumed from an offset, by result.",
+            ["result"],
+            registry=r,
+        )
+        for result in RESUME_RESULTS:
+            self.resumes.labels(result)
+        self.live_streams = Gauge(
+            "broker_live_streams", "Streams with at least one live reader in this process.",
+            registry=r,
+        )  # fmt: skip
+        self.viewers = Gauge(
+            "broker_stream_viewers", "Open stream reads in this process.", ["mode"], registry=r
+        )
+        for mode in STREAM_MODES:
+            self.viewers.labels(mode)
+        self.append_seconds = Histogram(
+            "broker_append_seconds",
+            "Time of one fenced append to a turn's stream.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "broker_redis_errors_total", "Redis commands that failed (connection or server).",
+            registry=r,
+        )  # fmt: skip
+        self.eviction_policy_safe = Gauge(
+            "broker_redis_eviction_policy_safe",
+            "1 when Redis maxmemory-policy is noeviction, 0 when keys may be evicted or unknown.",
+            registry=r,
+        )

@@ -1,0 +1,191 @@
+"""The simulated provider: deterministic text at a chosen pace, with fault injection.
+
+It is the default provider, the demo and the test bench. Its behaviour is chosen per turn in
+``params.simulate`` (see ``KNOBS``); the text is a pure function of ``seed`` and the prompt, so the
+same turn run twice gives the same bytes, and a continued attempt ends with the same text an
+uninterrupted one would have had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from broker.canonical import canonical_json
+from broker.errors import BadRequest
+from broker.providers.base import (
+    Finished,
+    GenerationRequest,
+    ProviderEvent,
+    TextDelta,
+    UpstreamError,
+    Usage,
+)
+
+KNOBS = {
+    "seed": "int or string; the text is a function of seed and prompt",
+    "tokens": "how many deltas the answer has (1..100000, default 48)",
+    "tokens_per_s": "pace of deltas, 0 = as fast as possible (default 25)",
+    "fail_before_first": "the first K upstream calls of the turn fail before any delta",
+    "fail_after_deltas": "the first attempt's upstream call breaks after N deltas",
+    "error": "'retryable' (default) or 'fatal': the kind of the injected failures",
+    "tool_calls": "a script of tool calls (not available in this version)",
+    "json": "true: emit a JSON document instead of prose",
+}
+GENERIC_PARAMS = frozenset({"simulate", "temperature", "top_p", "max_tokens", "stop", "seed"})
+DEFAULT_TOKENS = 48
+DEFAULT_TOKENS_PER_S = 25.0
+MAX_TOKENS = 100_000
+
+# A vocabulary with multi-byte characters, so byte-exact reassembly is tested for real.
+_WORDS = (
+    "the stream", "broker", "keeps", "every", "token", "in", "Redis", "so", "a", "reader",
+    "can", "come", "back", "later", "and", "find", "its", "place", "offset", "after", "tunnel",
+    "naïve", "café", "über", "façade", "日本語", "Ωmega", "emoji 🚀", "résumé", "smörgåsbord",
+    "lease", "fenced", "writer", "turn", "attempt", "answer", "second", "tab", "watches", "live",
+)  # fmt: skip
+
+
+def _int_knob(knobs: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = knobs.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(f"params.simulate.{name} must be an integer from {low} to {high}")
+    return value
+
+
+class SimulatedProvider:
+    """Deterministic fake model; ``max_tokens_per_s`` (0 = none) caps every turn's pace."""
+
+    name = "simulated"
+
+    def __init__(self, *, max_tokens_per_s: float = 0.0) -> None:
+        self.max_tokens_per_s = max_tokens_per_s
+
+    def validate_params(self, params: dict[str, Any]) -> None:
+        unknown = sorted(set(params) - GENERIC_PARAMS)
+        if unknown:
+            raise BadRequest(
+                f"unknown params for the simulated provider: {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(GENERIC_PARAMS))}"
+            )
+        knobs = params.get("simulate", {})
+        if not isinstance(knobs, dict):
+            raise BadRequest("params.simulate must be an object")
+        unknown = sorted(set(knobs) - set(KNOBS))
+        if unknown:
+            raise BadRequest(
+                f"unknown params.simulate knobs: {', '.join(unknown)}; known: {', '.join(KNOBS)}"
+            )
+        seed = knobs.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | str)):
+            raise BadRequest("params.simulate.seed must be an integer or a string")
+        _int_knob(knobs, "tokens", 1, MAX_TOKENS)
+        _int_knob(knobs, "fail_before_first", 0, 1000)
+        _int_knob(knobs, "fail_after_deltas", 0, MAX_TOKENS)
+        pace = knobs.get("tokens_per_s")
+        if pace is not None and (
+            isinstance(pace, bool) or not isinstance(pace, int | float) or not 0 <= pace <= 1e6
+        ):
+            raise BadRequest("params.simulate.tokens_per_s must be a number from 0 to 1000000")
+        if knobs.get("error", "retryable") not in ("retryable", "fatal"):
+            raise BadRequest("params.simulate.error must be 'retryable' or 'fatal'")
+        if not isinstance(knobs.get("json", False), bool):
+            raise BadRequest("params.simulate.json must be true or false")
+        if "tool_calls" in knobs:
+            raise BadRequest(
+                "params.simulate.tool_calls is not available yet: tool dispatch is not built",
+                code="not_supported",
+            )
+
+    def pace(self, knobs: dict[str, Any]) -> float:
+        """Deltas per second for a turn, 0 meaning no pause; the cap applies to both."""
+        wanted = float(knobs.get("tokens_per_s", DEFAULT_TOKENS_PER_S))
+        cap = self.max_tokens_per_s
+        if cap > 0 and (wanted == 0 or wanted > cap):
+            return cap
+        return wanted
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[ProviderEvent]:
+        knobs: dict[str, Any] = request.params.get("simulate", {})
+        retryable = knobs.get("error", "retryable") == "retryable"
+        if request.upstream_call < int(knobs.get("fail_before_first", 0)):
+            raise _injected(retryable, "before the first delta")
+        prompt, prefill = _split_prefill(request.messages)
+        pieces = full_answer(prompt, knobs)
+        # A continued attempt receives what was delivered as a prefill and carries on from there.
+        start = 0
+        if prefill:
+            delivered = ""
+            while start < len(pieces) and len(delivered) < len(prefill):
+                delivered += pieces[start]
+                start += 1
+            if delivered != prefill:
+                start = 0  # not our own text: answer from the beginning
+        break_after = knobs.get("fail_after_deltas")
+        pace = self.pace(knobs)
+        began = time.monotonic()
+        sent = 0
+        for index in range(start, len(pieces)):
+            if break_after is not None and request.attempt == 1 and sent >= break_after:
+                raise _injected(retryable, f"after {sent} deltas")
+            if pace > 0:
+                delay = began + sent / pace - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            elif sent % 64 == 63:
+                await asyncio.sleep(0)  # let other turns run between bursts
+            yield TextDelta(pieces[index])
+            sent += 1
+        yield Usage(input_tokens=len(prompt) // 4 + 1, output_tokens=sent)
+        yield Finished("stop")
+
+
+def _injected(retryable: bool, where: str) -> UpstreamError:
+    if retryable:
+        return UpstreamError("upstream_unavailable", f"simulated 503 {where}", retryable=True)
+    return UpstreamError("upstream_bad_request", f"simulated 400 {where}", retryable=False)
+
+
+def _split_prefill(messages: list[dict[str, Any]]) -> tuple[bytes, str]:
+    """The prompt that seeds the text, and a trailing assistant message used as a prefill."""
+    prefill = ""
+    if messages and messages[-1].get("role") == "assistant":
+        prefill = str(messages[-1].get("content", ""))
+        messages = messages[:-1]
+    return canonical_json(messages), prefill
+
+
+def full_answer(prompt: bytes, knobs: dict[str, Any]) -> list[str]:
+    """The deltas of the uninterrupted answer for ``prompt`` under ``knobs``."""
+    seed = knobs.get("seed", 0)
+    digest = hashlib.sha256(f"{seed!r}".encode() + b"\x00" + prompt).digest()
+    rng = random.Random(int.from_bytes(digest[:8], "big"))
+    count = int(knobs.get("tokens", DEFAULT_TOKENS))
+    if knobs.get("json"):
+        words = [rng.choice(_WORDS) for _ in range(max(count, 4))]
+        document = orjson.dumps({"answer": " ".join(words), "words": len(words), "seed": seed})
+        text = document.decode()
+        size = max(1, -(-len(text) // count))
+        return [text[i : i + size] for i in range(0, len(text), size)]
+    pieces: list[str] = []
+    for i in range(count):
+        word = rng.choice(_WORDS)
+        if i == 0:
+            piece = word.capitalize()
+        elif rng.random() < 0.08:
+            piece = ".\n\n" + word.capitalize()
+        elif rng.random() < 0.1:
+            piece = ", " + word
+        else:
+            piece = " " + word
+        pieces.append(piece)
+    pieces[-1] += "."
+    return pieces

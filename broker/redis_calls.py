@@ -1,0 +1,61 @@
+"""Typed views of the few redis-py calls whose replies the broker reads.
+
+redis-py annotates replies for every client configuration (bytes or str, sync or async); the
+broker's clients always decode to ``str``, so these helpers state that once instead of casting
+at every call site.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from redis.asyncio import Redis
+
+Entries = list[tuple[str, dict[str, str]]]
+
+
+async def get(redis: Redis, key: str) -> str | None:
+    return cast(str | None, await redis.get(key))
+
+
+async def hmget(redis: Redis, key: str, fields: list[str]) -> list[str | None]:
+    return cast(list[str | None], await redis.hmget(key, fields))
+
+
+async def hgetall(redis: Redis, key: str) -> dict[str, str]:
+    return cast(dict[str, str], await redis.hgetall(key))
+
+
+async def xrange(redis: Redis, key: str, start: str, end: str = "+", count: int = 1000) -> Entries:
+    return cast(Entries, await redis.xrange(key, min=start, max=end, count=count))
+
+
+async def last_entry_id(redis: Redis, key: str) -> str | None:
+    reply = cast(Entries, await redis.xrevrange(key, max="+", min="-", count=1))
+    return reply[0][0] if reply else None
+
+
+async def xread(redis: Redis, key: str, after: str, count: int, block_ms: int) -> Entries:
+    reply = cast(list[Any] | None, await redis.xread({key: after}, count=count, block=block_ms))
+    return cast(Entries, reply[0][1]) if reply else []
+
+
+async def xreadgroup(
+    redis: Redis, group: str, consumer: str, key: str, count: int, block_ms: int
+) -> Entries:
+    reply = cast(
+        list[Any] | None,
+        await redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=block_ms),
+    )
+    return cast(Entries, reply[0][1]) if reply else []
+
+
+async def xautoclaim(
+    redis: Redis, key: str, group: str, consumer: str, min_idle_ms: int, count: int
+) -> tuple[Entries, list[str]]:
+    """Claimed entries, and the ids of pending entries that were deleted meanwhile."""
+    reply: list[Any] = await redis.xautoclaim(
+        key, group, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
+    )
+    deleted = cast(list[str], reply[2]) if len(reply) > 2 else []
+    return cast(Entries, reply[1]), deleted

@@ -1,0 +1,111 @@
+"""Settings, read once from ``BROKER_*`` environment variables and frozen.
+
+Every knob of the broker lives here with its default; the README's settings table is this module
+in prose. Code receives a ``Settings`` instance explicitly and never reads the environment itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ROLES = ("all", "api", "worker")
+
+
+class SettingsError(ValueError):
+    """A ``BROKER_*`` variable has a value the broker cannot use."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Settings:
+    """The broker's configuration; build with :meth:`from_env` or directly in tests."""
+
+    redis_url: str | None = None
+    redis_server: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    role: str = "all"
+    key_prefix: str = "broker"
+    stream_ttl_s: float = 86_400.0
+    tombstone_ttl_s: float = 7 * 86_400.0
+    max_stream_events: int = 20_000
+    max_body_bytes: int = 1_048_576
+    max_messages: int = 1_000
+    max_message_chars: int = 200_000
+    lease_ttl_ms: int = 10_000
+    job_reclaim_idle_ms: int = 30_000
+    worker_concurrency: int = 64
+    sse_heartbeat_s: float = 15.0
+    sse_retry_ms: int = 1_000
+    sse_send_timeout_s: float = 30.0
+    drain_timeout_s: float = 10.0
+    json_page_size: int = 1_000
+    simulate_max_tokens_per_s: float = 0.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise SettingsError(f"BROKER_ROLE must be one of {', '.join(ROLES)}, not {self.role!r}")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise SettingsError(
+                "BROKER_REDIS_URL must start with redis://, rediss:// or unix://, "
+                f"not {self.redis_url!r}"
+            )
+        positive = (
+            "stream_ttl_s", "tombstone_ttl_s", "max_stream_events", "max_body_bytes",
+            "max_messages", "max_message_chars", "lease_ttl_ms", "job_reclaim_idle_ms",
+            "worker_concurrency", "sse_heartbeat_s", "sse_retry_ms", "sse_send_timeout_s",
+            "drain_timeout_s", "json_page_size",
+        )  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"BROKER_{name.upper()} must be positive")
+        if self.max_stream_events < 8:
+            raise SettingsError("BROKER_MAX_STREAM_EVENTS must be at least 8")
+        if self.job_reclaim_idle_ms <= self.lease_ttl_ms:
+            raise SettingsError("BROKER_JOB_RECLAIM_IDLE_MS must exceed BROKER_LEASE_TTL_MS")
+        if self.simulate_max_tokens_per_s < 0:
+            raise SettingsError("BROKER_SIMULATE_MAX_TOKENS_PER_S must be 0 (no cap) or more")
+        if not self.key_prefix or any(c in self.key_prefix for c in "{} \n"):
+            raise SettingsError("BROKER_KEY_PREFIX must be non-empty without braces or spaces")
+
+    @property
+    def runs_api(self) -> bool:
+        return self.role in ("all", "api")
+
+    @property
+    def runs_worker(self) -> bool:
+        return self.role in ("all", "worker")
+
+    @property
+    def lease_heartbeat_s(self) -> float:
+        """A lease is renewed three times per lease period, so one lost renewal is harmless."""
+        return self.lease_ttl_ms / 3000.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read ``BROKER_<FIELD>`` for every field; explicit ``overrides`` win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get(f"BROKER_{field.name.upper()}")
+            if raw is None or raw == "":
+                continue
+            values[field.name] = _parse(field.name, str(field.type), raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(name: str, type_name: str, raw: str) -> Any:
+    try:
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+    except ValueError:
+        raise SettingsError(f"BROKER_{name.upper()} must be a number, not {raw!r}") from None
+    return raw

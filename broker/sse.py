@@ -1,0 +1,92 @@
+"""Server-sent events: the frames and an ASGI response that streams them.
+
+The response races three things: the event source, the client's disconnect, and a per-send
+timeout. Whichever ends first ends the response, and the source is always closed, so a reader's
+subscription is released the moment its client goes away. Heartbeats are SSE comments, so
+``EventSource`` ignores them while proxies and clients see a live connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("broker.sse")
+
+PING = b": ping\n\n"
+
+HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-store"),
+    (b"x-accel-buffering", b"no"),
+    (b"connection", b"keep-alive"),
+]
+
+
+def retry_frame(retry_ms: int) -> bytes:
+    return f"retry: {retry_ms}\n\n".encode()
+
+
+class EventStreamResponse(Response):
+    """Streams ``source`` chunks as ``text/event-stream`` until it ends or the client leaves."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        source: AsyncIterator[bytes],
+        *,
+        send_timeout_s: float,
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(status_code=200)
+        self._source = source
+        self._send_timeout_s = send_timeout_s
+        self._raw_headers = HEADERS + (extra_headers or [])
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self._raw_headers})
+        pump = asyncio.create_task(self._pump(send))
+        watch = asyncio.create_task(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            for task in (pump, watch):
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await task
+            await _close(self._source)
+
+    async def _pump(self, send: Send) -> None:
+        async for chunk in self._source:
+            try:
+                await asyncio.wait_for(
+                    send({"type": "http.response.body", "body": chunk, "more_body": True}),
+                    self._send_timeout_s,
+                )
+            except TimeoutError:
+                log.info(
+                    "closing a stream whose client did not read for %s s", self._send_timeout_s
+                )
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _close(source: AsyncIterator[bytes]) -> None:
+    close = getattr(source, "aclose", None)
+    if close is not None:
+        with contextlib.suppress(Exception):
+            await close()

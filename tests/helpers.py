@@ -1,0 +1,134 @@
+"""Small, independent helpers for talking to a broker in tests (no client package needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+
+
+@dataclasses.dataclass(frozen=True)
+class SSEEvent:
+    id: str
+    event: str
+    data: dict[str, Any]
+
+
+@dataclasses.dataclass
+class Read:
+    """What one SSE read saw."""
+
+    events: list[SSEEvent]
+    retry: int | None
+    comments: int
+    ended_by_server: bool
+    headers: httpx.Headers
+
+
+def read_sse(
+    base_url: str,
+    stream_id: str,
+    *,
+    offset: str | None = None,
+    last_event_id: str | None = None,
+    stop_after: int | None = None,
+    timeout: float = 15.0,
+) -> Read:
+    """Read a stream; with ``stop_after`` the client hangs up after that many events."""
+    params = {"offset": offset} if offset is not None else {}
+    headers = {"Accept": "text/event-stream"}
+    if last_event_id is not None:
+        headers["Last-Event-ID"] = last_event_id
+    events: list[SSEEvent] = []
+    retry: int | None = None
+    comments = 0
+    fields: dict[str, str] = {}
+    data: list[str] = []
+    deadline = time.monotonic() + timeout
+    with httpx.stream(
+        "GET", f"{base_url}/v1/streams/{stream_id}", params=params, headers=headers,
+        timeout=httpx.Timeout(timeout),
+    ) as response:  # fmt: skip
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            assert time.monotonic() < deadline, "stream read took too long"
+            if line == "":
+                if data:
+                    events.append(
+                        SSEEvent(fields.get("id", ""), fields.get("event", "message"),
+                                 orjson.loads("\n".join(data)))
+                    )  # fmt: skip
+                    if stop_after is not None and len(events) >= stop_after:
+                        return Read(events, retry, comments, False, response.headers)
+                fields, data = {}, []
+                continue
+            if line.startswith(":"):
+                comments += 1
+                continue
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if name == "data":
+                data.append(value)
+            elif name == "retry":
+                retry = int(value)
+            else:
+                fields[name] = value
+        return Read(events, retry, comments, True, response.headers)
+
+
+def start_turn(
+    base_url: str,
+    conversation_id: str = "conv-1",
+    *,
+    turn_id: str | None = None,
+    prompt: str = "Tell me about streams",
+    expect: int | tuple[int, ...] = (200, 201),
+    **simulate: Any,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "conversation_id": conversation_id,
+        "messages": [{"role": "user", "content": prompt}],
+        "params": {"simulate": simulate},
+    }
+    if turn_id is not None:
+        body["turn_id"] = turn_id
+    response = httpx.post(f"{base_url}/v1/turns", json=body, timeout=10)
+    allowed = (expect,) if isinstance(expect, int) else expect
+    assert response.status_code in allowed, response.text
+    turn: dict[str, Any] = response.json()
+    return turn
+
+
+def text_of(events: list[SSEEvent]) -> str:
+    return "".join(str(e.data["text"]) for e in events if e.event == "delta")
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def get_turn(base_url: str, turn_id: str) -> dict[str, Any]:
+    response = httpx.get(f"{base_url}/v1/turns/{turn_id}", timeout=10)
+    assert response.status_code == 200, response.text
+    turn: dict[str, Any] = response.json()
+    return turn
+
+
+def wait_final(base_url: str, turn_id: str, timeout: float = 15.0) -> dict[str, Any]:
+    final = ("complete", "interrupted", "cancelled", "failed")
+    turn: dict[str, Any] = wait_until(
+        lambda: (t := get_turn(base_url, turn_id))["status"] in final and t, timeout
+    )
+    return turn

@@ -1,0 +1,127 @@
+"""The replay-to-live hand-over, driven batch by batch: overlaps are dropped, gaps are filled."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+from redis.asyncio import Redis
+from redis.typing import EncodableT, FieldT
+
+from broker.keys import Keys
+from broker.metrics import Metrics
+from broker.settings import Settings
+from broker.streams import Entry, Hub, Location, Streams, _Batch, _Feed
+
+_n = itertools.count()
+
+
+@pytest.fixture
+async def aredis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def manual_feeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Feeds that never read Redis: the test hands batches to subscriptions itself."""
+
+    async def idle(self: _Feed) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(_Feed, "run", idle)
+
+
+async def setup(aredis: Redis) -> tuple[Streams, Hub, Keys, Location]:
+    prefix = f"handover{os.getpid()}-{next(_n)}"
+    keys = Keys(prefix)
+    settings = Settings(redis_url="unix:///unused", key_prefix=prefix, json_page_size=3)
+    metrics = Metrics()
+    hub = Hub(aredis, metrics)
+    location = Location("st_" + "0" * 32, "c", "t")
+    await aredis.hset(keys.turn("c", "t"), mapping={"status": "streaming", "attempt": "1"})
+    return Streams(aredis, keys, hub, settings, metrics), hub, keys, location
+
+
+async def add(aredis: Redis, key: str, kind: str, data: dict[str, object]) -> Entry:
+    fields = {"e": kind, "d": orjson.dumps({"attempt": 1, **data}).decode()}
+    stored: dict[FieldT, EncodableT] = {"e": fields["e"], "d": fields["d"]}
+    entry_id = await aredis.xadd(key, stored)
+    return Entry.from_redis(str(entry_id), fields)
+
+
+async def take(follow: AsyncIterator[object], n: int) -> list[Entry]:
+    out = []
+    for _ in range(n):
+        item = await asyncio.wait_for(anext(follow), 5)
+        assert isinstance(item, Entry)
+        out.append(item)
+    return out
+
+
+@pytest.mark.usefixtures("manual_feeds")
+async def test_overlapping_batches_are_deduplicated_and_gaps_filled(aredis: Redis) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    stored = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(5)]
+    follow = streams.follow(location, "0-0")
+    assert [e.entry_id for e in await take(follow, 5)] == [e.entry_id for e in stored]
+    # Live phase: the reader now waits on its subscription.
+    wait = asyncio.ensure_future(anext(follow))
+    await asyncio.sleep(0)
+    (subscription,) = hub._feeds[key].subscriptions
+    stored += [await add(aredis, key, "delta", {"text": str(i)}) for i in range(5, 9)]
+    # A batch overlapping what replay delivered: only the new entry may come out.
+    subscription.put(_Batch(stored[2].entry_id, stored[3:6]))
+    first_live = await asyncio.wait_for(wait, 5)
+    assert isinstance(first_live, Entry)
+    assert first_live.entry_id == stored[5].entry_id
+    # A batch that starts past the reader's position: the gap is read from Redis first.
+    subscription.put(_Batch(stored[7].entry_id, stored[8:9]))
+    assert [e.entry_id for e in await take(follow, 3)] == [e.entry_id for e in stored[6:9]]
+    # The terminal event of a turn at rest ends the read.
+    end = await add(aredis, key, "end", {"status": "complete", "reason": None})
+    await aredis.hset(keys.turn("c", "t"), "status", "complete")
+    subscription.put(_Batch(stored[8].entry_id, [end]))
+    assert (await take(follow, 1))[0].kind == "end"
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(follow), 5)
+    assert key not in hub._feeds or not hub._feeds[key].subscriptions
+
+
+@pytest.mark.usefixtures("manual_feeds")
+async def test_a_reader_that_overflows_its_queue_catches_up_from_redis(aredis: Redis) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    first = await add(aredis, key, "attempt", {"strategy": "initial"})
+    follow = streams.follow(location, "0-0")
+    assert (await take(follow, 1))[0].entry_id == first.entry_id
+    wait = asyncio.ensure_future(anext(follow))
+    await asyncio.sleep(0)
+    (subscription,) = hub._feeds[key].subscriptions
+    later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(6)]
+    for _ in range(300):  # more batches than the queue holds, all of them bogus
+        subscription.put(_Batch(first.entry_id, []))
+    assert subscription.overflowed
+    got = [await asyncio.wait_for(wait, 5), *await take(follow, 5)]
+    assert [e.entry_id for e in got if isinstance(e, Entry)] == [e.entry_id for e in later]
+    assert len(got) == len(later)
+    await follow.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_closed_hub_ends_live_reads_without_an_end_event(aredis: Redis) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    await add(aredis, key, "attempt", {"strategy": "initial"})
+    follow = streams.follow(location, "0-0")
+    await take(follow, 1)
+    wait = asyncio.ensure_future(anext(follow))
+    await asyncio.sleep(0.05)
+    await hub.close()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(wait, 5)

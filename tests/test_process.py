@@ -1,0 +1,135 @@
+"""The broker as a process: killed mid-answer, embedded server lifecycle, start-up checks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from broker.embedded_redis import EmbeddedRedis
+from tests.conftest import BrokerProcess
+from tests.helpers import read_sse, start_turn, wait_until
+
+Spawn = Callable[[dict[str, str]], BrokerProcess]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes; it only waits for its parent to reap it.
+    status = Path(f"/proc/{pid}/stat")
+    return status.exists() and status.read_text().split(") ")[-1][:1] != "Z"
+
+
+def test_sigkill_mid_generation_loses_no_acknowledged_event(
+    broker_processes: Spawn, redis_url: str
+) -> None:
+    env = {
+        "BROKER_REDIS_URL": redis_url,
+        "BROKER_KEY_PREFIX": f"kill{os.getpid()}",
+        "BROKER_LEASE_TTL_MS": "500",
+        "BROKER_JOB_RECLAIM_IDLE_MS": "1000",
+    }
+    first = broker_processes(env)
+    turn = start_turn(first.base_url, turn_id="killed", tokens=500, tokens_per_s=50)
+    seen = read_sse(first.base_url, turn["stream_id"], stop_after=10).events
+    first.stop(signal.SIGKILL)
+    second = broker_processes(env)
+    replay = read_sse(second.base_url, turn["stream_id"], timeout=20)
+    assert replay.events[: len(seen)] == seen
+    # The new process's worker reclaims the job; text already reached readers, so the turn is
+    # interrupted, never silently continued or restarted.
+    end = replay.events[-1]
+    assert end.event == "end"
+    assert end.data == {"attempt": 1, "status": "interrupted", "reason": "worker_lost"}
+    state = httpx.get(f"{second.base_url}/v1/turns/killed", timeout=5).json()
+    assert state["status"] == "interrupted"
+    assert state["attempts"][0]["status"] == "partial"
+
+
+def embedded_pid(proc: BrokerProcess) -> tuple[int, Path]:
+    line = next(line for line in proc.lines if "embedded redis started" in line)
+    pid = int(re.search(r"pid=(\d+)", line).group(1))  # type: ignore[union-attr]
+    socket_path = Path(re.search(r"socket=(\S+)", line).group(1))  # type: ignore[union-attr]
+    return pid, socket_path
+
+
+def no_redis_env() -> dict[str, str]:
+    os.environ.pop("BROKER_REDIS_URL", None)
+    return {"BROKER_REDIS_URL": ""}
+
+
+def test_embedded_server_starts_and_stops_with_the_broker(broker_processes: Spawn) -> None:
+    proc = broker_processes(no_redis_env())
+    pid, socket_path = embedded_pid(proc)
+    assert alive(pid)
+    assert socket_path.exists()
+    turn = start_turn(proc.base_url, tokens=3, tokens_per_s=0)
+    assert read_sse(proc.base_url, turn["stream_id"]).events[-1].event == "end"
+    assert proc.stop(signal.SIGTERM) == 0
+    wait_until(lambda: not alive(pid), 10)
+    assert not socket_path.parent.exists(), "the private directory is removed"
+
+
+def test_embedded_server_dies_with_a_killed_broker(broker_processes: Spawn) -> None:
+    proc = broker_processes(no_redis_env())
+    pid, _ = embedded_pid(proc)
+    assert alive(pid)
+    proc.stop(signal.SIGKILL)
+    wait_until(lambda: not alive(pid), 10)
+
+
+def test_embedded_server_logs_its_binary_and_version(broker_processes: Spawn) -> None:
+    proc = broker_processes(no_redis_env())
+    started = next(line for line in proc.lines if "embedded redis started" in line)
+    assert re.search(r"binary=\S+server", started)
+    assert re.search(r"version=(Valkey|Redis) \d+\.\d+", started)
+
+
+def test_unreachable_redis_url_fails_with_one_clear_line() -> None:
+    env = {**os.environ, "BROKER_REDIS_URL": "redis://127.0.0.1:1/0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "broker", "serve", "--port", "0"], env=env,
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("broker: cannot connect to Redis at redis://127.0.0.1:1/0")
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_settings_fail_with_one_clear_line() -> None:
+    env = {**os.environ, "BROKER_REDIS_URL": "http://example.invalid", "BROKER_PORT": "0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "broker", "serve"], env=env,
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "broker: BROKER_REDIS_URL must start with redis://, rediss:// or unix://, "
+        "not 'http://example.invalid'"
+    )
+
+
+def test_an_evicting_redis_gets_a_loud_warning(broker_processes: Spawn) -> None:
+    import redis
+
+    with EmbeddedRedis(os.environ.get("BROKER_TEST_REDIS_SERVER") or None) as server:
+        redis.Redis.from_url(server.url).config_set("maxmemory-policy", "allkeys-lru")
+        proc = broker_processes({"BROKER_REDIS_URL": server.url})
+        warning = wait_until(
+            lambda: next((line for line in proc.lines if "maxmemory-policy" in line), None), 5
+        )
+        assert "WARNING" in warning
+        assert "allkeys-lru" in warning
+        metrics = httpx.get(f"{proc.base_url}/metrics", timeout=5).text
+        assert "broker_redis_eviction_policy_safe 0.0" in metrics
+        proc.stop()

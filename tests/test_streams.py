@@ -1,0 +1,276 @@
+"""Reading streams: reattach without gap or duplicate, fan-out, ends, pages, headers, retention."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import BrokerFactory, RunningBroker
+from tests.helpers import (
+    SSEEvent,
+    get_turn,
+    read_sse,
+    start_turn,
+    text_of,
+    wait_final,
+    wait_until,
+)
+
+_turns = itertools.count()
+
+
+def assert_well_ordered(events: list[SSEEvent]) -> None:
+    ids = [e.id for e in events]
+    assert ids == sorted(ids), "offsets must sort as strings in delivery order"
+    assert len(ids) == len(set(ids)), "no event may be delivered twice"
+
+
+def reference(broker: RunningBroker, stream_id: str) -> list[SSEEvent]:
+    """An uninterrupted read of the whole stream."""
+    full = read_sse(broker.base_url, stream_id)
+    assert full.ended_by_server
+    assert full.events[-1].event == "end"
+    return full.events
+
+
+def read_with_cuts(
+    broker: RunningBroker, stream_id: str, cuts: list[int], by: str
+) -> list[SSEEvent]:
+    """Read, hanging up after each number of events in ``cuts``, resuming by header or query."""
+    seen: list[SSEEvent] = []
+    last: str | None = None
+    for cut in [*cuts, None]:
+        if by == "header":
+            read = read_sse(broker.base_url, stream_id, last_event_id=last, stop_after=cut)
+        else:
+            read = read_sse(broker.base_url, stream_id, offset=last, stop_after=cut)
+        seen += read.events
+        if read.events:
+            last = read.events[-1].id
+        if read.ended_by_server:
+            break
+    return seen
+
+
+@pytest.fixture(scope="module")
+def shared_broker(redis_url: str) -> object:
+    from tests.conftest import start_broker
+
+    broker = start_broker(redis_url)
+    yield broker
+    broker.stop()
+
+
+@settings(
+    max_examples=20, deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)  # fmt: skip
+@given(
+    cuts=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=6),
+    by=st.sampled_from(["header", "query"]),
+    live=st.booleans(),
+)
+def test_reattach_at_any_cut_point_gives_the_same_bytes(
+    shared_broker: RunningBroker, cuts: list[int], by: str, live: bool
+) -> None:
+    broker = shared_broker
+    turn = start_turn(
+        broker.base_url, turn_id=f"cut-{next(_turns)}", seed=next(_turns), tokens=30,
+        tokens_per_s=300 if live else 0,
+    )  # fmt: skip
+    stream_id = turn["stream_id"]
+    seen = read_with_cuts(broker, stream_id, cuts, by)
+    whole = reference(broker, stream_id)
+    assert_well_ordered(seen)
+    assert text_of(seen).encode() == text_of(whole).encode()
+    assert [(e.id, e.event, e.data) for e in seen] == [(e.id, e.event, e.data) for e in whole]
+
+
+def test_late_reader_of_a_finished_turn_gets_everything_and_ends(broker: RunningBroker) -> None:
+    turn = start_turn(broker.base_url, turn_id="late", tokens=15, tokens_per_s=0)
+    wait_final(broker.base_url, "late")
+    read = read_sse(broker.base_url, turn["stream_id"], timeout=5)
+    assert read.ended_by_server
+    assert next(e.event for e in read.events) == "attempt"
+    assert read.events[-1].event == "end"
+    assert read.events[-1].data["status"] == "complete"
+    assert text_of(read.events) == get_turn(broker.base_url, "late")["canonical"]["text"]
+
+
+def test_resuming_at_the_last_offset_of_a_finished_turn_ends_at_once(
+    broker: RunningBroker,
+) -> None:
+    turn = start_turn(broker.base_url, turn_id="tail", tokens=5, tokens_per_s=0)
+    events = reference(broker, turn["stream_id"])
+    for kwargs in ({"last_event_id": events[-1].id}, {"offset": events[-1].id}, {"offset": "now"}):
+        read = read_sse(broker.base_url, turn["stream_id"], timeout=5, **kwargs)  # type: ignore[arg-type]
+        assert read.ended_by_server
+        assert read.events == []
+
+
+def test_replay_is_exclusive_of_the_given_offset(broker: RunningBroker) -> None:
+    turn = start_turn(broker.base_url, turn_id="excl", tokens=8, tokens_per_s=0)
+    events = reference(broker, turn["stream_id"])
+    read = read_sse(broker.base_url, turn["stream_id"], offset=events[3].id)
+    assert read.events == events[4:]
+
+
+def test_last_event_id_wins_over_the_offset_query(broker: RunningBroker) -> None:
+    turn = start_turn(broker.base_url, turn_id="prec", tokens=8, tokens_per_s=0)
+    events = reference(broker, turn["stream_id"])
+    read = read_sse(broker.base_url, turn["stream_id"], offset=events[1].id,
+                    last_event_id=events[5].id)  # fmt: skip
+    assert read.events == events[6:]
+
+
+def test_two_concurrent_viewers_see_identical_sequences(broker: RunningBroker) -> None:
+    turn = start_turn(broker.base_url, turn_id="two", tokens=40, tokens_per_s=200)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        reads = list(pool.map(lambda _: read_sse(broker.base_url, turn["stream_id"]), range(2)))
+    assert reads[0].events == reads[1].events
+    assert reads[0].events[-1].event == "end"
+    assert_well_ordered(reads[0].events)
+
+
+def test_offset_now_delivers_only_new_events(broker: RunningBroker) -> None:
+    turn = start_turn(broker.base_url, turn_id="now", tokens=40, tokens_per_s=100)
+    first = read_sse(broker.base_url, turn["stream_id"], stop_after=3)
+    later = read_sse(broker.base_url, turn["stream_id"], offset="now")
+    whole = reference(broker, turn["stream_id"])
+    assert later.events, "a live turn has new events"
+    assert later.events[0].id > first.events[-1].id
+    assert later.events == whole[len(whole) - len(later.events) :]
+
+
+def test_sse_headers_retry_and_heartbeat(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory(sse_heartbeat_s=0.1, sse_retry_ms=1234)
+    turn = start_turn(broker.base_url, turn_id="hb", tokens=3, tokens_per_s=2)
+    read = read_sse(broker.base_url, turn["stream_id"])
+    assert read.headers["content-type"].startswith("text/event-stream")
+    assert read.headers["cache-control"] == "no-store"
+    assert read.headers["x-accel-buffering"] == "no"
+    assert read.retry == 1234
+    assert read.comments >= 2, "a quiet stream gets heartbeat comments"
+    assert read.events[-1].event == "end"
+
+
+def test_many_viewers_in_one_process_share_one_redis_read(
+    broker: RunningBroker, raw_redis: object
+) -> None:
+    import redis as redis_lib
+
+    assert isinstance(raw_redis, redis_lib.Redis)
+    turn = start_turn(broker.base_url, turn_id="fan", tokens=30, tokens_per_s=60)
+    viewers = 20
+
+    def xread_calls() -> int:
+        stats = raw_redis.info("commandstats")
+        return int(stats.get("cmdstat_xread", {}).get("calls", 0))
+
+    before = xread_calls()
+    with concurrent.futures.ThreadPoolExecutor(viewers) as pool:
+        reads = list(pool.map(lambda _: read_sse(broker.base_url, turn["stream_id"]),
+                              range(viewers)))  # fmt: skip
+    calls = xread_calls() - before
+    assert all(r.events == reads[0].events for r in reads)
+    deltas = sum(1 for e in reads[0].events if e.event == "delta")
+    assert deltas == 30
+    # One shared feed reads each event once; per-viewer reads would need ~viewers x events.
+    assert calls < 2 * (deltas + 5), f"{calls} XREADs for {viewers} viewers of {deltas} deltas"
+
+
+def test_json_catch_up_pages(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory(json_page_size=4)
+    turn = start_turn(broker.base_url, turn_id="poll", tokens=9, tokens_per_s=0)
+    whole = reference(broker, turn["stream_id"])
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    offset, collected, pages = "-1", [], 0
+    while True:
+        page = httpx.get(url, params={"format": "json", "offset": offset}, timeout=5).json()
+        pages += 1
+        collected += page["events"]
+        offset = page["next_offset"]
+        if page["closed"]:
+            assert page["up_to_date"]
+            break
+        assert pages < 20
+    assert [(e["id"], e["event"], e["data"]) for e in collected] == [
+        (e.id, e.event, e.data) for e in whole
+    ]
+    assert offset == whole[-1].id
+    again = httpx.get(url, params={"format": "json", "offset": offset}, timeout=5).json()
+    assert again == {"events": [], "next_offset": offset, "up_to_date": True, "closed": True}
+
+
+def test_json_page_of_a_live_turn_is_not_closed(broker: RunningBroker) -> None:
+    turn = start_turn(broker.base_url, turn_id="poll-live", tokens=50, tokens_per_s=20)
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    wait_until(lambda: httpx.get(url, params={"format": "json"}, timeout=5).json()["events"])
+    page = httpx.get(url, params={"format": "json", "offset": "-1"}, timeout=5).json()
+    assert page["closed"] is False
+    assert page["up_to_date"] is True
+
+
+def test_stream_over_its_event_limit_fails_cleanly(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory(max_stream_events=10)
+    turn = start_turn(broker.base_url, turn_id="big", tokens=50, tokens_per_s=0)
+    events = read_sse(broker.base_url, turn["stream_id"]).events
+    assert len(events) <= 12
+    assert events[-2].event == "error"
+    assert events[-2].data["code"] == "stream_limit"
+    assert events[-1].data == {"attempt": 1, "status": "failed", "reason": "stream_limit"}
+    assert get_turn(broker.base_url, "big")["status"] == "failed"
+
+
+def test_finished_turns_expire_and_then_answer_410(
+    broker_factory: BrokerFactory, raw_redis: object
+) -> None:
+    import redis as redis_lib
+
+    assert isinstance(raw_redis, redis_lib.Redis)
+    broker = broker_factory(stream_ttl_s=0.5)
+    turn = start_turn(broker.base_url, turn_id="old", tokens=3, tokens_per_s=0)
+    wait_final(broker.base_url, "old")
+    keys = broker.runtime.keys
+    ttl = raw_redis.pttl(keys.events("conv-1", "old"))
+    assert 0 < ttl <= 500
+    assert raw_redis.pttl(keys.turn_index("old")) > 500  # the tombstone outlives the data
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    gone = wait_until(lambda: (r := httpx.get(url, timeout=5)).status_code == 410 and r, 5)
+    assert gone.json()["error"]["code"] == "expired"
+    assert httpx.get(f"{broker.base_url}/v1/turns/old", timeout=5).status_code == 410
+
+
+@pytest.mark.parametrize(
+    ("params", "headers", "status", "code"),
+    [
+        ({"offset": "12"}, {}, 400, "bad_offset"),
+        ({"offset": "0-0"}, {}, 400, "bad_offset"),
+        ({"offset": "abc"}, {}, 400, "bad_offset"),
+        ({}, {"Last-Event-ID": "garbage"}, 400, "bad_offset"),
+        ({"offset": "0000000000000001-00000000001"}, {}, 400, "bad_offset"),
+        ({"format": "xml"}, {}, 400, "bad_format"),
+    ],
+)
+def test_malformed_reads_are_400(
+    broker: RunningBroker, params: dict[str, str], headers: dict[str, str], status: int, code: str
+) -> None:
+    turn = start_turn(broker.base_url, tokens=2, tokens_per_s=0)
+    response = httpx.get(f"{broker.base_url}/v1/streams/{turn['stream_id']}", params=params,
+                         headers=headers, timeout=5)  # fmt: skip
+    assert response.status_code == status
+    assert response.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize("stream_id", ["st_" + "0" * 32, "nope", "st_xyz", "x" * 300])
+def test_unknown_streams_are_404(broker: RunningBroker, stream_id: str) -> None:
+    for fmt in ("sse", "json"):
+        response = httpx.get(f"{broker.base_url}/v1/streams/{stream_id}",
+                             params={"format": fmt}, timeout=5)  # fmt: skip
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "not_found"
