@@ -29,7 +29,7 @@ from broker.metrics import Metrics
 from broker.providers import Providers
 from broker.scripts import Scripts
 from broker.settings import Settings
-from broker.streams import Hub, Streams
+from broker.streams import FEED_BLOCK_MS, Hub, Streams
 from broker.turns import Turns
 from broker.worker import Worker, ensure_group
 
@@ -75,7 +75,7 @@ class Runtime:
         try:
             redis = await connect(url)
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
-            blocking = client(url, max_connections=10_000)
+            blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
             metrics = Metrics(providers=Providers(settings).names)
             rt = cls(settings, redis, blocking, metrics, embedded)
             policy = await check_eviction_policy(redis)

@@ -24,13 +24,18 @@ def redact(url: str) -> str:
     return f"{scheme}{sep}{user}:***@{host}" if user else f"{scheme}{sep}***@{host}"
 
 
-def client(url: str, *, max_connections: int = 512) -> Redis:
-    """A client for ``url`` that answers strings; commands wait at most 10 s for a connection."""
+def client(url: str, *, max_connections: int = 512, socket_timeout: float = 10.0) -> Redis:
+    """A client for ``url`` that answers strings.
+
+    ``socket_timeout`` bounds every reply; a client used for blocking reads must be given more
+    than its longest BLOCK, or a quiet stream reads as a dead server.
+    """
     return Redis.from_url(
         url,
         decode_responses=True,
         max_connections=max_connections,
         socket_connect_timeout=5,
+        socket_timeout=socket_timeout,
         health_check_interval=30,
     )
 

@@ -28,8 +28,8 @@ class Settings:
     port: int = 8000
     role: str = "all"
     key_prefix: str = "broker"
-    stream_ttl_s: float = 86_400.0
-    tombstone_ttl_s: float = 7 * 86_400.0
+    stream_ttl: float = 86_400.0  # seconds
+    tombstone_ttl: float = 7 * 86_400.0  # seconds
     max_stream_events: int = 20_000
     max_body_bytes: int = 1_048_576
     max_messages: int = 1_000
@@ -56,7 +56,7 @@ class Settings:
                 f"not {self.redis_url!r}"
             )
         positive = (
-            "stream_ttl_s", "tombstone_ttl_s", "max_stream_events", "max_body_bytes",
+            "stream_ttl", "tombstone_ttl", "max_stream_events", "max_body_bytes",
             "max_messages", "max_message_chars", "lease_ttl_ms", "job_reclaim_idle_ms",
             "worker_concurrency", "sse_heartbeat_s", "sse_retry_ms", "sse_send_timeout_s",
             "drain_timeout_s", "json_page_size",
@@ -100,12 +100,29 @@ class Settings:
         return cls(**values)
 
 
+# Durations read as seconds, or with a unit: 500ms, 30s, 15m, 24h, 7d.
+DURATIONS = frozenset({"stream_ttl", "tombstone_ttl"})
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(raw: str) -> float:
+    """Seconds from ``"90"``, ``"500ms"``, ``"30s"``, ``"15m"``, ``"24h"`` or ``"7d"``."""
+    text = raw.strip().lower()
+    for unit in ("ms", "s", "m", "h", "d"):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * _UNITS[unit]
+    return float(text)
+
+
 def _parse(name: str, type_name: str, raw: str) -> Any:
     try:
+        if name in DURATIONS:
+            return parse_duration(raw)
         if type_name == "int":
             return int(raw)
         if type_name == "float":
             return float(raw)
     except ValueError:
-        raise SettingsError(f"BROKER_{name.upper()} must be a number, not {raw!r}") from None
+        kind = "a duration (like 90, 30s, 24h)" if name in DURATIONS else "a number"
+        raise SettingsError(f"BROKER_{name.upper()} must be {kind}, not {raw!r}") from None
     return raw

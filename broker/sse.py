@@ -28,8 +28,16 @@ HEADERS = [
 ]
 
 
-def retry_frame(retry_ms: int) -> bytes:
-    return f"retry: {retry_ms}\n\n".encode()
+def opening_frame(retry_ms: int, resume_offset: str | None) -> bytes:
+    """``retry:``, and the resume point as an ``id:`` without data.
+
+    The id moves a client's Last-Event-ID to where this read starts without dispatching an
+    event, so a client that asked for ``now`` and drops before the first event resumes from
+    that point instead of asking for ``now`` again and missing what came between.
+    """
+    if resume_offset is None:
+        return f"retry: {retry_ms}\n\n".encode()
+    return f"retry: {retry_ms}\nid: {resume_offset}\n\n".encode()
 
 
 class EventStreamResponse(Response):

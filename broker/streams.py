@@ -35,6 +35,7 @@ log = logging.getLogger("broker.streams")
 
 QUEUE_LIMIT: Final = 256
 FEED_BLOCK_MS: Final = 5_000
+FEED_MAX_FAILURES: Final = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -135,10 +136,27 @@ class _Feed:
 
     async def run(self) -> None:
         redis = self.hub.blocking_redis
+        after: str | None = None
+        failures = 0
         try:
-            after = await rc.last_entry_id(redis, self.key) or ZERO_ID
             while self.subscriptions:
-                reply = await rc.xread(redis, self.key, after, 1000, FEED_BLOCK_MS)
+                try:
+                    if after is None:
+                        after = await rc.last_entry_id(redis, self.key) or ZERO_ID
+                    reply = await rc.xread(redis, self.key, after, 1000, FEED_BLOCK_MS)
+                except (RedisError, OSError) as exc:
+                    # A blip is retried; a Redis that stays away ends the reads, whose clients
+                    # then resume (and get 503 until Redis is back).
+                    self.hub.metrics.redis_errors.inc()
+                    failures += 1
+                    if failures >= FEED_MAX_FAILURES:
+                        log.warning("stream feed %s stopped: %s", self.key, exc)
+                        for subscription in self.subscriptions:
+                            subscription.close()
+                        return
+                    await asyncio.sleep(0.05 * failures)
+                    continue
+                failures = 0
                 if not reply:
                     continue
                 entries = [Entry.from_redis(i, f) for i, f in reply]
@@ -146,11 +164,6 @@ class _Feed:
                 after = entries[-1].entry_id
                 for subscription in self.subscriptions:
                     subscription.put(batch)
-        except (RedisError, OSError) as exc:
-            self.hub.metrics.redis_errors.inc()
-            log.warning("stream feed %s stopped: %s", self.key, exc)
-            for subscription in self.subscriptions:
-                subscription.close()
         finally:
             self.hub.forget(self)
 

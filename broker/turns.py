@@ -107,7 +107,7 @@ class Turns:
         body["provider"] = self._providers.get(request.provider).name
         fp = fingerprint(body)
         keys = self._keys
-        index_ttl_ms = int((self._settings.stream_ttl_s + self._settings.tombstone_ttl_s) * 1000)
+        index_ttl_ms = int((self._settings.stream_ttl + self._settings.tombstone_ttl) * 1000)
         claimed = await self._redis.set(
             keys.turn_index(turn_id), conversation_id, nx=True, px=index_ttl_ms
         )

@@ -98,6 +98,10 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         if self._tasks:
+            log.info(
+                "draining: %d running generation(s) get %.0f s to finish before they are "
+                "interrupted", len(self._tasks), drain_timeout_s,
+            )  # fmt: skip
             _, pending = await asyncio.wait(set(self._tasks), timeout=drain_timeout_s)
             self._shutting_down = True
             for task in pending:
@@ -189,7 +193,7 @@ class Worker:
         writer = TurnWriter(
             self._scripts, self._keys, self._metrics, conversation_id, turn_id,
             max_events=settings.max_stream_events, lease_ttl_ms=settings.lease_ttl_ms,
-            retention_ms=int(settings.stream_ttl_s * 1000),
+            retention_ms=int(settings.stream_ttl * 1000),
         )  # fmt: skip
         claim = await writer.claim(self.name, attempt)
         if claim.result in ("missing", "stale"):
@@ -236,7 +240,7 @@ class Worker:
         (stream_id,) = await rc.hmget(
             self._redis, keys.turn(conversation_id, turn_id), ["stream_id"]
         )
-        ttl_ms = int((settings.stream_ttl_s + settings.tombstone_ttl_s) * 1000)
+        ttl_ms = int((settings.stream_ttl + settings.tombstone_ttl) * 1000)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.pexpire(keys.turn_index(turn_id), ttl_ms)
             if stream_id:

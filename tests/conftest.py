@@ -15,6 +15,7 @@ import itertools
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -102,7 +103,8 @@ def start_broker(redis_url: str, **overrides: Any) -> RunningBroker:
     values.update(overrides)
     settings = Settings(**values)
     config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+        create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning",
+        lifespan="on",
         timeout_graceful_shutdown=5,
     )  # fmt: skip
     server = Server(config)
@@ -135,6 +137,14 @@ def start_broker(redis_url: str, **overrides: Any) -> RunningBroker:
 
 
 BrokerFactory = Callable[..., RunningBroker]
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (uvicorn binds with SO_REUSEADDR)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ class Read:
     events: list[SSEEvent]
     retry: int | None
     comments: int
+    last_id: str | None
     ended_by_server: bool
     headers: httpx.Headers
 
@@ -46,6 +47,7 @@ def read_sse(
     events: list[SSEEvent] = []
     retry: int | None = None
     comments = 0
+    last_id: str | None = None
     fields: dict[str, str] = {}
     data: list[str] = []
     deadline = time.monotonic() + timeout
@@ -57,14 +59,16 @@ def read_sse(
         for line in response.iter_lines():
             assert time.monotonic() < deadline, "stream read took too long"
             if line == "":
+                if "id" in fields:
+                    last_id = fields["id"]
                 if data:
                     events.append(
                         SSEEvent(fields.get("id", ""), fields.get("event", "message"),
                                  orjson.loads("\n".join(data)))
                     )  # fmt: skip
-                    if stop_after is not None and len(events) >= stop_after:
-                        return Read(events, retry, comments, False, response.headers)
                 fields, data = {}, []
+                if stop_after is not None and len(events) >= stop_after:
+                    return Read(events, retry, comments, last_id, False, response.headers)
                 continue
             if line.startswith(":"):
                 comments += 1
@@ -77,7 +81,7 @@ def read_sse(
                 retry = int(value)
             else:
                 fields[name] = value
-        return Read(events, retry, comments, True, response.headers)
+        return Read(events, retry, comments, last_id, True, response.headers)
 
 
 def start_turn(

@@ -147,6 +147,19 @@ def test_offset_now_delivers_only_new_events(broker: RunningBroker) -> None:
     assert later.events == whole[len(whole) - len(later.events) :]
 
 
+def test_a_read_from_now_announces_its_resume_point(broker: RunningBroker) -> None:
+    turn = start_turn(broker.base_url, turn_id="now-id", tokens=30, tokens_per_s=40)
+    first = read_sse(broker.base_url, turn["stream_id"], stop_after=2)
+    # Hang up before any new event: the opening frame's id is the point to resume from.
+    quick = read_sse(broker.base_url, turn["stream_id"], offset="now", stop_after=0)
+    assert quick.last_id is not None
+    assert quick.last_id >= first.events[-1].id
+    rest = read_sse(broker.base_url, turn["stream_id"], last_event_id=quick.last_id)
+    whole = reference(broker, turn["stream_id"])
+    assert rest.events == [e for e in whole if e.id > quick.last_id]
+    assert read_sse(broker.base_url, turn["stream_id"], offset="-1").events == whole
+
+
 def test_sse_headers_retry_and_heartbeat(broker_factory: BrokerFactory) -> None:
     broker = broker_factory(sse_heartbeat_s=0.1, sse_retry_ms=1234)
     turn = start_turn(broker.base_url, turn_id="hb", tokens=3, tokens_per_s=2)
@@ -233,7 +246,7 @@ def test_finished_turns_expire_and_then_answer_410(
     import redis as redis_lib
 
     assert isinstance(raw_redis, redis_lib.Redis)
-    broker = broker_factory(stream_ttl_s=0.5)
+    broker = broker_factory(stream_ttl=0.5)
     turn = start_turn(broker.base_url, turn_id="old", tokens=3, tokens_per_s=0)
     wait_final(broker.base_url, "old")
     keys = broker.runtime.keys

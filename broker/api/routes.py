@@ -13,8 +13,8 @@ from starlette.responses import Response
 
 from broker.api.errors import describe_validation
 from broker.errors import BadRequest, BrokerError
-from broker.offsets import NOW, START, to_entry_id
-from broker.sse import PING, EventStreamResponse, retry_frame
+from broker.offsets import NOW, START, ZERO_ID, from_entry_id, to_entry_id
+from broker.sse import PING, EventStreamResponse, opening_frame
 from broker.streams import Heartbeat, Location
 from broker.turns import TurnRequest
 
@@ -97,7 +97,8 @@ async def _frames(rt: Runtime, location: Location, after: str) -> AsyncIterator[
     viewers = rt.metrics.viewers.labels("sse")
     viewers.inc()
     try:
-        yield retry_frame(rt.settings.sse_retry_ms)
+        resume = None if after == ZERO_ID else from_entry_id(after)
+        yield opening_frame(rt.settings.sse_retry_ms, resume)
         async for item in rt.streams.follow(location, after):
             yield PING if isinstance(item, Heartbeat) else item.frame
     finally:

@@ -1,0 +1,76 @@
+"""Workers and roles: crashed workers' jobs are reclaimed, API-only and worker-only processes."""
+
+from __future__ import annotations
+
+import httpx
+import redis as redis_lib
+
+from broker.embedded_redis import EmbeddedRedis
+from broker.keys import JOB_GROUP
+from tests.conftest import BrokerFactory, RunningBroker, start_broker
+from tests.helpers import read_sse, start_turn, wait_final
+
+
+def test_a_dead_workers_job_is_reclaimed_and_run_when_nothing_was_delivered(
+    broker_factory: BrokerFactory, raw_redis: redis_lib.Redis
+) -> None:
+    api = broker_factory(role="api")
+    turn = start_turn(api.base_url, turn_id="orphan", tokens=5, tokens_per_s=0)
+    keys = api.runtime.keys
+    # A worker takes the job and the lease, then dies before its first event.
+    jobs = raw_redis.xreadgroup(JOB_GROUP, "dead-worker", {keys.jobs: ">"}, count=1)
+    assert jobs, "the turn's job is on the job stream"
+    raw_redis.hset(keys.turn("conv-1", "orphan"), "status", "streaming")
+    raw_redis.hset(keys.lease("conv-1", "orphan"), mapping={"token": "1", "owner": "dead-worker"})
+    raw_redis.pexpire(keys.lease("conv-1", "orphan"), 100)
+    broker_factory(
+        role="worker", key_prefix=api.settings.key_prefix, lease_ttl_ms=300,
+        job_reclaim_idle_ms=400,
+    )  # fmt: skip
+    final = wait_final(api.base_url, "orphan", timeout=15)
+    assert final["status"] == "complete"
+    events = read_sse(api.base_url, turn["stream_id"]).events
+    assert [e.event for e in events].count("attempt") == 1
+    assert raw_redis.xpending(keys.jobs, JOB_GROUP)["pending"] == 0
+
+
+def test_an_api_only_broker_queues_and_a_worker_only_broker_generates(
+    broker_factory: BrokerFactory,
+) -> None:
+    api = broker_factory(role="api")
+    turn = start_turn(api.base_url, turn_id="split", tokens=4, tokens_per_s=0)
+    assert httpx.get(f"{api.base_url}/v1/turns/split", timeout=5).json()["status"] == "queued"
+    worker = broker_factory(role="worker", key_prefix=api.settings.key_prefix)
+    # A worker-only process serves health and metrics, not the API.
+    assert httpx.get(f"{worker.base_url}/healthz", timeout=5).status_code == 200
+    assert httpx.get(f"{worker.base_url}/v1/turns/split", timeout=5).status_code == 404
+    assert read_sse(api.base_url, turn["stream_id"]).events[-1].data["status"] == "complete"
+
+
+def test_redis_outage_is_503_not_500_and_health_stays_up() -> None:
+    with EmbeddedRedis() as server:
+        broker = start_broker(server.url)
+        try:
+            turn = start_turn(broker.base_url, tokens=2, tokens_per_s=0)
+            assert httpx.get(f"{broker.base_url}/readyz", timeout=5).status_code == 200
+            server.stop()
+            body = {"conversation_id": "c", "messages": [{"role": "user", "content": "x"}]}
+            for response in (
+                httpx.post(f"{broker.base_url}/v1/turns", json=body, timeout=10),
+                httpx.get(f"{broker.base_url}/v1/turns/{turn['turn_id']}", timeout=10),
+                httpx.get(f"{broker.base_url}/v1/streams/{turn['stream_id']}", timeout=10),
+                httpx.get(f"{broker.base_url}/readyz", timeout=10),
+            ):
+                assert response.status_code == 503, response.text
+                assert response.json()["error"]["code"] == "redis_unavailable"
+            assert httpx.get(f"{broker.base_url}/healthz", timeout=5).status_code == 200
+        finally:
+            broker.stop()
+
+
+def test_blocking_reads_outlast_their_block_time(broker: RunningBroker) -> None:
+    # Regression: a socket timeout shorter than XREAD's BLOCK cut every quiet stream after 5 s.
+    from broker.streams import FEED_BLOCK_MS
+
+    kwargs = broker.runtime.blocking_redis.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] > FEED_BLOCK_MS / 1000
