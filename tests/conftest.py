@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import httpx
 import pytest
 import redis
 import uvicorn
+from redis.asyncio import Redis
 
 from broker.app import Runtime, Server, _find_runtime, create_app
 from broker.embedded_redis import EmbeddedRedis
@@ -56,6 +57,13 @@ def raw_redis(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     yield client
     client.close()
+
+
+@pytest.fixture
+async def aredis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()
 
 
 @dataclasses.dataclass

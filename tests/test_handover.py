@@ -21,13 +21,6 @@ _n = itertools.count()
 
 
 @pytest.fixture
-async def aredis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
 def manual_feeds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Feeds that never read Redis: the test hands batches to subscriptions itself."""
 

@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 import orjson
@@ -24,13 +23,6 @@ from tests.conftest import RunningBroker
 from tests.helpers import read_sse, start_turn, wait_until
 
 _n = itertools.count()
-
-
-@pytest.fixture
-async def aredis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 async def new_turn(aredis: Redis, keys: Keys, scripts: Scripts) -> tuple[str, str]:
