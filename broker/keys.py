@@ -41,6 +41,10 @@ class Keys:
         """Redis Stream: the turn's events; entry ids are the wire offsets."""
         return f"{self.tag(conversation_id)}:events:{turn_id}"
 
+    def tombstone(self, conversation_id: str, turn_id: str) -> str:
+        """String: marks a finished turn, outliving its data, so its id cannot start a new turn."""
+        return f"{self.tag(conversation_id)}:tombstone:{turn_id}"
+
     def turn_index(self, turn_id: str) -> str:
         """String: turn id → conversation id (outlives the data as a tombstone)."""
         return f"{self.prefix}:turn-index:{turn_id}"

@@ -50,15 +50,18 @@ class TurnWriter:
         max_events: int,
         lease_ttl_ms: int,
         retention_ms: int,
+        tombstone_ms: int,
     ) -> None:
         self._scripts = scripts
         self._metrics = metrics
         self._turn = keys.turn(conversation_id, turn_id)
         self._lease = keys.lease(conversation_id, turn_id)
         self._events = keys.events(conversation_id, turn_id)
+        self._tombstone = keys.tombstone(conversation_id, turn_id)
         self._max_events = max_events
         self._lease_ttl_ms = lease_ttl_ms
         self._retention_ms = retention_ms
+        self._tombstone_ms = tombstone_ms
         self.token = ""
 
     async def claim(self, owner: str, attempt: int) -> Claim:
@@ -98,11 +101,14 @@ class TurnWriter:
         record = {"n": attempt, "strategy": strategy, "status": ATTEMPT_STATUS[status],
                   "reason": reason}  # fmt: skip
         events = [*before_end, ("end", {"attempt": attempt, "status": status, "reason": reason})]
-        args: list[Any] = [self.token, attempt, status, encode(record), text, self._retention_ms]
+        args: list[Any] = [
+            self.token, attempt, status, encode(record), text, self._retention_ms,
+            self._tombstone_ms,
+        ]  # fmt: skip
         for kind, data in events:
             args += (kind, encode(data))
         ids: list[str] = await self._scripts(
-            "finish_attempt", [self._turn, self._lease, self._events], args
+            "finish_attempt", [self._turn, self._lease, self._events, self._tombstone], args
         )
         self._metrics.turns_finished.labels(status).inc()
         return ids

@@ -121,11 +121,16 @@ class Turns:
         record = {"n": 1, "strategy": "initial", "status": "queued", "reason": None}
         reply = await self._scripts(
             "create_turn",
-            [keys.turn(conversation_id, turn_id)],
+            [keys.turn(conversation_id, turn_id), keys.tombstone(conversation_id, turn_id)],
             [fp, stream_id, conversation_id, turn_id, canonical_json(body).decode(),
              conversation_id, orjson.dumps(record).decode()],
         )  # fmt: skip
         result = reply[0]
+        if result == "expired":
+            raise Gone(
+                f"turn {turn_id!r} finished and expired; start a new turn with a new turn_id",
+                code="expired",
+            )
         if result == "conflict":
             raise Conflict(
                 f"turn {turn_id!r} exists with a different request", code="turn_conflict"

@@ -194,6 +194,7 @@ class Worker:
             self._scripts, self._keys, self._metrics, conversation_id, turn_id,
             max_events=settings.max_stream_events, lease_ttl_ms=settings.lease_ttl_ms,
             retention_ms=int(settings.stream_ttl * 1000),
+            tombstone_ms=int(settings.tombstone_ttl * 1000),
         )  # fmt: skip
         claim = await writer.claim(self.name, attempt)
         if claim.result in ("missing", "stale"):

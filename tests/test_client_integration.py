@@ -10,8 +10,8 @@ import threading
 
 import httpx
 import pytest
-from broker_client import AttachPolicy, AttachStats, BrokerClient, Conflict, TurnText
 
+from broker_client import AttachPolicy, AttachStats, BrokerClient, Conflict, TurnText
 from tests.conftest import BrokerFactory, RunningBroker, free_port
 from tests.helpers import get_turn, wait_final
 

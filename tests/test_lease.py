@@ -28,14 +28,15 @@ _n = itertools.count()
 async def new_turn(aredis: Redis, keys: Keys, scripts: Scripts) -> tuple[str, str]:
     conversation, turn = "c", f"turn-{next(_n)}"
     record = orjson.dumps({"n": 1, "strategy": "initial"}).decode()
-    await scripts("create_turn", [keys.turn(conversation, turn)],
-                  ["fp", "st_x", conversation, turn, "{}", conversation, record])  # fmt: skip
+    turn_keys = [keys.turn(conversation, turn), keys.tombstone(conversation, turn)]
+    args = ["fp", "st_x", conversation, turn, "{}", conversation, record]
+    await scripts("create_turn", turn_keys, args)
     return conversation, turn
 
 
 def writer(scripts: Scripts, keys: Keys, conversation: str, turn: str, ttl_ms: int) -> TurnWriter:
     return TurnWriter(scripts, keys, Metrics(), conversation, turn, max_events=100,
-                      lease_ttl_ms=ttl_ms, retention_ms=60_000)  # fmt: skip
+                      lease_ttl_ms=ttl_ms, retention_ms=60_000, tombstone_ms=60_000)  # fmt: skip
 
 
 @pytest.fixture

@@ -257,6 +257,10 @@ def test_finished_turns_expire_and_then_answer_410(
     gone = wait_until(lambda: (r := httpx.get(url, timeout=5)).status_code == 410 and r, 5)
     assert gone.json()["error"]["code"] == "expired"
     assert httpx.get(f"{broker.base_url}/v1/turns/old", timeout=5).status_code == 410
+    # The id stays taken: repeating the POST must not pay for a second generation.
+    again = start_turn(broker.base_url, turn_id="old", tokens=3, tokens_per_s=0, expect=410)
+    assert again["error"]["code"] == "expired"
+    assert broker.metric("broker_turns_started_total") == 1
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 -- create_turn: create a turn once; a second call with the same turn id finds the first.
 --
 -- KEYS[1]  turn hash            {c:<conversation>}:turn:<turn_id>
+-- KEYS[2]  tombstone            {c:<conversation>}:tombstone:<turn_id>
 -- ARGV[1]  request fingerprint  hex SHA-256 of the canonical request
 -- ARGV[2]  stream id            server-minted, used only when the turn is new
 -- ARGV[3]  conversation id
@@ -12,6 +13,7 @@
 -- Returns  {"created", stream_id, status, attempt, created_ms}
 --          {"exists",  stream_id, status, attempt, created_ms, enqueued}   same fingerprint
 --          {"conflict"}                                                    other fingerprint
+--          {"expired"}                       the turn finished and its data expired
 -- Errors   none of its own.
 local turn = KEYS[1]
 local existing = redis.call('HGET', turn, 'fingerprint')
@@ -21,6 +23,9 @@ if existing then
   end
   local v = redis.call('HMGET', turn, 'stream_id', 'status', 'attempt', 'created_ms', 'enqueued')
   return {'exists', v[1], v[2], v[3], v[4], v[5] or '0'}
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {'expired'}
 end
 local now = redis.call('TIME')
 local created_ms = tostring(tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))

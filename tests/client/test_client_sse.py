@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from broker_client import ServerSentEvent, SSEDecoder, decode_all
 from hypothesis import given
 from hypothesis import strategies as st
+
+from broker_client import ServerSentEvent, SSEDecoder, decode_all
 
 WIRE_EXAMPLE = (
     "retry: 1000\n"
