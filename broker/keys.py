@@ -45,6 +45,10 @@ class Keys:
         """String: marks a finished turn, outliving its data, so its id cannot start a new turn."""
         return f"{self.tag(conversation_id)}:tombstone:{turn_id}"
 
+    def rescue(self, conversation_id: str, turn_id: str) -> str:
+        """String with a PEXPIRE: rate-limits re-queueing a turn that was never queued."""
+        return f"{self.tag(conversation_id)}:rescue:{turn_id}"
+
     def turn_index(self, turn_id: str) -> str:
         """String: turn id → conversation id (outlives the data as a tombstone)."""
         return f"{self.prefix}:turn-index:{turn_id}"

@@ -51,11 +51,11 @@ async def xreadgroup(
 
 
 async def xautoclaim(
-    redis: Redis, key: str, group: str, consumer: str, min_idle_ms: int, count: int
-) -> tuple[Entries, list[str]]:
-    """Claimed entries, and the ids of pending entries that were deleted meanwhile."""
+    redis: Redis, key: str, group: str, consumer: str, min_idle_ms: int, count: int, start: str
+) -> tuple[str, Entries, list[str]]:
+    """The next cursor, the claimed entries, and ids of pending entries deleted meanwhile."""
     reply: list[Any] = await redis.xautoclaim(
-        key, group, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
+        key, group, consumer, min_idle_time=min_idle_ms, start_id=start, count=count
     )
     deleted = cast(list[str], reply[2]) if len(reply) > 2 else []
-    return cast(Entries, reply[1]), deleted
+    return str(reply[0]), cast(Entries, reply[1]), deleted

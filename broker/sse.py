@@ -72,6 +72,17 @@ class EventStreamResponse(Response):
             await _close(self._source)
 
     async def _pump(self, send: Send) -> None:
+        try:
+            await self._send_all(send)
+        except (asyncio.CancelledError, OSError):
+            raise
+        except Exception as exc:
+            # Redis went away mid-read (or a bug): end the response; the client resumes, and
+            # meets a 503 until Redis is back. Never leave the socket hanging.
+            log.warning("ending a stream early: %s: %s", type(exc).__name__, exc)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send_all(self, send: Send) -> None:
         async for chunk in self._source:
             try:
                 await asyncio.wait_for(

@@ -175,6 +175,7 @@ class Hub:
         self.blocking_redis = blocking_redis
         self.metrics = metrics
         self._feeds: dict[str, _Feed] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # including cancelled ones still unwinding
         self._closed = False
 
     def subscribe(self, key: str) -> _Subscription:
@@ -189,6 +190,8 @@ class Hub:
         feed.subscriptions.add(subscription)
         if feed.task is None:
             feed.task = asyncio.create_task(feed.run(), name=f"feed {key}")
+            self._tasks.add(feed.task)
+            feed.task.add_done_callback(self._tasks.discard)
         return subscription
 
     def unsubscribe(self, subscription: _Subscription) -> None:
@@ -196,6 +199,8 @@ class Hub:
         feed.subscriptions.discard(subscription)
         if not feed.subscriptions and feed.task is not None:
             feed.task.cancel()
+            # A reader arriving before the cancelled task has unwound must get a fresh feed.
+            self.forget(feed)
 
     def forget(self, feed: _Feed) -> None:
         if self._feeds.get(feed.key) is feed:
@@ -205,13 +210,12 @@ class Hub:
     async def close(self) -> None:
         """End every live read (their clients resume elsewhere) and stop the feeds."""
         self._closed = True
-        tasks = []
         for feed in list(self._feeds.values()):
             for subscription in feed.subscriptions:
                 subscription.close()
-            if feed.task is not None:
-                feed.task.cancel()
-                tasks.append(feed.task)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -237,10 +241,13 @@ class Streams:
         if value is None:
             raise NotFound(f"unknown stream {stream_id!r}")
         conversation_id, _, turn_id = value.partition(" ")
-        if not await self._redis.exists(self._keys.events(conversation_id, turn_id)):
-            turn_key = self._keys.turn(conversation_id, turn_id)
-            if not await self._redis.exists(turn_key):
+        keys = self._keys
+        if not await self._redis.exists(
+            keys.events(conversation_id, turn_id), keys.turn(conversation_id, turn_id)
+        ):
+            if await self._redis.exists(keys.tombstone(conversation_id, turn_id)):
                 raise Gone(f"stream {stream_id!r} expired", code="expired")
+            raise NotFound(f"unknown stream {stream_id!r}")
         return Location(stream_id, conversation_id, turn_id)
 
     async def start_after(self, location: Location, offset: str) -> str:
@@ -264,6 +271,14 @@ class Streams:
         if status not in FINAL_STATUSES:
             return False
         return end_attempt is None or str(end_attempt) == attempt
+
+    async def finished_before(self, location: Location, after: str) -> bool:
+        """Whether the turn is at rest and nothing is stored after entry id ``after``."""
+        if not await self._at_rest(location):
+            return False
+        key = self._keys.events(location.conversation_id, location.turn_id)
+        last = await rc.last_entry_id(self._redis, key)
+        return last is None or id_key(last) <= id_key(after)
 
     async def _range(self, key: str, after: str, until: str = "+") -> AsyncIterator[Entry]:
         size = self._settings.json_page_size

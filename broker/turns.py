@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from typing import Any, Literal
 
 import orjson
@@ -25,8 +24,7 @@ from broker.worker import enqueue
 log = logging.getLogger("broker.turns")
 
 ID_REGEX = ID_PATTERN.pattern
-# A turn created but not enqueued for this long was orphaned by a crash between the two steps.
-ORPHAN_GRACE_MS = 5_000
+RESCUE_INTERVAL_MS = 1_000
 
 
 class Message(BaseModel):
@@ -135,7 +133,7 @@ class Turns:
             raise Conflict(
                 f"turn {turn_id!r} exists with a different request", code="turn_conflict"
             )
-        stream_id, status, attempt, created_ms = reply[1], reply[2], int(reply[3]), int(reply[4])
+        stream_id, status, attempt = reply[1], reply[2], int(reply[3])
         if result == "created":
             await self._redis.set(
                 keys.stream_index(stream_id), f"{conversation_id} {turn_id}", px=index_ttl_ms
@@ -151,10 +149,8 @@ class Turns:
                 keys.stream_index(stream_id), f"{conversation_id} {turn_id}",
                 nx=True, px=index_ttl_ms,
             )  # fmt: skip
-            enqueued = reply[5] == "1"
-            if status == "queued" and not enqueued and _now_ms() - created_ms > ORPHAN_GRACE_MS:
-                log.warning("turn %s was never queued (crash?); queueing it now", turn_id)
-                await self._enqueue(conversation_id, turn_id, attempt)
+            if status == "queued" and reply[5] != "1":
+                await self._rescue(conversation_id, turn_id, attempt)
             self._metrics.turns_deduplicated.inc()
         return result == "created", {
             "turn_id": turn_id,
@@ -169,6 +165,18 @@ class Turns:
         await enqueue(self._redis, self._keys, conversation_id, turn_id, attempt)
         await self._redis.hset(self._keys.turn(conversation_id, turn_id), "enqueued", "1")
 
+    async def _rescue(self, conversation_id: str, turn_id: str, attempt: int) -> None:
+        """Queue a turn that was created but never queued (a crash or a Redis blip between
+        the two steps, answered 503); the client's retry or a look at the turn triggers it.
+
+        The creating request may also simply not have queued it *yet*: a second job is harmless
+        (the lease lets one worker run the turn) but pointless, so at most one rescue a second.
+        """
+        guard = self._keys.rescue(conversation_id, turn_id)
+        if await self._redis.set(guard, "1", nx=True, px=RESCUE_INTERVAL_MS):
+            log.warning("turn %s was created but not queued; queueing it now", turn_id)
+            await self._enqueue(conversation_id, turn_id, attempt)
+
     async def get(self, turn_id: str) -> dict[str, Any]:
         """The turn's state: status, attempts and the canonical attempt's text."""
         if not ID_PATTERN.match(turn_id):
@@ -178,7 +186,11 @@ class Turns:
             raise NotFound(f"unknown turn {turn_id!r}")
         meta = await rc.hgetall(self._redis, self._keys.turn(conversation_id, turn_id))
         if not meta:
-            raise Gone(f"turn {turn_id!r} expired", code="expired")
+            if await self._redis.exists(self._keys.tombstone(conversation_id, turn_id)):
+                raise Gone(f"turn {turn_id!r} expired", code="expired")
+            raise NotFound(f"unknown turn {turn_id!r}")  # being created right now, or never was
+        if meta["status"] == "queued" and meta.get("enqueued") != "1":
+            await self._rescue(conversation_id, turn_id, int(meta["attempt"]))
         attempts = []
         for n in range(1, int(meta["attempt"]) + 1):
             raw = meta.get(f"attempt:{n}")
@@ -200,7 +212,3 @@ class Turns:
             "created_ms": int(meta["created_ms"]),
             "links": links(turn_id, stream_id),
         }
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

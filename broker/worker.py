@@ -86,6 +86,7 @@ class Worker:
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._shutting_down = False
+        self._reclaim_cursor = "0-0"
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run(), name="broker-worker")
@@ -110,7 +111,6 @@ class Worker:
                 await asyncio.wait(pending)
 
     async def _run(self) -> None:
-        await ensure_group(self._redis, self._keys)
         log.info(
             "worker %s taking jobs (concurrency %d)", self.name, self._settings.worker_concurrency
         )
@@ -135,18 +135,26 @@ class Worker:
                     self._spawn(job_id, fields)
             except (RedisError, OSError) as exc:
                 self._metrics.redis_errors.inc()
-                if "NOGROUP" in str(exc):
-                    await ensure_group(self._redis, self._keys)
-                    continue
+                if "NOGROUP" in str(exc):  # the job stream was deleted (e.g. Redis lost its data)
+                    with contextlib.suppress(RedisError, OSError):
+                        await ensure_group(self._redis, self._keys)
+                        continue
                 log.warning("worker cannot read jobs: %s; retrying in 1 s", exc)
+                await asyncio.sleep(1)
+            except Exception:
+                # Never let the job loop die quietly: a worker that takes no jobs looks healthy.
+                log.exception("worker job loop failed; retrying in 1 s")
                 await asyncio.sleep(1)
 
     async def _reclaim(self, count: int) -> None:
         """Take over jobs whose worker stopped refreshing them (crashed, frozen, partitioned)."""
-        claimed, deleted = await rc.xautoclaim(
+        # Redis scans only COUNT x 10 pending entries per call: walk the whole list with a cursor,
+        # or dead jobs behind many live ones would never be reached.
+        cursor, claimed, deleted = await rc.xautoclaim(
             self._redis, self._keys.jobs, JOB_GROUP, self.name,
-            self._settings.job_reclaim_idle_ms, count,
+            self._settings.job_reclaim_idle_ms, count, self._reclaim_cursor,
         )  # fmt: skip
+        self._reclaim_cursor = cursor
         for job_id, fields in claimed:
             if fields:
                 log.info("reclaimed job %s of an idle worker", job_id)
@@ -204,10 +212,15 @@ class Worker:
         generation = asyncio.create_task(
             self._generate(writer, conversation_id, turn_id, attempt, claim.previous_status)
         )
-        heartbeat = asyncio.create_task(self._heartbeat(writer, job_id, generation))
+        lease_lost = asyncio.Event()
+        heartbeat = asyncio.create_task(self._heartbeat(writer, job_id, generation, lease_lost))
         try:
             await generation
-        except _LeaseLost:
+        except (_LeaseLost, asyncio.CancelledError) as exc:
+            # A CancelledError is ours to handle only when the heartbeat cancelled the generation
+            # for a lost lease; otherwise this job task itself is being cancelled (shutdown).
+            if isinstance(exc, asyncio.CancelledError) and not lease_lost.is_set():
+                raise
             self._metrics.fenced_writes.inc()
             log.warning("turn %s: lease lost, another worker owns it now", turn_id)
             return False
@@ -219,7 +232,11 @@ class Worker:
         return True
 
     async def _heartbeat(
-        self, writer: TurnWriter, job_id: str, generation: asyncio.Task[None]
+        self,
+        writer: TurnWriter,
+        job_id: str,
+        generation: asyncio.Task[None],
+        lease_lost: asyncio.Event,
     ) -> None:
         interval = self._settings.lease_heartbeat_s
         while True:
@@ -231,6 +248,7 @@ class Worker:
                     self._keys.jobs, JOB_GROUP, self.name, 0, [job_id], justid=True
                 )
             except FencedWrite:
+                lease_lost.set()
                 generation.cancel(msg="lease lost")
                 return
             except (RedisError, OSError) as exc:
@@ -265,18 +283,20 @@ class Worker:
         strategy = str(record.get("strategy", "initial"))
         delivered = ""
         has_attempt_event = False
-        if previous_status == "streaming":
-            self._metrics.lease_takeovers.inc()
-            has_attempt_event, delivered = await self._delivered(conversation_id, turn_id, attempt)
-            if delivered:
-                # A dead worker's answer already reached readers: never continue it silently.
-                log.info("turn %s: took over after a lost worker; interrupting", turn_id)
-                await writer.finish(
-                    attempt=attempt, strategy=strategy, status="interrupted",
-                    reason="worker_lost", text=delivered,
-                )  # fmt: skip
-                return
         try:
+            if previous_status == "streaming":
+                self._metrics.lease_takeovers.inc()
+                has_attempt_event, delivered = await self._delivered(
+                    conversation_id, turn_id, attempt
+                )
+                if delivered:
+                    # A dead worker's answer already reached readers: never continue it silently.
+                    log.info("turn %s: took over after a lost worker; interrupting", turn_id)
+                    await writer.finish(
+                        attempt=attempt, strategy=strategy, status="interrupted",
+                        reason="worker_lost", text=delivered,
+                    )  # fmt: skip
+                    return
             await self._stream_attempt(
                 writer, request, conversation_id, turn_id, attempt, strategy, has_attempt_event
             )
@@ -354,7 +374,8 @@ class Worker:
                 raise
             await end("interrupted", "shutdown")
             raise
-        except FencedWrite:
+        except (FencedWrite, RedisError, OSError):
+            # Lease lost, or Redis away: the job stays pending and a worker takes it over.
             raise
         except Exception:
             log.exception("turn %s attempt %d failed inside the broker", turn_id, attempt)

@@ -55,6 +55,8 @@ def read_sse(
         "GET", f"{base_url}/v1/streams/{stream_id}", params=params, headers=headers,
         timeout=httpx.Timeout(timeout),
     ) as response:  # fmt: skip
+        if response.status_code == 204:  # at rest, nothing after the resume point
+            return Read([], None, 0, None, True, response.headers)
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             assert time.monotonic() < deadline, "stream read took too long"

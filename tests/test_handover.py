@@ -118,3 +118,24 @@ async def test_a_closed_hub_ends_live_reads_without_an_end_event(aredis: Redis) 
     await hub.close()
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(wait, 5)
+
+
+async def test_a_reader_arriving_as_the_last_one_leaves_gets_a_live_feed(
+    aredis: Redis,
+) -> None:
+    # Regression: a new subscription could join a feed whose task was already cancelled,
+    # and then receive nothing live.
+    _streams, hub, keys, _location = await setup(aredis)
+    key = keys.events("c", "t")
+    first = hub.subscribe(key)
+    await asyncio.sleep(0.05)  # the feed is running
+    hub.unsubscribe(first)
+    second = hub.subscribe(key)  # before the cancelled task has unwound
+    assert second.feed is not first.feed
+    await asyncio.sleep(0.05)
+    entry = await add(aredis, key, "delta", {"text": "live"})
+    batch = await second.get(5)
+    assert batch is not None
+    assert [e.entry_id for e in batch.entries] == [entry.entry_id]
+    hub.unsubscribe(second)
+    await hub.close()

@@ -107,10 +107,20 @@ def test_resuming_at_the_last_offset_of_a_finished_turn_ends_at_once(
 ) -> None:
     turn = start_turn(broker.base_url, turn_id="tail", tokens=5, tokens_per_s=0)
     events = reference(broker, turn["stream_id"])
-    for kwargs in ({"last_event_id": events[-1].id}, {"offset": events[-1].id}, {"offset": "now"}):
-        read = read_sse(broker.base_url, turn["stream_id"], timeout=5, **kwargs)  # type: ignore[arg-type]
-        assert read.ended_by_server
-        assert read.events == []
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    for params, headers in (
+        ({}, {"Last-Event-ID": events[-1].id}),
+        ({"offset": events[-1].id}, {}),
+        ({"offset": "now"}, {}),
+    ):
+        # 204, not an empty 200: EventSource stops on 204 instead of reconnecting for ever.
+        response = httpx.get(url, params=params, headers=headers, timeout=5)
+        assert response.status_code == 204
+        assert response.content == b""
+    # One event before the end still gets that event, then the end of the response.
+    read = read_sse(broker.base_url, turn["stream_id"], last_event_id=events[-2].id, timeout=5)
+    assert read.events == events[-1:]
+    assert read.ended_by_server
 
 
 def test_replay_is_exclusive_of_the_given_offset(broker: RunningBroker) -> None:
@@ -291,3 +301,16 @@ def test_unknown_streams_are_404(broker: RunningBroker, stream_id: str) -> None:
                              params={"format": fmt}, timeout=5)  # fmt: skip
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "not_found"
+
+
+def test_a_read_from_now_on_an_empty_stream_resumes_from_the_start(
+    broker_factory: BrokerFactory,
+) -> None:
+    api = broker_factory(role="api")
+    turn = start_turn(api.base_url, turn_id="empty-now", tokens=5, tokens_per_s=0)
+    quick = read_sse(api.base_url, turn["stream_id"], offset="now", stop_after=0)
+    assert quick.last_id == "0000000000000000-0000000000"
+    broker_factory(role="worker", key_prefix=api.settings.key_prefix)
+    rest = read_sse(api.base_url, turn["stream_id"], last_event_id=quick.last_id)
+    assert next(e.event for e in rest.events) == "attempt"
+    assert rest.events == read_sse(api.base_url, turn["stream_id"]).events

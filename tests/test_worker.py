@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
+import pytest
 import redis as redis_lib
 
 from broker.embedded_redis import EmbeddedRedis
 from broker.keys import JOB_GROUP
+from broker.lease import TurnWriter
 from tests.conftest import BrokerFactory, RunningBroker, start_broker
 from tests.helpers import read_sse, start_turn, wait_final
 
@@ -74,3 +78,30 @@ def test_blocking_reads_outlast_their_block_time(broker: RunningBroker) -> None:
 
     kwargs = broker.runtime.blocking_redis.connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] > FEED_BLOCK_MS / 1000
+
+
+def test_a_redis_blip_mid_turn_leaves_the_job_for_a_takeover(
+    broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: a Redis error inside a generation was caught as a broker bug and the turn
+    # ended failed/internal; the job must stay pending so a worker takes the turn over.
+    original = TurnWriter.append
+    deltas = 0
+
+    async def flaky(self: TurnWriter, events: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        nonlocal deltas
+        if events[0][0] == "delta":
+            deltas += 1
+            if deltas == 3:
+                raise redis_lib.exceptions.ConnectionError("simulated blip")
+        return await original(self, events)
+
+    monkeypatch.setattr(TurnWriter, "append", flaky)
+    broker = broker_factory(lease_ttl_ms=200, job_reclaim_idle_ms=400)
+    turn = start_turn(broker.base_url, turn_id="blip", tokens=10, tokens_per_s=0)
+    final = wait_final(broker.base_url, "blip", timeout=15)
+    assert final["status"] == "interrupted"
+    assert final["attempts"][0]["reason"] == "worker_lost"
+    events = read_sse(broker.base_url, turn["stream_id"]).events
+    assert [e.event for e in events].count("delta") == 2
+    assert broker.metric("broker_lease_takeovers_total") == 1

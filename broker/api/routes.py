@@ -88,17 +88,25 @@ async def read_stream(
     if format == "json":
         return json_response(await rt.streams.page(location, resume))
     after = await rt.streams.start_after(location, resume)
+    if await rt.streams.finished_before(location, after):
+        # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
+        # a 200 that closes at once would make it reconnect every retry period for ever.
+        return Response(status_code=204, headers={"Cache-Control": "no-store"})
+    # Announce where this read starts, so a client that drops before the first event resumes
+    # from here; after `now` even on an empty stream, where "the start" is the right answer.
+    announce = from_entry_id(after) if after != ZERO_ID or resume == NOW else None
     return EventStreamResponse(
-        _frames(rt, location, after), send_timeout_s=rt.settings.sse_send_timeout_s
+        _frames(rt, location, after, announce), send_timeout_s=rt.settings.sse_send_timeout_s
     )
 
 
-async def _frames(rt: Runtime, location: Location, after: str) -> AsyncIterator[bytes]:
+async def _frames(
+    rt: Runtime, location: Location, after: str, announce: str | None
+) -> AsyncIterator[bytes]:
     viewers = rt.metrics.viewers.labels("sse")
     viewers.inc()
     try:
-        resume = None if after == ZERO_ID else from_entry_id(after)
-        yield opening_frame(rt.settings.sse_retry_ms, resume)
+        yield opening_frame(rt.settings.sse_retry_ms, announce)
         async for item in rt.streams.follow(location, after):
             yield PING if isinstance(item, Heartbeat) else item.frame
     finally:

@@ -7,7 +7,7 @@
 -- ARGV[3]  conversation id
 -- ARGV[4]  turn id
 -- ARGV[5]  request              canonical JSON of the request
--- ARGV[6]  session              the retry-budget session named by the client
+-- ARGV[6]  session              the retry-budget session (the conversation id by default)
 -- ARGV[7]  attempt record       JSON of attempt 1 ({"n":1,"strategy":"initial",...})
 --
 -- Returns  {"created", stream_id, status, attempt, created_ms}

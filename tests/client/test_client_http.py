@@ -256,6 +256,17 @@ async def test_drop_right_after_end_reattaches_then_returns_on_clean_close() -> 
     assert broker.requests[1].headers["last-event-id"] == eid(2)
 
 
+async def test_204_after_a_drop_means_nothing_more_will_come() -> None:
+    broker = Broker(
+        sse(frame(1, "delta", text="a"), frame(2, "end", status="complete"), fail=drop()),
+        httpx.Response(204),
+    )
+    async with connect(broker) as client:
+        events = [e async for e in client.attach("s1")]
+    assert [e.type for e in events] == ["delta", "end"]
+    assert broker.requests[1].headers["last-event-id"] == eid(2)
+
+
 async def test_read_timeout_counts_as_a_dead_connection() -> None:
     broker = Broker(
         sse(frame(1, "delta", text="a"), fail=httpx.ReadTimeout("no heartbeat")),

@@ -346,7 +346,8 @@ class BrokerClient:
         """Follow a stream over SSE from `offset` until the turn is at rest, reconnecting as needed.
 
         The generator returns when a response closes cleanly and the last event received was
-        `end` (the broker closes the response once the turn is at rest), or when `stop` is set.
+        `end` (the broker closes the response once the turn is at rest), when the broker answers
+        204 (the turn is at rest and nothing follows the resume point), or when `stop` is set.
         Any other way a response finishes (transport or read error, read timeout, a close without
         a final `end`, a 5xx/408/429 answer, an unreachable broker) leads to a reconnect from the
         last event id after a jittered backoff; too many consecutive failures raise
@@ -378,6 +379,8 @@ class BrokerClient:
                 async with self._http.stream(
                     "GET", url, params=params, headers=headers, timeout=timeout
                 ) as response:
+                    if response.status_code == 204:
+                        return  # the turn is at rest and nothing follows our position
                     if response.status_code != 200:
                         error = error_from_response(
                             response.status_code, await response.aread(), not_found=StreamNotFound
