@@ -87,7 +87,9 @@ class Runtime:
                 embedded.stop()
             raise
         if settings.runs_worker:
-            rt.worker = Worker(redis, rt.scripts, rt.keys, settings, rt.providers, metrics)
+            rt.worker = Worker(
+                redis, blocking, rt.scripts, rt.keys, settings, rt.providers, metrics
+            )
             rt.worker.start()
         return rt
 

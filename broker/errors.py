@@ -11,9 +11,11 @@
     ├── NotAllowed              not_allowed     422   valid request, wrong state
     ├── Unavailable             redis_unavailable 503 Redis cannot be reached
     ├── FencedWrite             fenced          —     a writer's lease was taken over
+    ├── StopRequested           stop_requested  —     the user pressed stop during an append
     └── StreamFull              stream_full     —     BROKER_MAX_STREAM_EVENTS reached
 
-``FencedWrite`` and ``StreamFull`` never reach a client: the worker turns them into turn outcomes.
+``FencedWrite``, ``StopRequested`` and ``StreamFull`` never reach a client: the worker turns
+them into turn outcomes.
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ class Unavailable(BrokerError):
 
 class FencedWrite(BrokerError):
     code = "fenced"
+    status = 409
+
+
+class StopRequested(BrokerError):
+    code = "stop_requested"
     status = 409
 
 

@@ -20,11 +20,12 @@ JOB_GROUP = "workers"
 class Keys:
     """Key builder for one key prefix (``BROKER_KEY_PREFIX``)."""
 
-    __slots__ = ("jobs", "prefix")
+    __slots__ = ("jobs", "prefix", "stop_channel")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.jobs = f"{prefix}:jobs"
+        self.stop_channel = f"{prefix}:stops"
 
     def tag(self, conversation_id: str) -> str:
         return f"{self.prefix}:{{c:{conversation_id}}}"
@@ -48,6 +49,14 @@ class Keys:
     def rescue(self, conversation_id: str, turn_id: str) -> str:
         """String with a PEXPIRE: rate-limits re-queueing a turn that was never queued."""
         return f"{self.tag(conversation_id)}:rescue:{turn_id}"
+
+    def conversation_turns(self, conversation_id: str) -> str:
+        """Sorted set: the conversation's turn ids, scored by creation time (ms)."""
+        return f"{self.tag(conversation_id)}:turns"
+
+    def retry_budget(self, session: str) -> str:
+        """Sorted set: the times of a session's recent silent retries (a sliding window)."""
+        return f"{self.prefix}:{{s:{session}}}:retries"
 
     def turn_index(self, turn_id: str) -> str:
         """String: turn id → conversation id (outlives the data as a tombstone)."""

@@ -30,6 +30,7 @@ class Claim:
     result: str
     token: str = ""
     previous_status: str = ""
+    stop_requested: bool = False
 
 
 def encode(data: dict[str, Any]) -> str:
@@ -58,6 +59,7 @@ class TurnWriter:
         self._lease = keys.lease(conversation_id, turn_id)
         self._events = keys.events(conversation_id, turn_id)
         self._tombstone = keys.tombstone(conversation_id, turn_id)
+        self._conversation_turns = keys.conversation_turns(conversation_id)
         self._max_events = max_events
         self._lease_ttl_ms = lease_ttl_ms
         self._retention_ms = retention_ms
@@ -70,45 +72,57 @@ class TurnWriter:
         )
         if reply[0] == "claimed":
             self.token = reply[1]
-            return Claim("claimed", reply[1], reply[2])
+            return Claim("claimed", reply[1], reply[2], reply[3] == "1")
         return Claim(reply[0])
 
-    async def renew(self) -> None:
-        """Extend the lease; raises ``FencedWrite`` when it was lost."""
-        await self._scripts("renew_lease", [self._lease], [self.token, self._lease_ttl_ms])
+    async def renew(self) -> bool:
+        """Extend the lease; True when the user asked to stop. Raises ``FencedWrite`` if lost."""
+        reply = await self._scripts(
+            "renew_lease", [self._lease, self._turn], [self.token, self._lease_ttl_ms]
+        )
+        return int(reply) == 2
 
     async def append(self, events: list[tuple[str, dict[str, Any]]]) -> list[str]:
-        """Append events in order; returns their entry ids. Raises FencedWrite or StreamFull."""
+        """Append events in order; returns their entry ids.
+
+        Raises FencedWrite (lease lost), StopRequested (stop pressed) or StreamFull.
+        """
         args: list[Any] = [self.token, self._max_events]
         for kind, data in events:
             args += (kind, encode(data))
         began = time.perf_counter()
-        ids: list[str] = await self._scripts("append_events", [self._lease, self._events], args)
+        ids: list[str] = await self._scripts(
+            "append_events", [self._lease, self._events, self._turn], args
+        )
         self._metrics.append_seconds.observe(time.perf_counter() - began)
         return ids
 
     async def finish(
         self,
         *,
-        attempt: int,
-        strategy: str,
+        record: dict[str, Any],
         status: str,
         reason: str | None,
         text: str,
+        promote: bool,
+        base: str,
         before_end: Sequence[tuple[str, dict[str, Any]]] = (),
-    ) -> list[str]:
-        """Write the last events and the ``end`` sentinel, set the turn at rest, drop the lease."""
-        record = {"n": attempt, "strategy": strategy, "status": ATTEMPT_STATUS[status],
-                  "reason": reason}  # fmt: skip
+    ) -> int:
+        """Write the last events and the ``end`` sentinel, set the turn at rest, drop the lease.
+
+        ``record`` is the attempt's record (n, strategy, ...); returns the promotion result:
+        1 promoted to canonical, 0 not asked, -1 refused because the canonical attempt changed.
+        """
+        attempt = int(record["n"])
+        final = {**record, "status": ATTEMPT_STATUS[status], "reason": reason}
         events = [*before_end, ("end", {"attempt": attempt, "status": status, "reason": reason})]
         args: list[Any] = [
-            self.token, attempt, status, encode(record), text, self._retention_ms,
-            self._tombstone_ms,
+            self.token, attempt, status, encode(final), text, self._retention_ms,
+            self._tombstone_ms, "1" if promote else "0", base,
         ]  # fmt: skip
         for kind, data in events:
             args += (kind, encode(data))
-        ids: list[str] = await self._scripts(
-            "finish_attempt", [self._turn, self._lease, self._events, self._tombstone], args
-        )
+        keys = [self._turn, self._lease, self._events, self._tombstone, self._conversation_turns]
+        reply = await self._scripts("finish_attempt", keys, args)
         self._metrics.turns_finished.labels(status).inc()
-        return ids
+        return int(reply[0])

@@ -13,7 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from broker import __version__
 
 TURN_STATUSES = ("complete", "interrupted", "cancelled", "failed")
-UPSTREAM_OUTCOMES = ("ok", "retryable_error", "fatal_error", "interrupted")
+UPSTREAM_OUTCOMES = ("ok", "retryable_error", "fatal_error", "interrupted", "cancelled")
+RETRY_REASONS = ("upstream_error", "upstream_timeout", "worker_lost")
+BUDGET_SCOPES = ("turn", "session")
+INTERRUPTION_REASONS = ("upstream_error", "upstream_timeout", "worker_lost", "shutdown")
 RESUME_RESULTS = ("ok", "expired", "not_found")
 STREAM_MODES = ("sse", "json")
 
@@ -92,3 +95,37 @@ class Metrics:
             "1 when Redis maxmemory-policy is noeviction, 0 when keys may be evicted or unknown.",
             registry=r,
         )
+        self.retries = Counter(
+            "broker_retries_total",
+            "Silent retries of an upstream call before its first delta, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
+        self.retry_budget_exhausted = Counter(
+            "broker_retry_budget_exhausted_total",
+            "Retries refused by a limit: the per-turn cap (turn) or the session budget (session).",
+            ["scope"],
+            registry=r,
+        )
+        for scope in BUDGET_SCOPES:
+            self.retry_budget_exhausted.labels(scope)
+        self.attempts_exhausted = Counter(
+            "broker_attempts_exhausted_total",
+            "Attempts failed because every upstream call allowed for them failed.",
+            registry=r,
+        )
+        self.interruptions = Counter(
+            "broker_interruptions_total",
+            "Attempts that ended interrupted after text was delivered, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in INTERRUPTION_REASONS:
+            self.interruptions.labels(reason)
+        self.cancels = Counter(
+            "broker_cancels_total", "Stop requests, by what they found.", ["result"], registry=r
+        )
+        for result in ("cancelled", "signalled", "final"):
+            self.cancels.labels(result)

@@ -26,6 +26,10 @@ async def hgetall(redis: Redis, key: str) -> dict[str, str]:
     return cast(dict[str, str], await redis.hgetall(key))
 
 
+async def zrange_all(redis: Redis, key: str) -> list[str]:
+    return cast(list[str], await redis.zrange(key, 0, -1))
+
+
 async def xrange(redis: Redis, key: str, start: str, end: str = "+", count: int = 1000) -> Entries:
     return cast(Entries, await redis.xrange(key, min=start, max=end, count=count))
 

@@ -14,9 +14,12 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
-from broker.errors import FencedWrite, StreamFull
+from broker.errors import FencedWrite, StopRequested, StreamFull
 
-NAMES = ("create_turn", "claim_lease", "renew_lease", "append_events", "finish_attempt")
+NAMES = (
+    "create_turn", "claim_lease", "renew_lease", "append_events", "finish_attempt",
+    "promote_attempt", "start_attempt", "cancel_turn", "take_retry_budget",
+)  # fmt: skip
 
 
 def script_source(name: str) -> str:
@@ -51,6 +54,8 @@ class Scripts:
             message = str(exc)
             if "FENCED" in message:
                 raise FencedWrite(message.split("FENCED", 1)[1].strip()) from None
+            if "CANCELLED" in message:
+                raise StopRequested(message.split("CANCELLED", 1)[1].strip()) from None
             if "STREAM_FULL" in message:
                 raise StreamFull(message.split("STREAM_FULL", 1)[1].strip()) from None
             raise

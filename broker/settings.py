@@ -43,6 +43,12 @@ class Settings:
     drain_timeout_s: float = 10.0
     json_page_size: int = 1_000
     simulate_max_tokens_per_s: float = 0.0
+    max_attempts_per_turn: int = 2
+    session_retry_budget: int = 20
+    session_retry_window: float = 60.0  # seconds
+    retry_backoff_min_ms: int = 200
+    retry_backoff_max_ms: int = 400
+    upstream_idle_timeout_s: float = 60.0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -59,7 +65,8 @@ class Settings:
             "stream_ttl", "tombstone_ttl", "max_stream_events", "max_body_bytes",
             "max_messages", "max_message_chars", "lease_ttl_ms", "job_reclaim_idle_ms",
             "worker_concurrency", "sse_heartbeat_s", "sse_retry_ms", "sse_send_timeout_s",
-            "drain_timeout_s", "json_page_size",
+            "drain_timeout_s", "json_page_size", "max_attempts_per_turn", "session_retry_window",
+            "upstream_idle_timeout_s",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
@@ -68,6 +75,12 @@ class Settings:
             raise SettingsError("BROKER_MAX_STREAM_EVENTS must be at least 8")
         if self.job_reclaim_idle_ms <= self.lease_ttl_ms:
             raise SettingsError("BROKER_JOB_RECLAIM_IDLE_MS must exceed BROKER_LEASE_TTL_MS")
+        if self.session_retry_budget < 0:
+            raise SettingsError("BROKER_SESSION_RETRY_BUDGET must be 0 (no retries) or more")
+        if not 0 <= self.retry_backoff_min_ms <= self.retry_backoff_max_ms:
+            raise SettingsError(
+                "BROKER_RETRY_BACKOFF_MIN_MS must be from 0 to BROKER_RETRY_BACKOFF_MAX_MS"
+            )
         if self.simulate_max_tokens_per_s < 0:
             raise SettingsError("BROKER_SIMULATE_MAX_TOKENS_PER_S must be 0 (no cap) or more")
         if not self.key_prefix or any(c in self.key_prefix for c in "{} \n"):
@@ -101,7 +114,7 @@ class Settings:
 
 
 # Durations read as seconds, or with a unit: 500ms, 30s, 15m, 24h, 7d.
-DURATIONS = frozenset({"stream_ttl", "tombstone_ttl"})
+DURATIONS = frozenset({"stream_ttl", "tombstone_ttl", "session_retry_window"})
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 

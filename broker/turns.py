@@ -12,11 +12,10 @@ from redis.asyncio import Redis
 
 from broker import redis_calls as rc
 from broker.canonical import canonical_json, fingerprint
-from broker.errors import BadRequest, Conflict, Gone, NotFound
+from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
 from broker.keys import ID_PATTERN, Keys
 from broker.metrics import Metrics
 from broker.providers import Providers
-from broker.providers.simulated import SimulatedProvider
 from broker.scripts import Scripts
 from broker.settings import Settings
 from broker.worker import enqueue
@@ -35,6 +34,9 @@ class Message(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     name: str | None = Field(default=None, max_length=128)
+    # Set on assistant messages of the conversation history whose answer was cut short; it lets
+    # a client send the history back as it got it. Providers never see it.
+    partial: bool | None = None
 
 
 class TurnRequest(BaseModel):
@@ -50,10 +52,38 @@ class TurnRequest(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     tools: list[dict[str, Any]] = Field(default_factory=list)
     response_format: Literal["text", "json"] = "text"
+    session_id: str | None = Field(default=None, pattern=ID_REGEX)
+
+
+class AttemptRequest(BaseModel):
+    """The body of ``POST /v1/turns/{turn_id}/attempts``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: Literal["continue", "regenerate"]
+
+
+class CanonicalRequest(BaseModel):
+    """The body of ``POST /v1/turns/{turn_id}/canonical``: promote an attempt, by CAS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempt: int = Field(ge=1)
+    expected: int | None = Field(
+        default=None, ge=1, description="the canonical attempt the client saw (null: none)"
+    )
+
+
+ATTEMPT_FIELDS = ("n", "strategy", "status", "reason", "canonical")
 
 
 def links(turn_id: str, stream_id: str) -> dict[str, str]:
-    return {"self": f"/v1/turns/{turn_id}", "stream": f"/v1/streams/{stream_id}"}
+    return {
+        "self": f"/v1/turns/{turn_id}",
+        "stream": f"/v1/streams/{stream_id}",
+        "cancel": f"/v1/turns/{turn_id}/cancel",
+        "attempts": f"/v1/turns/{turn_id}/attempts",
+    }
 
 
 class Turns:
@@ -91,17 +121,17 @@ class Turns:
             )
         provider = self._providers.get(request.provider)
         provider.validate_params(request.params)
-        if request.response_format == "json" and isinstance(provider, SimulatedProvider):
-            knobs = request.params.get("simulate", {})
-            if knobs.get("json") is False:
-                raise BadRequest("response_format json contradicts params.simulate.json=false")
 
     async def create(self, request: TurnRequest) -> tuple[bool, dict[str, Any]]:
         """Start a turn, or find the one with the same ``turn_id``; True when it is new."""
         self._check_limits(request)
         turn_id = request.turn_id or f"t_{secrets.token_hex(16)}"
         conversation_id = request.conversation_id
-        body = request.model_dump(exclude={"turn_id"})
+        # The session names a retry budget, not the work: it is not part of the fingerprint.
+        body = request.model_dump(exclude={"turn_id", "session_id"})
+        for message in body["messages"]:
+            if message.get("partial") is None:
+                message.pop("partial", None)
         body["provider"] = self._providers.get(request.provider).name
         fp = fingerprint(body)
         keys = self._keys
@@ -116,12 +146,15 @@ class Turns:
                     f"turn {turn_id!r} exists with a different request", code="turn_conflict"
                 )
         stream_id = f"st_{secrets.token_hex(16)}"
-        record = {"n": 1, "strategy": "initial", "status": "queued", "reason": None}
+        record = {"n": 1, "strategy": "initial", "status": "queued", "reason": None,
+                  "canonical": False, "base": ""}  # fmt: skip
         reply = await self._scripts(
             "create_turn",
-            [keys.turn(conversation_id, turn_id), keys.tombstone(conversation_id, turn_id)],
+            [keys.turn(conversation_id, turn_id), keys.tombstone(conversation_id, turn_id),
+             keys.conversation_turns(conversation_id)],
             [fp, stream_id, conversation_id, turn_id, canonical_json(body).decode(),
-             conversation_id, orjson.dumps(record).decode()],
+             request.session_id or conversation_id, orjson.dumps(record).decode(),
+             request.response_format],
         )  # fmt: skip
         result = reply[0]
         if result == "expired":
@@ -177,8 +210,8 @@ class Turns:
             log.warning("turn %s was created but not queued; queueing it now", turn_id)
             await self._enqueue(conversation_id, turn_id, attempt)
 
-    async def get(self, turn_id: str) -> dict[str, Any]:
-        """The turn's state: status, attempts and the canonical attempt's text."""
+    async def _locate(self, turn_id: str) -> tuple[str, dict[str, str]]:
+        """The turn's conversation and stored hash; 404 unknown, 410 expired."""
         if not ID_PATTERN.match(turn_id):
             raise NotFound(f"unknown turn {turn_id[:80]!r}")
         conversation_id = await rc.get(self._redis, self._keys.turn_index(turn_id))
@@ -189,26 +222,171 @@ class Turns:
             if await self._redis.exists(self._keys.tombstone(conversation_id, turn_id)):
                 raise Gone(f"turn {turn_id!r} expired", code="expired")
             raise NotFound(f"unknown turn {turn_id!r}")  # being created right now, or never was
+        return conversation_id, meta
+
+    async def get(self, turn_id: str) -> dict[str, Any]:
+        """The turn's state: status, attempts and the canonical attempt's text."""
+        conversation_id, meta = await self._locate(turn_id)
         if meta["status"] == "queued" and meta.get("enqueued") != "1":
             await self._rescue(conversation_id, turn_id, int(meta["attempt"]))
-        attempts = []
-        for n in range(1, int(meta["attempt"]) + 1):
-            raw = meta.get(f"attempt:{n}")
-            if raw:
-                attempts.append(orjson.loads(raw))
-        canonical = None
-        if meta.get("canonical"):
-            n = int(meta["canonical"])
-            canonical = {"attempt": n, "text": meta.get(f"text:{n}", "")}
-        stream_id = meta["stream_id"]
-        return {
-            "turn_id": turn_id,
-            "conversation_id": conversation_id,
-            "stream_id": stream_id,
-            "status": meta["status"],
-            "attempt": int(meta["attempt"]),
-            "attempts": attempts,
-            "canonical": canonical,
-            "created_ms": int(meta["created_ms"]),
-            "links": links(turn_id, stream_id),
-        }
+        return _state(turn_id, conversation_id, meta)
+
+    async def start_attempt(self, turn_id: str, request: AttemptRequest) -> dict[str, Any]:
+        """Continue or regenerate a turn at rest; 409 while one runs, 422 when not allowed."""
+        conversation_id, _ = await self._locate(turn_id)
+        keys = self._keys
+        reply = await self._scripts(
+            "start_attempt",
+            [keys.turn(conversation_id, turn_id), keys.events(conversation_id, turn_id)],
+            [request.strategy],
+        )
+        if reply[0] == "busy":
+            raise Conflict(f"turn {turn_id!r} is {reply[1]}: wait for it, or stop it first",
+                           code="turn_busy")  # fmt: skip
+        if reply[0] == "not_allowed":
+            raise NotAllowed(str(reply[1]), code="strategy_not_allowed")
+        if reply[0] == "missing":
+            raise Gone(f"turn {turn_id!r} expired", code="expired")
+        attempt = int(reply[1])
+        await self._enqueue(conversation_id, turn_id, attempt)
+        log.info("turn %s: attempt %d (%s) queued", turn_id, attempt, request.strategy)
+        return await self.get(turn_id)
+
+    async def cancel(self, turn_id: str) -> dict[str, Any]:
+        """The stop button: idempotent; a finished turn just reports its state."""
+        conversation_id, _ = await self._locate(turn_id)
+        keys, settings = self._keys, self._settings
+        reply = await self._scripts(
+            "cancel_turn",
+            [keys.turn(conversation_id, turn_id), keys.events(conversation_id, turn_id),
+             keys.tombstone(conversation_id, turn_id), keys.conversation_turns(conversation_id)],
+            [int(settings.stream_ttl * 1000), int(settings.tombstone_ttl * 1000)],
+        )  # fmt: skip
+        if reply[0] == "missing":
+            raise Gone(f"turn {turn_id!r} expired", code="expired")
+        self._metrics.cancels.labels(reply[0]).inc()
+        if reply[0] == "signalled":
+            await self._notify_stop(conversation_id, turn_id)
+        log.info("turn %s: stop requested (%s)", turn_id, reply[0])
+        return await self.get(turn_id)
+
+    async def _notify_stop(self, conversation_id: str, turn_id: str) -> None:
+        """Reach the worker holding the lease at once, wherever it runs.
+
+        The stop flag is durable: a worker that misses this message sees the flag at its next
+        append or lease heartbeat.
+        """
+        await self._redis.publish(self._keys.stop_channel, f"{conversation_id} {turn_id}")
+
+    async def promote(self, turn_id: str, request: CanonicalRequest) -> dict[str, Any]:
+        """Make an attempt canonical by compare-and-set; 409 when the canonical one changed."""
+        conversation_id, _ = await self._locate(turn_id)
+        expected = "" if request.expected is None else str(request.expected)
+        reply = await self._scripts(
+            "promote_attempt",
+            [self._keys.turn(conversation_id, turn_id)],
+            [request.attempt, expected],
+        )
+        if reply[0] == "conflict":
+            current = reply[1] or "none"
+            raise Conflict(
+                f"the canonical attempt is {current}, not {request.expected or 'none'}: "
+                "reload the turn and choose again",
+                code="canonical_changed",
+            )
+        if reply[0] == "not_allowed":
+            raise NotAllowed(str(reply[1]), code="not_promotable")
+        if reply[0] == "missing":
+            raise NotFound(f"turn {turn_id!r} has no attempt {request.attempt}")
+        return await self.get(turn_id)
+
+    async def history(self, conversation_id: str) -> dict[str, Any]:
+        """What the next request must send: each turn's input, then its canonical answer.
+
+        A turn contributes the messages at the end of its request that are not assistant
+        messages (its new input; the leading system messages of the first turn come too), and
+        then one assistant message with its canonical attempt's text, flagged ``partial`` when
+        that answer was cut short. Turns without a canonical answer contribute their input only.
+        """
+        if not ID_PATTERN.match(conversation_id):
+            raise NotFound(f"unknown conversation {conversation_id[:80]!r}")
+        keys = self._keys
+        turn_ids = await rc.zrange_all(self._redis, keys.conversation_turns(conversation_id))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for turn_id in turn_ids:
+                pipe.hmget(keys.turn(conversation_id, turn_id),
+                           ["request", "status", "canonical", "attempt"])  # fmt: skip
+            rows: list[list[str | None]] = await pipe.execute()
+        messages: list[dict[str, Any]] = []
+        turns: list[dict[str, Any]] = []
+        for turn_id, (raw_request, status, canonical, _attempt) in zip(turn_ids, rows, strict=True):
+            if raw_request is None:
+                continue  # expired
+            request_messages: list[dict[str, Any]] = orjson.loads(raw_request)["messages"]
+            tail = _new_input(request_messages, first=not messages)
+            messages += [_sendable(m) for m in tail]
+            entry: dict[str, Any] = {"turn_id": turn_id, "status": status, "canonical": None}
+            if canonical:
+                text, record = await rc.hmget(
+                    self._redis, keys.turn(conversation_id, turn_id),
+                    [f"text:{canonical}", f"attempt:{canonical}"],
+                )  # fmt: skip
+                attempt_status = orjson.loads(record or "{}").get("status")
+                answer: dict[str, Any] = {"role": "assistant", "content": text or ""}
+                if attempt_status != "complete":
+                    answer["partial"] = True
+                messages.append(answer)
+                entry["canonical"] = int(canonical)
+                entry["partial"] = attempt_status != "complete"
+            turns.append(entry)
+        if not turns:
+            raise NotFound(f"unknown conversation {conversation_id!r}")
+        return {"conversation_id": conversation_id, "messages": messages, "turns": turns}
+
+
+def _new_input(messages: list[dict[str, Any]], *, first: bool) -> list[dict[str, Any]]:
+    """The trailing non-assistant messages of a request (all leading system ones for a first)."""
+    start = len(messages)
+    while start > 0 and messages[start - 1].get("role") != "assistant":
+        start -= 1
+    tail = messages[start:]
+    if first and start > 0:
+        tail = [m for m in messages[:start] if m.get("role") == "system"] + tail
+    return tail
+
+
+def _sendable(message: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if v is not None}
+
+
+def _state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict[str, Any]:
+    current = int(meta["attempt"])
+    attempts = []
+    for n in range(1, current + 1):
+        raw = meta.get(f"attempt:{n}")
+        if not raw:
+            continue
+        record = orjson.loads(raw)
+        attempt = {field: record.get(field) for field in ATTEMPT_FIELDS}
+        attempt["canonical"] = bool(attempt["canonical"])
+        if n == current and meta["status"] in ("queued", "streaming"):
+            attempt["status"] = meta["status"]
+        if record.get("strategy") == "continue":
+            attempt["continues"] = record.get("from")
+        attempts.append(attempt)
+    canonical = None
+    if meta.get("canonical"):
+        n = int(meta["canonical"])
+        canonical = {"attempt": n, "text": meta.get(f"text:{n}", "")}
+    stream_id = meta["stream_id"]
+    return {
+        "turn_id": turn_id,
+        "conversation_id": conversation_id,
+        "stream_id": stream_id,
+        "status": meta["status"],
+        "attempt": current,
+        "attempts": attempts,
+        "canonical": canonical,
+        "created_ms": int(meta["created_ms"]),
+        "links": links(turn_id, stream_id),
+    }

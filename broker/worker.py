@@ -15,25 +15,18 @@ import logging
 import os
 import secrets
 import socket
-from typing import Any
 
-import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from broker import redis_calls as rc
-from broker.errors import FencedWrite, StreamFull
+from broker.errors import FencedWrite
+from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, LeaseLost, Run
 from broker.keys import JOB_GROUP, Keys
 from broker.lease import TurnWriter
 from broker.metrics import Metrics
-from broker.providers import (
-    Finished,
-    GenerationRequest,
-    Providers,
-    TextDelta,
-    UpstreamError,
-    Usage,
-)
+from broker.providers import Providers
+from broker.retry import RetryPolicy
 from broker.scripts import Scripts
 from broker.settings import Settings
 
@@ -59,16 +52,13 @@ async def ensure_group(redis: Redis, keys: Keys) -> None:
             raise
 
 
-class _LeaseLost(Exception):
-    """Raised into a generation whose lease heartbeat was refused."""
-
-
 class Worker:
     """Runs generation jobs concurrently, up to ``BROKER_WORKER_CONCURRENCY`` at a time."""
 
     def __init__(
         self,
         redis: Redis,
+        blocking_redis: Redis,
         scripts: Scripts,
         keys: Keys,
         settings: Settings,
@@ -76,6 +66,7 @@ class Worker:
         metrics: Metrics,
     ) -> None:
         self._redis = redis
+        self._blocking_redis = blocking_redis
         self._scripts = scripts
         self._keys = keys
         self._settings = settings
@@ -85,28 +76,31 @@ class Worker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self._shutting_down = False
         self._reclaim_cursor = "0-0"
+        self._runs: dict[tuple[str, str], Run] = {}
+        self._retry = RetryPolicy(scripts, keys, settings, metrics)
+        self._listener: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run(), name="broker-worker")
+        self._listener = asyncio.create_task(self._listen_for_stops(), name="broker-stops")
 
     async def stop(self, drain_timeout_s: float) -> None:
         """Stop taking jobs, let running generations finish for a while, then interrupt them."""
         self._stopping.set()
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        for task in (self._loop_task, self._listener):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._tasks:
             log.info(
                 "draining: %d running generation(s) get %.0f s to finish before they are "
                 "interrupted", len(self._tasks), drain_timeout_s,
             )  # fmt: skip
             _, pending = await asyncio.wait(set(self._tasks), timeout=drain_timeout_s)
-            self._shutting_down = True
-            for task in pending:
-                task.cancel()
+            for run in list(self._runs.values()):
+                run.request_stop(SHUTDOWN)  # each writes its `end` (interrupted, shutdown)
             if pending:
                 await asyncio.wait(pending)
 
@@ -209,210 +203,81 @@ class Worker:
             return True
         if claim.result == "held":
             return False  # a live worker owns the turn and refreshes its job itself
-        generation = asyncio.create_task(
-            self._generate(writer, conversation_id, turn_id, attempt, claim.previous_status)
+        run = Run(conversation_id, turn_id, attempt, job_id, writer, claim)
+        generation = Generation(
+            self._redis, self._keys, settings, self._providers, self._metrics, self._retry, run
         )
-        lease_lost = asyncio.Event()
-        heartbeat = asyncio.create_task(self._heartbeat(writer, job_id, generation, lease_lost))
+        run.task = asyncio.create_task(generation.run(), name=f"turn {turn_id}")
+        self._runs[(conversation_id, turn_id)] = run
+        heartbeat = asyncio.create_task(self._heartbeat(run))
         try:
-            await generation
-        except (_LeaseLost, asyncio.CancelledError) as exc:
-            # A CancelledError is ours to handle only when the heartbeat cancelled the generation
+            await run.task
+        except (LeaseLost, asyncio.CancelledError) as exc:
+            # A CancelledError is ours to handle only when the heartbeat cancelled the attempt
             # for a lost lease; otherwise this job task itself is being cancelled (shutdown).
-            if isinstance(exc, asyncio.CancelledError) and not lease_lost.is_set():
+            if isinstance(exc, asyncio.CancelledError) and run.stop != LEASE_LOST:
                 raise
             self._metrics.fenced_writes.inc()
             log.warning("turn %s: lease lost, another worker owns it now", turn_id)
             return False
         finally:
+            self._runs.pop((conversation_id, turn_id), None)
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
         await self._refresh_index_ttl(conversation_id, turn_id)
         return True
 
-    async def _heartbeat(
-        self,
-        writer: TurnWriter,
-        job_id: str,
-        generation: asyncio.Task[None],
-        lease_lost: asyncio.Event,
-    ) -> None:
+    async def _heartbeat(self, run: Run) -> None:
         interval = self._settings.lease_heartbeat_s
         while True:
             await asyncio.sleep(interval)
             try:
-                await writer.renew()
+                if await run.writer.renew():
+                    run.request_stop(STOP)  # a stop whose notification we missed
                 # Resetting the job's idle time keeps other workers from reclaiming a live job.
                 await self._redis.xclaim(
-                    self._keys.jobs, JOB_GROUP, self.name, 0, [job_id], justid=True
+                    self._keys.jobs, JOB_GROUP, self.name, 0, [run.job_id], justid=True
                 )
             except FencedWrite:
-                lease_lost.set()
-                generation.cancel(msg="lease lost")
+                run.request_stop(LEASE_LOST)
                 return
             except (RedisError, OSError) as exc:
                 log.warning("lease heartbeat failed: %s", exc)
 
+    async def _listen_for_stops(self) -> None:
+        """Stop requests are published so they reach this worker at once, wherever it runs.
+
+        A missed message is not lost: the stop flag is durable, and appends and heartbeats
+        check it.
+        """
+        channel = self._keys.stop_channel
+        while not self._stopping.is_set():
+            pubsub = self._blocking_redis.pubsub()
+            try:
+                await pubsub.subscribe(channel)
+                while not self._stopping.is_set():
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is None:
+                        continue
+                    conversation_id, _, turn_id = str(message["data"]).partition(" ")
+                    run = self._runs.get((conversation_id, turn_id))
+                    if run is not None:
+                        run.request_stop(STOP)
+            except (RedisError, OSError) as exc:
+                log.warning("stop notifications interrupted: %s; resubscribing in 1 s", exc)
+                await asyncio.sleep(1)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
+
     async def _refresh_index_ttl(self, conversation_id: str, turn_id: str) -> None:
         keys, settings = self._keys, self._settings
-        (stream_id,) = await rc.hmget(
-            self._redis, keys.turn(conversation_id, turn_id), ["stream_id"]
-        )
+        turn_key = keys.turn(conversation_id, turn_id)
+        (stream_id,) = await rc.hmget(self._redis, turn_key, ["stream_id"])
         ttl_ms = int((settings.stream_ttl + settings.tombstone_ttl) * 1000)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.pexpire(keys.turn_index(turn_id), ttl_ms)
             if stream_id:
                 pipe.pexpire(keys.stream_index(stream_id), ttl_ms)
             await pipe.execute()
-
-    async def _generate(
-        self,
-        writer: TurnWriter,
-        conversation_id: str,
-        turn_id: str,
-        attempt: int,
-        previous_status: str,
-    ) -> None:
-        turn_key = self._keys.turn(conversation_id, turn_id)
-        raw_request, raw_record = await self._redis.hmget(
-            turn_key, ["request", f"attempt:{attempt}"]
-        )
-        request: dict[str, Any] = orjson.loads(raw_request or "{}")
-        record: dict[str, Any] = orjson.loads(raw_record or "{}")
-        strategy = str(record.get("strategy", "initial"))
-        delivered = ""
-        has_attempt_event = False
-        try:
-            if previous_status == "streaming":
-                self._metrics.lease_takeovers.inc()
-                has_attempt_event, delivered = await self._delivered(
-                    conversation_id, turn_id, attempt
-                )
-                if delivered:
-                    # A dead worker's answer already reached readers: never continue it silently.
-                    log.info("turn %s: took over after a lost worker; interrupting", turn_id)
-                    await writer.finish(
-                        attempt=attempt, strategy=strategy, status="interrupted",
-                        reason="worker_lost", text=delivered,
-                    )  # fmt: skip
-                    return
-            await self._stream_attempt(
-                writer, request, conversation_id, turn_id, attempt, strategy, has_attempt_event
-            )
-        except FencedWrite as exc:
-            raise _LeaseLost() from exc
-
-    async def _stream_attempt(
-        self,
-        writer: TurnWriter,
-        request: dict[str, Any],
-        conversation_id: str,
-        turn_id: str,
-        attempt: int,
-        strategy: str,
-        has_attempt_event: bool,
-    ) -> None:
-        provider = self._providers.get(request.get("provider"))
-        if not has_attempt_event:
-            await writer.append([("attempt", {"attempt": attempt, "strategy": strategy})])
-        upstream_call = await self._redis.hincrby(
-            self._keys.turn(conversation_id, turn_id), "upstream_calls", 1
-        )
-        generation = GenerationRequest(
-            conversation_id=conversation_id, turn_id=turn_id, attempt=attempt, strategy=strategy,
-            messages=request.get("messages", []), model=request.get("model"),
-            params=request.get("params", {}),
-            response_format=request.get("response_format", "text"),
-            upstream_call=upstream_call - 1,
-        )  # fmt: skip
-        parts: list[str] = []
-        finished = False
-        outcome = "ok"
-
-        async def end(status: str, reason: str | None, error: dict[str, Any] | None = None) -> None:
-            before = [("error", {"attempt": attempt, **error})] if error else []
-            await writer.finish(
-                attempt=attempt, strategy=strategy, status=status, reason=reason,
-                text="".join(parts), before_end=before,
-            )  # fmt: skip
-
-        try:
-            async for event in provider.stream(generation):
-                if isinstance(event, TextDelta):
-                    if event.text:
-                        await writer.append([("delta", {"attempt": attempt, "text": event.text})])
-                        parts.append(event.text)
-                elif isinstance(event, Usage):
-                    await writer.append([("usage", {
-                        "attempt": attempt, "input_tokens": event.input_tokens,
-                        "output_tokens": event.output_tokens,
-                    })])  # fmt: skip
-                elif isinstance(event, Finished):
-                    finished = True
-                    break
-            if not finished:
-                outcome = "interrupted"
-        except UpstreamError as exc:
-            outcome = "retryable_error" if exc.retryable else "fatal_error"
-            error = {"code": exc.code, "message": exc.message, "retryable": exc.retryable}
-            if parts:
-                outcome = "interrupted"
-                await end("interrupted", "upstream_error", error)
-            else:
-                await end("failed", exc.code, error)
-            return
-        except StreamFull:
-            await end("failed", "stream_limit", {
-                "code": "stream_limit", "retryable": False,
-                "message": f"the stream reached BROKER_MAX_STREAM_EVENTS="
-                           f"{self._settings.max_stream_events}",
-            })  # fmt: skip
-            return
-        except asyncio.CancelledError:
-            if not self._shutting_down:
-                raise
-            await end("interrupted", "shutdown")
-            raise
-        except (FencedWrite, RedisError, OSError):
-            # Lease lost, or Redis away: the job stays pending and a worker takes it over.
-            raise
-        except Exception:
-            log.exception("turn %s attempt %d failed inside the broker", turn_id, attempt)
-            outcome = "fatal_error"
-            await end("failed", "internal", {
-                "code": "internal", "retryable": False, "message": "the broker failed this attempt",
-            })  # fmt: skip
-            return
-        finally:
-            self._metrics.upstream_requests.labels(provider.name, outcome).inc()
-        if finished:
-            await end("complete", None)
-        else:
-            await end("interrupted", "upstream_error", {
-                "code": "upstream_incomplete", "retryable": True,
-                "message": "the upstream stream ended without its terminal event",
-            })  # fmt: skip
-
-    async def _delivered(
-        self, conversation_id: str, turn_id: str, attempt: int
-    ) -> tuple[bool, str]:
-        """Whether this attempt's ``attempt`` event is on the stream, and its delivered text."""
-        key = self._keys.events(conversation_id, turn_id)
-        has_attempt_event = False
-        text: list[str] = []
-        start = "-"
-        while True:
-            page = await rc.xrange(self._redis, key, start)
-            if not page:
-                break
-            for _entry_id, fields in page:
-                data = orjson.loads(fields.get("d", "{}"))
-                if data.get("attempt") != attempt:
-                    continue
-                if fields.get("e") == "attempt":
-                    has_attempt_event = True
-                elif fields.get("e") == "delta":
-                    text.append(str(data.get("text", "")))
-            start = "(" + page[-1][0]
-        return has_attempt_event, "".join(text)

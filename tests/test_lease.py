@@ -23,13 +23,18 @@ from tests.conftest import RunningBroker
 from tests.helpers import read_sse, start_turn, wait_until
 
 _n = itertools.count()
+RECORD = {"n": 1, "strategy": "initial"}
 
 
 async def new_turn(aredis: Redis, keys: Keys, scripts: Scripts) -> tuple[str, str]:
     conversation, turn = "c", f"turn-{next(_n)}"
     record = orjson.dumps({"n": 1, "strategy": "initial"}).decode()
-    turn_keys = [keys.turn(conversation, turn), keys.tombstone(conversation, turn)]
-    args = ["fp", "st_x", conversation, turn, "{}", conversation, record]
+    turn_keys = [
+        keys.turn(conversation, turn),
+        keys.tombstone(conversation, turn),
+        keys.conversation_turns(conversation),
+    ]
+    args = ["fp", "st_x", conversation, turn, "{}", conversation, record, "text"]
     await scripts("create_turn", turn_keys, args)
     return conversation, turn
 
@@ -66,7 +71,9 @@ async def test_a_stale_token_is_refused_after_a_takeover(aredis: Redis, keys: Ke
     with pytest.raises(FencedWrite):
         await old.renew()
     with pytest.raises(FencedWrite):
-        await old.finish(attempt=1, strategy="initial", status="complete", reason=None, text="")
+        await old.finish(
+            record=RECORD, status="complete", reason=None, text="", promote=True, base=""
+        )
     await new.append([("delta", {"attempt": 1, "text": "from b"})])
     texts = [
         orjson.loads(f["d"])["text"]
@@ -95,7 +102,9 @@ async def test_claims_for_a_finished_or_missing_turn_are_refused(aredis: Redis, 
     conversation, turn = await new_turn(aredis, keys, scripts)
     first = writer(scripts, keys, conversation, turn, ttl_ms=10_000)
     await first.claim("worker-a", 1)
-    await first.finish(attempt=1, strategy="initial", status="complete", reason=None, text="x")
+    await first.finish(
+        record=RECORD, status="complete", reason=None, text="x", promote=True, base=""
+    )
     again = writer(scripts, keys, conversation, turn, ttl_ms=10_000)
     assert (await again.claim("worker-b", 1)).result == "stale"
     assert (await again.claim("worker-b", 2)).result == "stale"

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,8 +43,11 @@ def test_sigkill_mid_generation_loses_no_acknowledged_event(
     turn = start_turn(first.base_url, turn_id="killed", tokens=500, tokens_per_s=50)
     seen = read_sse(first.base_url, turn["stream_id"], stop_after=10).events
     first.stop(signal.SIGKILL)
+    killed = time.monotonic()
     second = broker_processes(env)
     replay = read_sse(second.base_url, turn["stream_id"], timeout=20)
+    # Taken over within lease + reclaim idle + one reclaim sweep (plus the new process's start).
+    assert time.monotonic() - killed < 10
     assert replay.events[: len(seen)] == seen
     # The new process's worker reclaims the job; text already reached readers, so the turn is
     # interrupted, never silently continued or restarted.
@@ -133,3 +137,30 @@ def test_an_evicting_redis_gets_a_loud_warning(broker_processes: Spawn) -> None:
         metrics = httpx.get(f"{proc.base_url}/metrics", timeout=5).text
         assert "broker_redis_eviction_policy_safe 0.0" in metrics
         proc.stop()
+
+
+def test_sigterm_drains_then_interrupts_running_generations(
+    broker_processes: Spawn, redis_url: str
+) -> None:
+    env = {
+        "BROKER_REDIS_URL": redis_url,
+        "BROKER_KEY_PREFIX": f"drain{os.getpid()}",
+        "BROKER_DRAIN_TIMEOUT_S": "0.5",
+    }
+    proc = broker_processes(env)
+    long = start_turn(proc.base_url, turn_id="long", tokens=500, tokens_per_s=20)
+    short = start_turn(proc.base_url, turn_id="short", tokens=4, tokens_per_s=20)
+    seen = read_sse(proc.base_url, long["stream_id"], stop_after=3).events
+    assert proc.stop(signal.SIGTERM) == 0
+    # The short turn finished inside the grace period; the long one was interrupted.
+    after = spawn_reader(env, broker_processes)
+    short_events = read_sse(after, short["stream_id"]).events
+    assert short_events[-1].data["status"] == "complete"
+    long_events = read_sse(after, long["stream_id"]).events
+    assert long_events[: len(seen)] == seen
+    assert long_events[-1].data == {"attempt": 1, "status": "interrupted", "reason": "shutdown"}
+
+
+def spawn_reader(env: dict[str, str], spawn: Spawn) -> str:
+    """An API-only process on the same Redis, to read what the stopped one left."""
+    return spawn({**env, "BROKER_ROLE": "api"}).base_url

@@ -30,6 +30,8 @@ def test_new_turn_is_201_and_returns_ids_and_links(broker: RunningBroker) -> Non
     assert turn["links"] == {
         "self": f"/v1/turns/{turn['turn_id']}",
         "stream": f"/v1/streams/{turn['stream_id']}",
+        "cancel": f"/v1/turns/{turn['turn_id']}/cancel",
+        "attempts": f"/v1/turns/{turn['turn_id']}/attempts",
     }
 
 
@@ -83,7 +85,7 @@ def test_finished_turn_reports_status_attempts_and_canonical_text(broker: Runnin
     streamed = text_of(read_sse(broker.base_url, turn["stream_id"]).events)
     assert final["status"] == "complete"
     assert final["attempts"] == [
-        {"n": 1, "strategy": "initial", "status": "complete", "reason": None}
+        {"n": 1, "strategy": "initial", "status": "complete", "reason": None, "canonical": True}
     ]
     assert final["canonical"] == {"attempt": 1, "text": streamed}
     assert streamed
@@ -119,7 +121,8 @@ def test_a_break_after_deltas_interrupts_and_keeps_the_partial_text(broker: Runn
     state = get_turn(broker.base_url, "cut")
     assert state["status"] == "interrupted"
     assert state["attempts"][0]["status"] == "partial"
-    assert state["canonical"] is None
+    # What the reader saw is the answer until the user continues or regenerates.
+    assert state["canonical"] == {"attempt": 1, "text": text_of(events)}
 
 
 def error_of(response: httpx.Response, status: int, code: str | None = None) -> str:

@@ -24,18 +24,22 @@ def test_a_dead_workers_job_is_reclaimed_and_run_when_nothing_was_delivered(
     # A worker takes the job and the lease, then dies before its first event.
     jobs = raw_redis.xreadgroup(JOB_GROUP, "dead-worker", {keys.jobs: ">"}, count=1)
     assert jobs, "the turn's job is on the job stream"
-    raw_redis.hset(keys.turn("conv-1", "orphan"), "status", "streaming")
+    # It had called the model once: the new worker's call is a silent retry (worker_lost).
+    raw_redis.hset(keys.turn("conv-1", "orphan"), mapping={"status": "streaming", "calls:1": 1})
     raw_redis.hset(keys.lease("conv-1", "orphan"), mapping={"token": "1", "owner": "dead-worker"})
     raw_redis.pexpire(keys.lease("conv-1", "orphan"), 100)
-    broker_factory(
+    workers = [broker_factory(
         role="worker", key_prefix=api.settings.key_prefix, lease_ttl_ms=300,
-        job_reclaim_idle_ms=400,
-    )  # fmt: skip
+        job_reclaim_idle_ms=400, retry_backoff_min_ms=1, retry_backoff_max_ms=2,
+    )]  # fmt: skip
     final = wait_final(api.base_url, "orphan", timeout=15)
     assert final["status"] == "complete"
     events = read_sse(api.base_url, turn["stream_id"]).events
     assert [e.event for e in events].count("attempt") == 1
     assert raw_redis.xpending(keys.jobs, JOB_GROUP)["pending"] == 0
+    worker_metrics = workers[0]
+    assert worker_metrics.metric("broker_retries_total", '{reason="worker_lost"}') == 1
+    assert worker_metrics.metric("broker_lease_takeovers_total") == 1
 
 
 def test_an_api_only_broker_queues_and_a_worker_only_broker_generates(
@@ -90,7 +94,7 @@ def test_a_redis_blip_mid_turn_leaves_the_job_for_a_takeover(
 
     async def flaky(self: TurnWriter, events: list[tuple[str, dict[str, Any]]]) -> list[str]:
         nonlocal deltas
-        if events[0][0] == "delta":
+        if any(kind == "delta" for kind, _ in events):
             deltas += 1
             if deltas == 3:
                 raise redis_lib.exceptions.ConnectionError("simulated blip")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from broker.api.errors import describe_validation
@@ -16,10 +16,12 @@ from broker.errors import BadRequest, BrokerError
 from broker.offsets import NOW, START, ZERO_ID, from_entry_id, to_entry_id
 from broker.sse import PING, EventStreamResponse, opening_frame
 from broker.streams import Heartbeat, Location
-from broker.turns import TurnRequest
+from broker.turns import AttemptRequest, CanonicalRequest, TurnRequest
 
 if TYPE_CHECKING:
     from broker.app import Runtime
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 api_router = APIRouter()
 ops_router = APIRouter()
@@ -34,17 +36,8 @@ def json_response(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-_TURN_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": TurnRequest.model_json_schema()}},
-    }
-}
-
-
-@api_router.post("/v1/turns", openapi_extra=_TURN_BODY, status_code=201)
-async def create_turn(request: Request) -> Response:
-    """Start a turn; the same ``turn_id`` with the same request returns the existing turn."""
+async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+    """The request body as ``model``: 400 with a readable message for anything else."""
     raw = await request.body()
     try:
         payload = orjson.loads(raw)
@@ -53,11 +46,51 @@ async def create_turn(request: Request) -> Response:
     if not isinstance(payload, dict):
         raise BadRequest("body must be a JSON object")
     try:
-        turn_request = TurnRequest.model_validate(payload)
+        return model.model_validate(payload)
     except ValidationError as exc:
         raise BadRequest(describe_validation(exc.errors())) from None
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a body we parse ourselves (so that errors keep our shape)."""
+    schema = {"content": {"application/json": {"schema": model.model_json_schema()}}}
+    return {"requestBody": {"required": True, **schema}}
+
+
+@api_router.post("/v1/turns", openapi_extra=body_schema(TurnRequest), status_code=201)
+async def create_turn(request: Request) -> Response:
+    """Start a turn; the same ``turn_id`` with the same request returns the existing turn."""
+    turn_request = await parse_body(request, TurnRequest)
     created, turn = await runtime(request).turns.create(turn_request)
     return json_response(turn, 201 if created else 200)
+
+
+@api_router.post(
+    "/v1/turns/{turn_id}/attempts", openapi_extra=body_schema(AttemptRequest), status_code=201
+)
+async def start_attempt(request: Request, turn_id: str) -> Response:
+    """Continue or regenerate a turn at rest: 409 while a generation runs, 422 not allowed."""
+    attempt_request = await parse_body(request, AttemptRequest)
+    return json_response(await runtime(request).turns.start_attempt(turn_id, attempt_request), 201)
+
+
+@api_router.post("/v1/turns/{turn_id}/cancel")
+async def cancel_turn(request: Request, turn_id: str) -> Response:
+    """The stop button: ends the running attempt `cancelled`, keeping its text. Idempotent."""
+    return json_response(await runtime(request).turns.cancel(turn_id))
+
+
+@api_router.post("/v1/turns/{turn_id}/canonical", openapi_extra=body_schema(CanonicalRequest))
+async def promote_attempt(request: Request, turn_id: str) -> Response:
+    """Choose which attempt is the turn's answer, by compare-and-set on the current one."""
+    canonical_request = await parse_body(request, CanonicalRequest)
+    return json_response(await runtime(request).turns.promote(turn_id, canonical_request))
+
+
+@api_router.get("/v1/conversations/{conversation_id}/messages")
+async def conversation_messages(request: Request, conversation_id: str) -> Response:
+    """The conversation as the next request must send it: canonical answers only."""
+    return json_response(await runtime(request).turns.history(conversation_id))
 
 
 @api_router.get("/v1/turns/{turn_id}")

@@ -9,7 +9,8 @@
 -- ARGV[2]  ttl_ms      lease lifetime in milliseconds
 -- ARGV[3]  attempt     the attempt number the job was queued for
 --
--- Returns  {"claimed", token, previous_status}  previous_status "streaming" means a takeover
+-- Returns  {"claimed", token, previous_status, cancel}  previous_status "streaming" means a
+--                                  takeover; cancel is "1" when a stop was requested meanwhile
 --          {"held", owner, pttl_ms}             a live lease exists; nothing changed
 --          {"stale", status, attempt}           the turn is at rest or moved to another attempt
 --          {"missing"}                          the turn does not exist (expired)
@@ -18,7 +19,7 @@ local turn, lease = KEYS[1], KEYS[2]
 if redis.call('EXISTS', turn) == 0 then
   return {'missing'}
 end
-local v = redis.call('HMGET', turn, 'status', 'attempt')
+local v = redis.call('HMGET', turn, 'status', 'attempt', 'cancel')
 local status, attempt = v[1], v[2]
 if attempt ~= ARGV[3] or (status ~= 'queued' and status ~= 'streaming') then
   return {'stale', status or '', attempt or ''}
@@ -31,4 +32,4 @@ local token = redis.call('HINCRBY', turn, 'fence', 1)
 redis.call('HSET', lease, 'token', token, 'owner', ARGV[1])
 redis.call('PEXPIRE', lease, ARGV[2])
 redis.call('HSET', turn, 'status', 'streaming')
-return {'claimed', tostring(token), status}
+return {'claimed', tostring(token), status, v[3] and '1' or '0'}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 
@@ -61,6 +61,9 @@ class Provider(Protocol):
     def validate_params(self, params: dict[str, Any]) -> None:
         """Raise ``BadRequest`` for parameters this provider does not understand."""
 
-    def stream(self, request: GenerationRequest) -> AsyncIterator[ProviderEvent]:
-        """Call the model and yield its events; raise ``UpstreamError`` when the call fails."""
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[ProviderEvent, None]:
+        """Call the model and yield its events; raise ``UpstreamError`` when the call fails.
+
+        Closing the generator (``aclose``) aborts the upstream call.
+        """
         ...

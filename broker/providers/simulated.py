@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
@@ -28,15 +29,18 @@ from broker.providers.base import (
     Usage,
 )
 
+log = logging.getLogger("broker.providers.simulated")
+
 KNOBS = {
     "seed": "int or string; the text is a function of seed and prompt",
     "tokens": "how many deltas the answer has (1..100000, default 48)",
     "tokens_per_s": "pace of deltas, 0 = as fast as possible (default 25)",
     "fail_before_first": "the first K upstream calls of the turn fail before any delta",
     "fail_after_deltas": "the first attempt's upstream call breaks after N deltas",
+    "stall_after_deltas": "the first attempt's upstream call goes silent after N deltas",
     "error": "'retryable' (default) or 'fatal': the kind of the injected failures",
     "tool_calls": "a script of tool calls (not available in this version)",
-    "json": "true: emit a JSON document instead of prose",
+    "json": "true: emit a JSON document (the default for response_format json), false: prose",
 }
 GENERIC_PARAMS = frozenset({"simulate", "temperature", "top_p", "max_tokens", "stop", "seed"})
 DEFAULT_TOKENS = 48
@@ -68,6 +72,7 @@ class SimulatedProvider:
 
     def __init__(self, *, max_tokens_per_s: float = 0.0) -> None:
         self.max_tokens_per_s = max_tokens_per_s
+        self.aborted_calls = 0  # calls the broker closed before their end (stop, shutdown)
 
     def validate_params(self, params: dict[str, Any]) -> None:
         unknown = sorted(set(params) - GENERIC_PARAMS)
@@ -90,6 +95,7 @@ class SimulatedProvider:
         _int_knob(knobs, "tokens", 1, MAX_TOKENS)
         _int_knob(knobs, "fail_before_first", 0, 1000)
         _int_knob(knobs, "fail_after_deltas", 0, MAX_TOKENS)
+        _int_knob(knobs, "stall_after_deltas", 0, MAX_TOKENS)
         pace = knobs.get("tokens_per_s")
         if pace is not None and (
             isinstance(pace, bool) or not isinstance(pace, int | float) or not 0 <= pace <= 1e6
@@ -113,12 +119,14 @@ class SimulatedProvider:
             return cap
         return wanted
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[ProviderEvent]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[ProviderEvent, None]:
         knobs: dict[str, Any] = request.params.get("simulate", {})
         retryable = knobs.get("error", "retryable") == "retryable"
         if request.upstream_call < int(knobs.get("fail_before_first", 0)):
             raise _injected(retryable, "before the first delta")
         prompt, prefill = _split_prefill(request.messages)
+        if "json" not in knobs:
+            knobs = {**knobs, "json": request.response_format == "json"}
         pieces = full_answer(prompt, knobs)
         # A continued attempt receives what was delivered as a prefill and carries on from there.
         start = 0
@@ -129,23 +137,36 @@ class SimulatedProvider:
                 start += 1
             if delivered != prefill:
                 start = 0  # not our own text: answer from the beginning
-        break_after = knobs.get("fail_after_deltas")
+        first_attempt = request.attempt == 1
+        break_after = knobs.get("fail_after_deltas") if first_attempt else None
+        stall_after = knobs.get("stall_after_deltas") if first_attempt else None
         pace = self.pace(knobs)
         began = time.monotonic()
         sent = 0
-        for index in range(start, len(pieces)):
-            if break_after is not None and request.attempt == 1 and sent >= break_after:
-                raise _injected(retryable, f"after {sent} deltas")
-            if pace > 0:
-                delay = began + sent / pace - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            elif sent % 64 == 63:
-                await asyncio.sleep(0)  # let other turns run between bursts
-            yield TextDelta(pieces[index])
-            sent += 1
-        yield Usage(input_tokens=len(prompt) // 4 + 1, output_tokens=sent)
-        yield Finished("stop")
+        done = False
+        try:
+            for index in range(start, len(pieces)):
+                if break_after is not None and sent >= break_after:
+                    raise _injected(retryable, f"after {sent} deltas")
+                if stall_after is not None and sent >= stall_after:
+                    await asyncio.Event().wait()  # silent until the broker gives up on us
+                if pace > 0:
+                    delay = began + sent / pace - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                elif sent % 64 == 63:
+                    await asyncio.sleep(0)  # let other turns run between bursts
+                yield TextDelta(pieces[index])
+                sent += 1
+            yield Usage(input_tokens=len(prompt) // 4 + 1, output_tokens=sent)
+            done = True
+            yield Finished("stop")
+        except (GeneratorExit, asyncio.CancelledError):
+            if not done:
+                # The upstream side of an abort: the call ends here and produces nothing more.
+                self.aborted_calls += 1
+                log.info("simulated call of turn %s aborted after %d deltas", request.turn_id, sent)
+            raise
 
 
 def _injected(retryable: bool, where: str) -> UpstreamError:

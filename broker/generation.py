@@ -1,0 +1,319 @@
+"""One attempt of a turn, from its first upstream call to its ``end`` event.
+
+Before the first delta a retryable failure is retried silently (nothing reaches the stream: the
+``attempt`` event is written together with the first delta), within the limits of
+:class:`~broker.retry.RetryPolicy`. After the first delta nothing is automatic: a failure ends the
+attempt ``interrupted`` with its partial text, and the user chooses ``continue`` or
+``regenerate``. A stop, a lost lease and a shutdown reach the running attempt as a cancellation
+whose cause is recorded on its :class:`Run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, Final
+
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from broker import redis_calls as rc
+from broker.errors import FencedWrite, StopRequested, StreamFull
+from broker.keys import Keys
+from broker.lease import Claim, TurnWriter
+from broker.metrics import Metrics
+from broker.providers import (
+    Finished,
+    GenerationRequest,
+    Providers,
+    TextDelta,
+    UpstreamError,
+    Usage,
+)
+from broker.retry import RetryPolicy
+from broker.settings import Settings
+
+log = logging.getLogger("broker.generation")
+
+# Why a running attempt was cancelled from outside.
+STOP: Final = "cancelled"
+SHUTDOWN: Final = "shutdown"
+LEASE_LOST: Final = "lease_lost"
+PROMOTED_STATUSES = frozenset({"complete", "interrupted", "cancelled"})
+
+
+class LeaseLost(Exception):
+    """The attempt's lease was taken over: it must write nothing more."""
+
+
+@dataclasses.dataclass
+class Run:
+    """A running attempt as its worker sees it: what to cancel, and why it was cancelled."""
+
+    conversation_id: str
+    turn_id: str
+    attempt: int
+    job_id: str
+    writer: TurnWriter
+    claim: Claim
+    stop: str | None = None
+    task: asyncio.Task[None] | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """Cancel the attempt's task once, remembering why."""
+        if self.stop is None and self.task is not None and not self.task.done():
+            self.stop = reason
+            self.task.cancel(msg=reason)
+
+
+class _Retry(Exception):
+    def __init__(self, reason: str, error: dict[str, Any]) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+class Generation:
+    """Runs one attempt to its end; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        settings: Settings,
+        providers: Providers,
+        metrics: Metrics,
+        retry: RetryPolicy,
+        run: Run,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._settings = settings
+        self._providers = providers
+        self._metrics = metrics
+        self._retry = retry
+        self._run = run
+        self._turn_key = keys.turn(run.conversation_id, run.turn_id)
+        self._writer = run.writer
+        self._n = run.attempt
+        self._request: dict[str, Any] = {}
+        self._record: dict[str, Any] = {}
+        self._session = run.conversation_id
+        self._prefix = ""
+        self._parts: list[str] = []
+        self._has_attempt_event = False
+
+    @property
+    def _text(self) -> str:
+        return self._prefix + "".join(self._parts)
+
+    async def run(self) -> None:
+        """Run the attempt; raises LeaseLost when it must stop without writing."""
+        try:
+            await self._load()
+            await self._run_attempt()
+        except (FencedWrite, LeaseLost) as exc:
+            raise LeaseLost() from exc
+        except StopRequested:
+            await self._finish("cancelled", "cancelled")
+        except asyncio.CancelledError:
+            if self._run.stop == STOP:
+                await self._finish("cancelled", "cancelled")
+                return  # the stop is handled: the attempt ended as the user asked
+            if self._run.stop == SHUTDOWN:
+                await self._interrupt("shutdown")
+            raise
+        except StreamFull:
+            await self._finish("failed", "stream_limit", error={
+                "code": "stream_limit", "retryable": False,
+                "message": "the stream reached BROKER_MAX_STREAM_EVENTS="
+                           f"{self._settings.max_stream_events}",
+            })  # fmt: skip
+        except (RedisError, OSError):
+            raise  # Redis away: the job stays pending and a worker takes the turn over
+        except Exception:
+            log.exception("turn %s attempt %d failed inside the broker", self._run.turn_id, self._n)
+            await self._finish("failed", "internal", error={
+                "code": "internal", "retryable": False, "message": "the broker failed this attempt",
+            })  # fmt: skip
+
+    async def _load(self) -> None:
+        raw_request, raw_record, session = await rc.hmget(
+            self._redis, self._turn_key, ["request", f"attempt:{self._n}", "session"]
+        )
+        self._request = orjson.loads(raw_request or "{}")
+        self._record = orjson.loads(raw_record or "{}") or {"n": self._n, "strategy": "initial"}
+        self._session = session or self._run.conversation_id
+        if self._record.get("strategy") == "continue":
+            (prefix,) = await rc.hmget(
+                self._redis, self._turn_key, [f"text:{self._record.get('from')}"]
+            )
+            self._prefix = prefix or ""
+
+    async def _run_attempt(self) -> None:
+        claim = self._run.claim
+        delivered_before = ""
+        if claim.previous_status == "streaming":
+            self._metrics.lease_takeovers.inc()
+            self._has_attempt_event, delivered_before = await self._delivered()
+            self._parts = [delivered_before] if delivered_before else []
+        if claim.stop_requested:
+            await self._finish("cancelled", "cancelled")
+            return
+        if delivered_before:
+            # A dead worker's answer already reached readers: never continue it silently.
+            log.info("turn %s: took over after a lost worker; interrupting", self._run.turn_id)
+            await self._interrupt("worker_lost")
+            return
+        reason = "worker_lost" if claim.previous_status == "streaming" else None
+        last_error: dict[str, Any] = {}
+        while True:
+            calls = int(await self._redis.hincrby(self._turn_key, f"calls:{self._n}", 1))
+            if calls > 1:  # this call is a retry: after a failure, or of a lost worker's call
+                verdict = await self._retry.permit(self._session, calls - 1, reason or "")
+                if verdict is not None:
+                    detail = last_error.get("message", "the previous worker was lost")
+                    await self._finish("failed", verdict, error={
+                        "code": verdict, "retryable": False,
+                        "message": f"gave up after {calls - 1} upstream call(s): {detail}",
+                    })  # fmt: skip
+                    return
+                await asyncio.sleep(self._retry.backoff_s())
+            try:
+                await self._call_upstream(calls - 1)
+                return
+            except _Retry as retry:
+                reason, last_error = retry.reason, retry.error
+
+    async def _call_upstream(self, upstream_call: int) -> None:
+        provider = self._providers.get(self._request.get("provider"))
+        messages = list(self._request.get("messages", []))
+        if self._prefix:
+            messages.append({"role": "assistant", "content": self._prefix})
+        request = GenerationRequest(
+            conversation_id=self._run.conversation_id, turn_id=self._run.turn_id,
+            attempt=self._n, strategy=str(self._record.get("strategy", "initial")),
+            messages=messages, model=self._request.get("model"),
+            params=self._request.get("params", {}),
+            response_format=self._request.get("response_format", "text"),
+            upstream_call=upstream_call,
+        )  # fmt: skip
+        stream = provider.stream(request)
+        outcome = "ok"
+        finished = False
+        idle = self._settings.upstream_idle_timeout_s
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(idle):
+                        event = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise UpstreamError(
+                        "upstream_timeout", f"no upstream event for {idle} s", retryable=True
+                    ) from None
+                if isinstance(event, TextDelta) and event.text:
+                    await self._append([("delta", {"attempt": self._n, "text": event.text})])
+                    self._parts.append(event.text)
+                elif isinstance(event, Usage):
+                    await self._append([("usage", {
+                        "attempt": self._n, "input_tokens": event.input_tokens,
+                        "output_tokens": event.output_tokens,
+                    })])  # fmt: skip
+                elif isinstance(event, Finished):
+                    finished = True
+                    break
+            if not finished:
+                raise UpstreamError(
+                    "upstream_incomplete",
+                    "the upstream stream ended without its terminal event",
+                    retryable=True,
+                )
+        except UpstreamError as exc:
+            error = {"code": exc.code, "message": exc.message, "retryable": exc.retryable}
+            timeout = exc.code == "upstream_timeout"
+            if self._parts:
+                outcome = "interrupted"
+                await self._interrupt("upstream_timeout" if timeout else "upstream_error", error)
+                return
+            if exc.retryable:
+                outcome = "retryable_error"
+                raise _Retry("upstream_timeout" if timeout else "upstream_error", error) from None
+            outcome = "fatal_error"
+            await self._finish("failed", exc.code, error=error)
+            return
+        except asyncio.CancelledError:
+            outcome = "cancelled" if self._run.stop == STOP else "interrupted"
+            raise
+        finally:
+            await stream.aclose()  # an abort reaches the upstream call at once
+            self._metrics.upstream_requests.labels(provider.name, outcome).inc()
+        if request.response_format == "json":
+            try:
+                orjson.loads(self._text)
+            except orjson.JSONDecodeError as exc:
+                await self._finish("failed", "invalid_output", error={
+                    "code": "invalid_output", "retryable": False,
+                    "message": f"the answer is not valid JSON: {exc}",
+                })  # fmt: skip
+                return
+        await self._finish("complete", None)
+
+    async def _append(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        if not self._has_attempt_event:
+            # The attempt becomes visible with its first output, so silent retries stay silent.
+            events = [self._attempt_event(), *events]
+        await self._writer.append(events)
+        self._has_attempt_event = True
+
+    def _attempt_event(self) -> tuple[str, dict[str, Any]]:
+        return ("attempt", {"attempt": self._n, "strategy": self._record.get("strategy")})
+
+    async def _interrupt(self, reason: str, error: dict[str, Any] | None = None) -> None:
+        self._metrics.interruptions.labels(reason).inc()
+        await self._finish("interrupted", reason, error=error)
+
+    async def _finish(
+        self, status: str, reason: str | None, *, error: dict[str, Any] | None = None
+    ) -> None:
+        before: list[tuple[str, dict[str, Any]]] = []
+        if not self._has_attempt_event:
+            before.append(self._attempt_event())
+        if error is not None:
+            before.append(("error", {"attempt": self._n, **error}))
+        text = self._text
+        promote = status in PROMOTED_STATUSES and bool(text)
+        base = str(self._record.get("base", ""))
+        promoted = await self._writer.finish(
+            record=self._record, status=status, reason=reason, text=text, promote=promote,
+            base=base, before_end=before,
+        )  # fmt: skip
+        if promoted == -1:
+            log.warning("turn %s attempt %d: canonical changed meanwhile; not promoted",
+                        self._run.turn_id, self._n)  # fmt: skip
+        log.info("turn %s attempt %d ended %s%s", self._run.turn_id, self._n, status,
+                 f" ({reason})" if reason else "")  # fmt: skip
+
+    async def _delivered(self) -> tuple[bool, str]:
+        """Whether this attempt's ``attempt`` event is on the stream, and its delivered text."""
+        key = self._keys.events(self._run.conversation_id, self._run.turn_id)
+        has_attempt_event = False
+        text: list[str] = []
+        start = "-"
+        while True:
+            page = await rc.xrange(self._redis, key, start)
+            if not page:
+                break
+            for _entry_id, fields in page:
+                data = orjson.loads(fields.get("d", "{}"))
+                if data.get("attempt") != self._n:
+                    continue
+                if fields.get("e") == "attempt":
+                    has_attempt_event = True
+                elif fields.get("e") == "delta":
+                    text.append(str(data.get("text", "")))
+            start = "(" + page[-1][0]
+        return has_attempt_event, "".join(text)

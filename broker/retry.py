@@ -1,0 +1,54 @@
+"""The silent-retry policy: before the first delta only, capped per turn and per session.
+
+A retry is allowed while the attempt has made fewer than ``BROKER_MAX_ATTEMPTS_PER_TURN``
+upstream calls and the session's sliding-window budget (``BROKER_SESSION_RETRY_BUDGET`` per
+``BROKER_SESSION_RETRY_WINDOW``, kept in Redis on the server clock) has room. The pause before a
+retry is drawn uniformly from the backoff window (full jitter), so retries of many turns that
+failed together do not arrive together.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+
+from broker.keys import Keys
+from broker.metrics import Metrics
+from broker.scripts import Scripts
+from broker.settings import Settings
+
+ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+BUDGET_EXHAUSTED = "retry_budget_exhausted"
+
+
+class RetryPolicy:
+    """Decides whether a failed upstream call may be retried silently, and when."""
+
+    def __init__(self, scripts: Scripts, keys: Keys, settings: Settings, metrics: Metrics) -> None:
+        self._scripts = scripts
+        self._keys = keys
+        self._settings = settings
+        self._metrics = metrics
+        self._random = random.Random()
+
+    def backoff_s(self) -> float:
+        low, high = self._settings.retry_backoff_min_ms, self._settings.retry_backoff_max_ms
+        return self._random.uniform(low, high) / 1000
+
+    async def permit(self, session: str, calls_made: int, reason: str) -> str | None:
+        """None when one more call may be made; otherwise which limit stopped it."""
+        if calls_made >= self._settings.max_attempts_per_turn:
+            self._metrics.retry_budget_exhausted.labels("turn").inc()
+            self._metrics.attempts_exhausted.inc()
+            return ATTEMPTS_EXHAUSTED
+        allowed = await self._scripts(
+            "take_retry_budget",
+            [self._keys.retry_budget(session)],
+            [self._settings.session_retry_budget,
+             int(self._settings.session_retry_window * 1000), secrets.token_hex(8)],
+        )  # fmt: skip
+        if not int(allowed):
+            self._metrics.retry_budget_exhausted.labels("session").inc()
+            return BUDGET_EXHAUSTED
+        self._metrics.retries.labels(reason).inc()
+        return None
