@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ from broker.app import Runtime, Server, create_app
 from broker.connection import RedisConnectError
 from broker.embedded_redis import EmbeddedRedisError
 from broker.settings import ROLES, Settings, SettingsError
+from broker.tools import ToolConfigError, ToolRegistry
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +29,27 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (BROKER_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind, 0 = any free (BROKER_PORT, 8000)")
     serve.add_argument("--role", choices=ROLES, help="all (default), api or worker (BROKER_ROLE)")
+    tools = commands.add_parser("tools", help="inspect the tool registry (BROKER_TOOLS)")
+    tools_commands = tools.add_subparsers(dest="tools_command", required=True)
+    audit = tools_commands.add_parser(
+        "audit", help="print which tools can double-fire and how each is protected"
+    )
+    audit.add_argument("--file", help="tools file (default: BROKER_TOOLS)")
     return parser
+
+
+def audit_tools(path: str | None) -> int:
+    """``broker tools audit``: the registry's double-fire risk, tool by tool."""
+    if not path:
+        print("broker: no tools file: set BROKER_TOOLS or pass --file", file=sys.stderr)
+        return 2
+    try:
+        registry = ToolRegistry.from_file(path)
+    except ToolConfigError as exc:
+        print(f"broker: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(registry.audit())
+    return 0
 
 
 def serve(settings: Settings) -> int:
@@ -57,6 +79,8 @@ async def _serve(settings: Settings) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "tools":
+        return audit_tools(args.file or os.environ.get("BROKER_TOOLS"))
     try:
         settings = Settings.from_env(host=args.host, port=args.port, role=args.role)
     except SettingsError as exc:
@@ -68,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return serve(settings)
-    except (RedisConnectError, EmbeddedRedisError) as exc:
+    except (RedisConnectError, EmbeddedRedisError, ToolConfigError) as exc:
         print(f"broker: {exc}", file=sys.stderr)
         return 1
 

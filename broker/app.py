@@ -16,6 +16,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
@@ -25,11 +26,13 @@ from broker.api import BodySizeLimit, api_router, install_error_handlers, ops_ro
 from broker.connection import check_eviction_policy, client, connect, redact
 from broker.embedded_redis import EmbeddedRedis
 from broker.keys import Keys
+from broker.ledger import Dispatcher, Ledger
 from broker.metrics import Metrics
 from broker.providers import Providers
 from broker.scripts import Scripts
 from broker.settings import Settings
 from broker.streams import FEED_BLOCK_MS, Hub, Streams
+from broker.tools import ToolRegistry
 from broker.turns import Turns
 from broker.worker import Worker, ensure_group
 
@@ -46,6 +49,7 @@ class Runtime:
         blocking_redis: Redis,
         metrics: Metrics,
         embedded: EmbeddedRedis | None,
+        tools: ToolRegistry,
     ) -> None:
         self.settings = settings
         self.redis = redis
@@ -58,12 +62,23 @@ class Runtime:
         self.hub = Hub(blocking_redis, metrics)
         self.streams = Streams(redis, self.keys, self.hub, settings, metrics)
         self.turns = Turns(redis, self.scripts, self.keys, settings, self.providers, metrics)
+        self.tools = tools
+        self.ledger = Ledger(redis, self.scripts, self.keys, settings, metrics)
+        self.http = httpx.AsyncClient(follow_redirects=False)
+        self.dispatcher = Dispatcher(tools, self.ledger, self.http, settings, metrics)
         self.worker: Worker | None = None
         self._drained = False
         self._closed = False
 
     @classmethod
-    async def start(cls, settings: Settings) -> Runtime:
+    async def start(cls, settings: Settings, tools: ToolRegistry | None = None) -> Runtime:
+        """Connect (or start the embedded server), load the scripts, start the worker.
+
+        ``tools`` is the registry for an embedding program; by default the registry is read
+        from ``BROKER_TOOLS`` (none when unset).
+        """
+        if tools is None:
+            tools = ToolRegistry.from_file(settings.tools) if settings.tools else ToolRegistry()
         embedded = None
         url = settings.redis_url
         if url is None:
@@ -77,7 +92,7 @@ class Runtime:
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
             blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
             metrics = Metrics(providers=Providers(settings).names)
-            rt = cls(settings, redis, blocking, metrics, embedded)
+            rt = cls(settings, redis, blocking, metrics, embedded, tools)
             policy = await check_eviction_policy(redis)
             metrics.eviction_policy_safe.set(1 if policy == "noeviction" else 0)
             await rt.scripts.load()
@@ -88,8 +103,9 @@ class Runtime:
             raise
         if settings.runs_worker:
             rt.worker = Worker(
-                redis, blocking, rt.scripts, rt.keys, settings, rt.providers, metrics
-            )
+                redis, blocking, rt.scripts, rt.keys, settings, rt.providers, metrics,
+                rt.dispatcher,
+            )  # fmt: skip
             rt.worker.start()
         return rt
 
@@ -107,6 +123,8 @@ class Runtime:
             return
         self._closed = True
         await self.drain()
+        with contextlib.suppress(Exception):
+            await self.http.aclose()
         for redis in (self.redis, self.blocking_redis):
             with contextlib.suppress(Exception):
                 await redis.aclose()
@@ -114,12 +132,14 @@ class Runtime:
             self.embedded.stop()
 
 
-def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, runtime: Runtime | None = None, *, tools: ToolRegistry | None = None
+) -> FastAPI:
     """The ASGI app; its lifespan starts (unless given one) and stops the runtime."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        rt = runtime if runtime is not None else await Runtime.start(settings)
+        rt = runtime if runtime is not None else await Runtime.start(settings, tools)
         app.state.runtime = rt
         app.state.metrics = rt.metrics
         try:

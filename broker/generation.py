@@ -11,6 +11,7 @@ whose cause is recorded on its :class:`Run`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Final
@@ -23,12 +24,17 @@ from broker import redis_calls as rc
 from broker.errors import FencedWrite, StopRequested, StreamFull
 from broker.keys import Keys
 from broker.lease import Claim, TurnWriter
+from broker.ledger import Dispatcher, Outcome, Slot
 from broker.metrics import Metrics
 from broker.providers import (
     Finished,
     GenerationRequest,
+    Provider,
     Providers,
     TextDelta,
+    ToolCallChunk,
+    ToolCallEnd,
+    ToolStep,
     UpstreamError,
     Usage,
 )
@@ -68,6 +74,15 @@ class Run:
             self.task.cancel(msg=reason)
 
 
+class _ToolFailure(Exception):
+    """A tool call's outcome fails the turn (unknown outcome, in-flight timeout, mismatch)."""
+
+    def __init__(self, reason: str, error: dict[str, Any]) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
 class _Retry(Exception):
     def __init__(self, reason: str, error: dict[str, Any]) -> None:
         super().__init__(reason)
@@ -87,6 +102,7 @@ class Generation:
         metrics: Metrics,
         retry: RetryPolicy,
         run: Run,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -104,6 +120,9 @@ class Generation:
         self._prefix = ""
         self._parts: list[str] = []
         self._has_attempt_event = False
+        self._tool_output = False
+        self._ordinals: dict[str, int] = {}
+        self._dispatcher = dispatcher
 
     @property
     def _text(self) -> str:
@@ -157,12 +176,12 @@ class Generation:
         delivered_before = ""
         if claim.previous_status == "streaming":
             self._metrics.lease_takeovers.inc()
-            self._has_attempt_event, delivered_before = await self._delivered()
+            self._has_attempt_event, delivered_before, self._tool_output = await self._delivered()
             self._parts = [delivered_before] if delivered_before else []
         if claim.stop_requested:
             await self._finish("cancelled", "cancelled")
             return
-        if delivered_before:
+        if self._output:
             # A dead worker's answer already reached readers: never continue it silently.
             log.info("turn %s: took over after a lost worker; interrupting", self._run.turn_id)
             await self._interrupt("worker_lost")
@@ -188,21 +207,59 @@ class Generation:
                 reason, last_error = retry.reason, retry.error
 
     async def _call_upstream(self, upstream_call: int) -> None:
+        """One upstream call, and the tool steps it leads to, until the answer ends."""
         provider = self._providers.get(self._request.get("provider"))
         messages = list(self._request.get("messages", []))
         if self._prefix:
             messages.append({"role": "assistant", "content": self._prefix})
-        request = GenerationRequest(
-            conversation_id=self._run.conversation_id, turn_id=self._run.turn_id,
-            attempt=self._n, strategy=str(self._record.get("strategy", "initial")),
-            messages=messages, model=self._request.get("model"),
-            params=self._request.get("params", {}),
-            response_format=self._request.get("response_format", "text"),
-            upstream_call=upstream_call,
-        )  # fmt: skip
+        steps: list[ToolStep] = []
+        for _ in range(self._settings.max_tool_steps + 1):
+            request = GenerationRequest(
+                conversation_id=self._run.conversation_id, turn_id=self._run.turn_id,
+                attempt=self._n, strategy=str(self._record.get("strategy", "initial")),
+                messages=messages, model=self._request.get("model"),
+                params=self._request.get("params", {}),
+                response_format=self._request.get("response_format", "text"),
+                upstream_call=upstream_call, tools=self._request.get("tools", []),
+                tool_steps=list(steps),
+            )  # fmt: skip
+            step = await self._stream_step(provider, request)
+            if step is None:
+                return  # the attempt ended (or was handed to a retry) inside the step
+            if not step.calls:
+                break
+            steps.append(step)
+        else:
+            await self._finish("failed", "tool_steps_exhausted", error={
+                "code": "tool_steps_exhausted", "retryable": False,
+                "message": f"the model kept calling tools for BROKER_MAX_TOOL_STEPS="
+                           f"{self._settings.max_tool_steps} steps",
+            })  # fmt: skip
+            return
+        if request.response_format == "json":
+            try:
+                orjson.loads(self._text)
+            except orjson.JSONDecodeError as exc:
+                await self._finish("failed", "invalid_output", error={
+                    "code": "invalid_output", "retryable": False,
+                    "message": f"the answer is not valid JSON: {exc}",
+                })  # fmt: skip
+                return
+        await self._finish("complete", None)
+
+    async def _stream_step(self, provider: Provider, request: GenerationRequest) -> ToolStep | None:
+        """Stream one model message; its tool calls run as soon as their arguments are whole.
+
+        Returns the step (text, calls, results) when the message ended, None when the attempt
+        ended inside it. Raises _Retry for a retryable failure before any output.
+        """
         stream = provider.stream(request)
         outcome = "ok"
         finished = False
+        step_start = len(self._parts)
+        open_calls: dict[int, dict[str, str]] = {}
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
         idle = self._settings.upstream_idle_timeout_s
         try:
             while True:
@@ -218,12 +275,23 @@ class Generation:
                 if isinstance(event, TextDelta) and event.text:
                     await self._append([("delta", {"attempt": self._n, "text": event.text})])
                     self._parts.append(event.text)
+                elif isinstance(event, ToolCallChunk):
+                    call = open_calls.setdefault(
+                        event.index, {"id": "", "name": "", "arguments": ""}
+                    )
+                    call["id"] = event.call_id or call["id"]
+                    call["name"] = event.name or call["name"]
+                    call["arguments"] += event.arguments
+                elif isinstance(event, ToolCallEnd) and event.index in open_calls:
+                    await self._run_tool(open_calls.pop(event.index), calls, results)
                 elif isinstance(event, Usage):
                     await self._append([("usage", {
                         "attempt": self._n, "input_tokens": event.input_tokens,
                         "output_tokens": event.output_tokens,
                     })])  # fmt: skip
                 elif isinstance(event, Finished):
+                    for index in sorted(open_calls):  # the message's end completes its calls
+                        await self._run_tool(open_calls.pop(index), calls, results)
                     finished = True
                     break
             if not finished:
@@ -233,34 +301,101 @@ class Generation:
                     retryable=True,
                 )
         except UpstreamError as exc:
+            delivered = self._output
+            await self._abandon(open_calls, show=delivered)
             error = {"code": exc.code, "message": exc.message, "retryable": exc.retryable}
             timeout = exc.code == "upstream_timeout"
-            if self._parts:
+            if delivered:
                 outcome = "interrupted"
                 await self._interrupt("upstream_timeout" if timeout else "upstream_error", error)
-                return
+                return None
             if exc.retryable:
                 outcome = "retryable_error"
                 raise _Retry("upstream_timeout" if timeout else "upstream_error", error) from None
             outcome = "fatal_error"
             await self._finish("failed", exc.code, error=error)
-            return
+            return None
+        except _ToolFailure as failure:
+            await self._finish("failed", failure.reason, error={**failure.error,
+                                                                "retryable": False})  # fmt: skip
+            return None
         except asyncio.CancelledError:
             outcome = "cancelled" if self._run.stop == STOP else "interrupted"
             raise
         finally:
             await stream.aclose()  # an abort reaches the upstream call at once
             self._metrics.upstream_requests.labels(provider.name, outcome).inc()
-        if request.response_format == "json":
-            try:
-                orjson.loads(self._text)
-            except orjson.JSONDecodeError as exc:
-                await self._finish("failed", "invalid_output", error={
-                    "code": "invalid_output", "retryable": False,
-                    "message": f"the answer is not valid JSON: {exc}",
-                })  # fmt: skip
-                return
-        await self._finish("complete", None)
+        return ToolStep("".join(self._parts[step_start:]), calls, results)
+
+    async def _run_tool(
+        self, call: dict[str, str], calls: list[dict[str, Any]], results: list[dict[str, Any]]
+    ) -> None:
+        """Dispatch one complete call through the ledger and put both sides on the stream."""
+        name = call["name"]
+        ordinal = self._ordinals.get(name, 0)
+        self._ordinals[name] = ordinal + 1
+        call_id = call["id"] or f"call_{self._n}_{name}_{ordinal}"
+        try:
+            shown: Any = orjson.loads(call["arguments"] or "{}")
+        except orjson.JSONDecodeError:
+            shown = call["arguments"]
+        await self._append([("tool_call", {
+            "attempt": self._n, "call_id": call_id, "name": name, "args": shown,
+            "ordinal": ordinal, "status": "dispatched",
+        })])  # fmt: skip
+        slot = Slot(self._run.conversation_id, self._run.turn_id, name, ordinal)
+        row = {"tool": name, "ordinal": ordinal, "attempt": self._n, "call_id": call_id}
+        if self._dispatcher is None:
+            outcome = Outcome("refused", error={"code": "unknown_tool",
+                                                "message": "no tools are registered"})  # fmt: skip
+        else:
+            outcome = await self._dispatcher.dispatch(slot, call["arguments"], row)
+        data: dict[str, Any] = {
+            "attempt": self._n, "call_id": call_id, "name": name, "ordinal": ordinal,
+            "source": outcome.source, "status": "error" if outcome.error else "ok",
+        }  # fmt: skip
+        if outcome.error is not None:
+            data["error"] = outcome.error
+        else:
+            data["result"] = outcome.result
+        await self._append([("tool_result", data)])
+        if outcome.fail_reason is not None:
+            raise _ToolFailure(outcome.fail_reason, outcome.error or {})
+        calls.append({"id": call_id, "name": name, "arguments": call["arguments"]})
+        content = outcome.error if outcome.error is not None else outcome.result
+        results.append({"id": call_id, "name": name, "content": orjson.dumps(content).decode()})
+
+    async def _abandon(self, open_calls: dict[int, dict[str, str]], *, show: bool) -> None:
+        """Calls cut off while their arguments arrived: recorded as not run, never dispatched.
+
+        Readers are told (``show``) only when the attempt already reached them; otherwise a
+        silent retry follows and the stream stays as if nothing happened.
+        """
+        for index in sorted(open_calls):
+            call = open_calls.pop(index)
+            row = {"tool": call["name"], "attempt": self._n, "call_id": call["id"],
+                   "state": "not_run", "reason": "connection_lost",
+                   "partial_arguments": call["arguments"]}  # fmt: skip
+            if self._dispatcher is not None:
+                await self._dispatcher.ledger.abandon(
+                    self._run.conversation_id, self._run.turn_id, row
+                )
+                tool = self._dispatcher.registry.get(call["name"])
+                kind = tool.kind if tool is not None else "read"
+                self._metrics.tool_calls.labels(kind, "not_run").inc()
+            if not show:
+                continue
+            with contextlib.suppress(StopRequested, StreamFull):
+                await self._append([("tool_call", {
+                    "attempt": self._n, "call_id": call["id"], "name": call["name"],
+                    "args": None, "ordinal": None, "status": "not_run",
+                    "reason": "connection_lost",
+                })])  # fmt: skip
+
+    @property
+    def _output(self) -> bool:
+        """Whether anything of this attempt reached readers (text or tool events)."""
+        return bool(self._parts) or self._tool_output
 
     async def _append(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         if not self._has_attempt_event:
@@ -268,6 +403,8 @@ class Generation:
             events = [self._attempt_event(), *events]
         await self._writer.append(events)
         self._has_attempt_event = True
+        if any(kind in ("tool_call", "tool_result") for kind, _ in events):
+            self._tool_output = True
 
     def _attempt_event(self) -> tuple[str, dict[str, Any]]:
         return ("attempt", {"attempt": self._n, "strategy": self._record.get("strategy")})
@@ -297,10 +434,11 @@ class Generation:
         log.info("turn %s attempt %d ended %s%s", self._run.turn_id, self._n, status,
                  f" ({reason})" if reason else "")  # fmt: skip
 
-    async def _delivered(self) -> tuple[bool, str]:
-        """Whether this attempt's ``attempt`` event is on the stream, and its delivered text."""
+    async def _delivered(self) -> tuple[bool, str, bool]:
+        """Whether this attempt's ``attempt`` event is on the stream, its delivered text, and
+        whether tool events were delivered."""
         key = self._keys.events(self._run.conversation_id, self._run.turn_id)
-        has_attempt_event = False
+        has_attempt_event = tool_output = False
         text: list[str] = []
         start = "-"
         while True:
@@ -315,5 +453,7 @@ class Generation:
                     has_attempt_event = True
                 elif fields.get("e") == "delta":
                     text.append(str(data.get("text", "")))
+                elif fields.get("e") in ("tool_call", "tool_result"):
+                    tool_output = True
             start = "(" + page[-1][0]
-        return has_attempt_event, "".join(text)
+        return has_attempt_event, "".join(text), tool_output

@@ -50,6 +50,18 @@ class Keys:
         """String with a PEXPIRE: rate-limits re-queueing a turn that was never queued."""
         return f"{self.tag(conversation_id)}:rescue:{turn_id}"
 
+    def tool_slot(self, conversation_id: str, turn_id: str, tool: str, ordinal: int) -> str:
+        """Hash: one tool-call slot of the ledger (state, token, lease, result or error)."""
+        return f"{self.tag(conversation_id)}:tool:{turn_id}:{tool}:{ordinal}"
+
+    def tool_slots(self, conversation_id: str, turn_id: str) -> str:
+        """Set: the ledger slots of a turn, for the audit."""
+        return f"{self.tag(conversation_id)}:tools:{turn_id}"
+
+    def tool_abandoned(self, conversation_id: str, turn_id: str) -> str:
+        """List: tool calls cut off while their arguments were arriving (never run)."""
+        return f"{self.tag(conversation_id)}:tools-abandoned:{turn_id}"
+
     def conversation_turns(self, conversation_id: str) -> str:
         """Sorted set: the conversation's turn ids, scored by creation time (ms)."""
         return f"{self.tag(conversation_id)}:turns"

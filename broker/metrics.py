@@ -16,6 +16,8 @@ TURN_STATUSES = ("complete", "interrupted", "cancelled", "failed")
 UPSTREAM_OUTCOMES = ("ok", "retryable_error", "fatal_error", "interrupted", "cancelled")
 RETRY_REASONS = ("upstream_error", "upstream_timeout", "worker_lost")
 BUDGET_SCOPES = ("turn", "session")
+LEDGER_RESULTS = ("claimed", "completed", "failed", "in_flight", "args_mismatch", "reclaimed")
+TOOL_OUTCOMES = ("ok", "error", "replayed", "unknown_outcome", "not_run")
 INTERRUPTION_REASONS = ("upstream_error", "upstream_timeout", "worker_lost", "shutdown")
 RESUME_RESULTS = ("ok", "expired", "not_found")
 STREAM_MODES = ("sse", "json")
@@ -129,3 +131,20 @@ class Metrics:
         )
         for result in ("cancelled", "signalled", "final"):
             self.cancels.labels(result)
+        self.ledger_claims = Counter(
+            "broker_ledger_claims_total",
+            "Tool-call ledger claims, by what the claim found.",
+            ["result"],
+            registry=r,
+        )
+        for result in LEDGER_RESULTS:
+            self.ledger_claims.labels(result)
+        self.tool_calls = Counter(
+            "broker_tool_calls_total",
+            "Tool calls, by tool class and outcome.",
+            ["tool_class", "outcome"],
+            registry=r,
+        )
+        for tool_class in ("read", "keyed_write", "unkeyed_write"):
+            for outcome in TOOL_OUTCOMES:
+                self.tool_calls.labels(tool_class, outcome)

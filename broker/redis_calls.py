@@ -26,6 +26,11 @@ async def hgetall(redis: Redis, key: str) -> dict[str, str]:
     return cast(dict[str, str], await redis.hgetall(key))
 
 
+async def smembers(redis: Redis, key: str) -> list[str]:
+    """The members of a set, sorted."""
+    return sorted(cast(set[str], await redis.smembers(key)))
+
+
 async def zrange_all(redis: Redis, key: str) -> list[str]:
     return cast(list[str], await redis.zrange(key, 0, -1))
 

@@ -49,6 +49,10 @@ class Settings:
     retry_backoff_min_ms: int = 200
     retry_backoff_max_ms: int = 400
     upstream_idle_timeout_s: float = 60.0
+    tools: str | None = None  # path of the tools file
+    max_tool_steps: int = 8
+    tool_lease_ms: int = 30_000
+    tool_in_flight_wait_s: float = 30.0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -66,7 +70,7 @@ class Settings:
             "max_messages", "max_message_chars", "lease_ttl_ms", "job_reclaim_idle_ms",
             "worker_concurrency", "sse_heartbeat_s", "sse_retry_ms", "sse_send_timeout_s",
             "drain_timeout_s", "json_page_size", "max_attempts_per_turn", "session_retry_window",
-            "upstream_idle_timeout_s",
+            "upstream_idle_timeout_s", "max_tool_steps", "tool_lease_ms", "tool_in_flight_wait_s",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:

@@ -24,6 +24,7 @@ from broker.errors import FencedWrite
 from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, LeaseLost, Run
 from broker.keys import JOB_GROUP, Keys
 from broker.lease import TurnWriter
+from broker.ledger import Dispatcher
 from broker.metrics import Metrics
 from broker.providers import Providers
 from broker.retry import RetryPolicy
@@ -64,8 +65,10 @@ class Worker:
         settings: Settings,
         providers: Providers,
         metrics: Metrics,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self._redis = redis
+        self._dispatcher = dispatcher
         self._blocking_redis = blocking_redis
         self._scripts = scripts
         self._keys = keys
@@ -205,8 +208,9 @@ class Worker:
             return False  # a live worker owns the turn and refreshes its job itself
         run = Run(conversation_id, turn_id, attempt, job_id, writer, claim)
         generation = Generation(
-            self._redis, self._keys, settings, self._providers, self._metrics, self._retry, run
-        )
+            self._redis, self._keys, settings, self._providers, self._metrics, self._retry, run,
+            self._dispatcher,
+        )  # fmt: skip
         run.task = asyncio.create_task(generation.run(), name=f"turn {turn_id}")
         self._runs[(conversation_id, turn_id)] = run
         heartbeat = asyncio.create_task(self._heartbeat(run))

@@ -87,6 +87,15 @@ async def promote_attempt(request: Request, turn_id: str) -> Response:
     return json_response(await runtime(request).turns.promote(turn_id, canonical_request))
 
 
+@api_router.get("/v1/turns/{turn_id}/tool-calls")
+async def tool_calls(request: Request, turn_id: str) -> Response:
+    """The ledger rows of a turn's tool calls, for audit."""
+    rt = runtime(request)
+    state = await rt.turns.get(turn_id)
+    rows = await rt.ledger.rows(state["conversation_id"], turn_id)
+    return json_response({"turn_id": turn_id, "tool_calls": rows})
+
+
 @api_router.get("/v1/conversations/{conversation_id}/messages")
 async def conversation_messages(request: Request, conversation_id: str) -> Response:
     """The conversation as the next request must send it: canonical answers only."""

@@ -9,6 +9,9 @@ from broker.providers.base import (
     Provider,
     ProviderEvent,
     TextDelta,
+    ToolCallChunk,
+    ToolCallEnd,
+    ToolStep,
     UpstreamError,
     Usage,
 )
@@ -23,6 +26,9 @@ __all__ = [
     "Providers",
     "SimulatedProvider",
     "TextDelta",
+    "ToolCallChunk",
+    "ToolCallEnd",
+    "ToolStep",
     "UpstreamError",
     "Usage",
 ]

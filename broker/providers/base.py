@@ -8,6 +8,16 @@ from typing import Any, Protocol
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ToolStep:
+    """One round of tool use earlier in this attempt: what the model said and called, and what
+    the tools answered. Adapters render it in their provider's wire format."""
+
+    text: str
+    calls: list[dict[str, Any]]  # {"id", "name", "arguments"} (arguments as JSON text)
+    results: list[dict[str, Any]]  # {"id", "name", "content"} (content as JSON text)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One upstream call for one attempt of a turn."""
 
@@ -19,7 +29,9 @@ class GenerationRequest:
     model: str | None
     params: dict[str, Any]
     response_format: str
-    upstream_call: int  # 0 for the turn's first upstream call, counted across attempts
+    upstream_call: int  # 0 for the attempt's first upstream call, counted across retries
+    tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tool_steps: list[ToolStep] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,13 +46,32 @@ class Usage:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ToolCallChunk:
+    """Part of a tool call, as models stream them: ``index`` ties the parts of one call
+    together; ``call_id`` and ``name`` come with the first part, ``arguments`` is JSON text
+    arriving piece by piece."""
+
+    index: int
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCallEnd:
+    """The call at ``index`` has all its arguments (adapters whose wire format says so)."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Finished:
     """The upstream's own terminal event. A stream that ends without it was cut, not finished."""
 
-    reason: str = "stop"
+    reason: str = "stop"  # "tool_calls": the model waits for its calls' results
 
 
-ProviderEvent = TextDelta | Usage | Finished
+ProviderEvent = TextDelta | Usage | ToolCallChunk | ToolCallEnd | Finished
 
 
 class UpstreamError(Exception):

@@ -25,6 +25,8 @@ from broker.providers.base import (
     GenerationRequest,
     ProviderEvent,
     TextDelta,
+    ToolCallChunk,
+    ToolCallEnd,
     UpstreamError,
     Usage,
 )
@@ -39,7 +41,9 @@ KNOBS = {
     "fail_after_deltas": "the first attempt's upstream call breaks after N deltas",
     "stall_after_deltas": "the first attempt's upstream call goes silent after N deltas",
     "error": "'retryable' (default) or 'fatal': the kind of the injected failures",
-    "tool_calls": "a script of tool calls (not available in this version)",
+    "tool_calls": "a script of tool calls: [{name, args, after}], one per step, `after` deltas in",
+    "fail_after_tool_calls": "the first attempt's call breaks right after its Nth tool call ran",
+    "cut_during_tool_args": "true: the first attempt's call breaks while a call's args arrive",
     "json": "true: emit a JSON document (the default for response_format json), false: prose",
 }
 GENERIC_PARAMS = frozenset({"simulate", "temperature", "top_p", "max_tokens", "stop", "seed"})
@@ -105,11 +109,10 @@ class SimulatedProvider:
             raise BadRequest("params.simulate.error must be 'retryable' or 'fatal'")
         if not isinstance(knobs.get("json", False), bool):
             raise BadRequest("params.simulate.json must be true or false")
-        if "tool_calls" in knobs:
-            raise BadRequest(
-                "params.simulate.tool_calls is not available yet: tool dispatch is not built",
-                code="not_supported",
-            )
+        _validate_tool_script(knobs.get("tool_calls", []))
+        _int_knob(knobs, "fail_after_tool_calls", 1, 16)
+        if not isinstance(knobs.get("cut_during_tool_args", False), bool):
+            raise BadRequest("params.simulate.cut_during_tool_args must be true or false")
 
     def pace(self, knobs: dict[str, Any]) -> float:
         """Deltas per second for a turn, 0 meaning no pause; the cap applies to both."""
@@ -140,12 +143,18 @@ class SimulatedProvider:
         first_attempt = request.attempt == 1
         break_after = knobs.get("fail_after_deltas") if first_attempt else None
         stall_after = knobs.get("stall_after_deltas") if first_attempt else None
+        # Each scripted tool call is one step: the text up to its position, then the call.
+        script: list[dict[str, Any]] = knobs.get("tool_calls", [])
+        step = len(request.tool_steps)
+        low = max(start, int(script[step - 1].get("after", 0)) if 0 < step <= len(script) else 0)
+        call = script[step] if step < len(script) else None
+        high = max(low, int(call.get("after", 0))) if call is not None else len(pieces)
         pace = self.pace(knobs)
         began = time.monotonic()
         sent = 0
         done = False
         try:
-            for index in range(start, len(pieces)):
+            for index in range(low, min(high, len(pieces))):
                 if break_after is not None and sent >= break_after:
                     raise _injected(retryable, f"after {sent} deltas")
                 if stall_after is not None and sent >= stall_after:
@@ -158,15 +167,42 @@ class SimulatedProvider:
                     await asyncio.sleep(0)  # let other turns run between bursts
                 yield TextDelta(pieces[index])
                 sent += 1
+            if call is not None:
+                arguments = orjson.dumps(call.get("args", {})).decode()
+                half = len(arguments) // 2
+                call_id = f"call_{request.turn_id[-8:]}_{step}"
+                yield ToolCallChunk(0, call_id, str(call["name"]), arguments[:half])
+                if first_attempt and knobs.get("cut_during_tool_args"):
+                    raise _injected(retryable, "while a tool call's arguments arrived")
+                yield ToolCallChunk(0, arguments=arguments[half:])
+                yield ToolCallEnd(0)
+                fail_after = knobs.get("fail_after_tool_calls")
+                if first_attempt and fail_after is not None and step + 1 >= fail_after:
+                    raise _injected(retryable, f"after tool call {step + 1} ran")
             yield Usage(input_tokens=len(prompt) // 4 + 1, output_tokens=sent)
             done = True
-            yield Finished("stop")
+            yield Finished("tool_calls" if call is not None else "stop")
         except (GeneratorExit, asyncio.CancelledError):
             if not done:
                 # The upstream side of an abort: the call ends here and produces nothing more.
                 self.aborted_calls += 1
                 log.info("simulated call of turn %s aborted after %d deltas", request.turn_id, sent)
             raise
+
+
+def _validate_tool_script(script: Any) -> None:
+    if not isinstance(script, list) or len(script) > 16:
+        raise BadRequest("params.simulate.tool_calls must be a list of at most 16 calls")
+    previous = 0
+    for entry in script:
+        if not isinstance(entry, dict) or set(entry) - {"name", "args", "after"}:
+            raise BadRequest("each params.simulate.tool_calls entry is {name, args, after}")
+        if not isinstance(entry.get("name"), str) or not isinstance(entry.get("args", {}), dict):
+            raise BadRequest("a scripted tool call needs a string name and object args")
+        after = entry.get("after", 0)
+        if isinstance(after, bool) or not isinstance(after, int) or after < previous:
+            raise BadRequest("tool_calls[].after must be integers in increasing order")
+        previous = after
 
 
 def _injected(retryable: bool, where: str) -> UpstreamError:

@@ -1,0 +1,295 @@
+"""The tool-call ledger: claim a call before acting, so a re-issued turn never pays twice.
+
+A slot is (conversation, turn, tool name, ordinal of that tool's calls in the attempt): a
+regenerated or continued attempt that makes the same calls in the same order meets the same
+slots. The claim (``claim_tool.lua``) answers what the caller may do; the downstream call
+carries ``Idempotency-Key`` = the first 32 hex digits of SHA-256(slot, arguments' fingerprint).
+
+What a caller does with each answer:
+
+=================  ==========================================================================
+claimed            run the call; store its result or error (``finish_tool.lua``)
+completed, failed  replay the stored outcome; nothing runs
+in_flight          wait with backoff up to ``BROKER_TOOL_IN_FLIGHT_WAIT_S``, then fail the turn
+                   (``in_flight_timeout``)
+args_mismatch      a write fails the turn; a read runs (outside the ledger)
+reclaimed          the holder's lease expired: a read re-runs, a keyed write re-sends with the
+                   same key, an unkeyed write is stored as ``unknown_outcome`` and fails the turn
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import random
+from typing import Any
+
+import httpx
+import orjson
+from redis.asyncio import Redis
+
+from broker import redis_calls as rc
+from broker.canonical import fingerprint
+from broker.errors import FencedWrite
+from broker.keys import Keys
+from broker.metrics import Metrics
+from broker.scripts import Scripts
+from broker.settings import Settings
+from broker.tools import Tool, ToolError, ToolRegistry, invoke
+
+log = logging.getLogger("broker.ledger")
+
+KEYED_RESENDS = 2  # a keyed write whose outcome is unknown is re-sent (same key) this often
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slot:
+    conversation_id: str
+    turn_id: str
+    tool: str
+    ordinal: int
+
+    def key(self, keys: Keys) -> str:
+        return keys.tool_slot(self.conversation_id, self.turn_id, self.tool, self.ordinal)
+
+    def idempotency_key(self, args_fingerprint: str) -> str:
+        """32 hex digits naming this call (slot and arguments) for the downstream."""
+        text = "\x00".join(
+            (self.conversation_id, self.turn_id, self.tool, str(self.ordinal), args_fingerprint)
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claim:
+    """The ledger's answer; ``payload`` is the stored result or error when there is one."""
+
+    state: str
+    token: str = ""
+    payload: Any = None
+    wait_ms: int = 0
+
+
+class Ledger:
+    """The Lua-backed ledger operations."""
+
+    def __init__(
+        self, redis: Redis, scripts: Scripts, keys: Keys, settings: Settings, metrics: Metrics
+    ) -> None:
+        self._redis = redis
+        self._scripts = scripts
+        self._keys = keys
+        self._settings = settings
+        self._metrics = metrics
+        self._retention_ms = int((settings.stream_ttl + settings.tombstone_ttl) * 1000)
+
+    async def claim(self, slot: Slot, args_fingerprint: str, row: dict[str, Any]) -> Claim:
+        reply = await self._scripts(
+            "claim_tool",
+            [slot.key(self._keys), self._keys.tool_slots(slot.conversation_id, slot.turn_id)],
+            [args_fingerprint, self._settings.tool_lease_ms, "broker", self._retention_ms,
+             orjson.dumps(row).decode()],
+        )  # fmt: skip
+        state = str(reply[0])
+        self._metrics.ledger_claims.labels(state).inc()
+        if state in ("claimed", "reclaimed"):
+            return Claim(state, token=str(reply[1]))
+        if state in ("completed", "failed"):
+            return Claim(state, payload=orjson.loads(reply[1]))
+        if state == "in_flight":
+            return Claim(state, wait_ms=int(reply[1]))
+        return Claim(state)
+
+    async def renew(self, slot: Slot, token: str) -> None:
+        await self._scripts(
+            "renew_tool", [slot.key(self._keys)], [token, self._settings.tool_lease_ms]
+        )
+
+    async def finish(self, slot: Slot, token: str, outcome: str, payload: Any) -> bool:
+        """Store the outcome; False when fenced (a newer claim owns the slot, or it is done)."""
+        reply = await self._scripts(
+            "finish_tool", [slot.key(self._keys)], [token, outcome, orjson.dumps(payload).decode()]
+        )
+        return str(reply[0]) == "ok"
+
+    async def abandon(self, conversation_id: str, turn_id: str, row: dict[str, Any]) -> None:
+        """Record a call cut off while its arguments were arriving: never dispatched."""
+        key = self._keys.tool_abandoned(conversation_id, turn_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(key, orjson.dumps(row))
+            pipe.pexpire(key, self._retention_ms)
+            await pipe.execute()
+
+    async def rows(self, conversation_id: str, turn_id: str) -> list[dict[str, Any]]:
+        """The ledger rows of a turn, for the audit, in claim order."""
+        keys = self._keys
+        slots = await rc.smembers(self._redis, keys.tool_slots(conversation_id, turn_id))
+        rows: list[dict[str, Any]] = []
+        for slot_key in slots:
+            data = await rc.hgetall(self._redis, slot_key)
+            if not data:
+                continue
+            row = orjson.loads(data.get("row", "{}"))
+            row.update({
+                "state": data.get("state"), "fingerprint": data.get("fingerprint"),
+                "claims": int(data.get("token", 0)), "reclaims": int(data.get("reclaims", 0)),
+                "claimed_ms": int(data.get("claimed_ms", 0)),
+                "finished_ms": int(data["finished_ms"]) if "finished_ms" in data else None,
+            })  # fmt: skip
+            if "result" in data:
+                row["result"] = orjson.loads(data["result"])
+            if "error" in data:
+                row["error"] = orjson.loads(data["error"])
+            rows.append(row)
+        rows.sort(key=lambda r: (r["claimed_ms"], r.get("tool", ""), r.get("ordinal", 0)))
+        abandoned = await self._redis.lrange(keys.tool_abandoned(conversation_id, turn_id), 0, -1)
+        rows += [orjson.loads(raw) for raw in abandoned]
+        return rows
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a dispatched call gave: a result or an error for the model, and whether the turn
+    must fail (``fail_reason``). ``source`` says how: ran, replayed, or refused."""
+
+    source: str
+    result: Any = None
+    error: dict[str, Any] | None = None
+    fail_reason: str | None = None
+    idempotency_key: str = ""
+
+
+class Dispatcher:
+    """Runs tool calls through the ledger."""
+
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        ledger: Ledger,
+        http: httpx.AsyncClient,
+        settings: Settings,
+        metrics: Metrics,
+    ) -> None:
+        self.registry = registry
+        self.ledger = ledger
+        self._http = http
+        self._settings = settings
+        self._metrics = metrics
+        self._random = random.Random()
+
+    async def dispatch(self, slot: Slot, arguments_text: str, row: dict[str, Any]) -> Outcome:
+        tool = self.registry.get(slot.tool)
+        if tool is None:
+            return _refused("unknown_tool", f"no tool named {slot.tool!r}")
+        try:
+            arguments = orjson.loads(arguments_text or "{}")
+        except orjson.JSONDecodeError as exc:
+            return _refused("invalid_arguments", f"arguments are not JSON: {exc}")
+        problem = tool.validate(arguments)
+        if problem is not None:
+            return _refused("invalid_arguments", problem)
+        args_fingerprint = fingerprint(arguments)
+        key = slot.idempotency_key(args_fingerprint)
+        row = {**row, "class": tool.kind, "arguments": arguments, "idempotency_key": key}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._settings.tool_in_flight_wait_s
+        delay = 0.05
+        while True:
+            claim = await self.ledger.claim(slot, args_fingerprint, row)
+            if claim.state == "claimed":
+                return await self._run(tool, slot, claim.token, arguments, key)
+            if claim.state == "reclaimed":
+                if tool.kind == "unkeyed_write":
+                    return await self._unknown(tool, slot, claim.token, key,
+                                               "its previous run was cut off")  # fmt: skip
+                return await self._run(tool, slot, claim.token, arguments, key)
+            if claim.state == "completed":
+                self._metrics.tool_calls.labels(tool.kind, "replayed").inc()
+                return Outcome("replayed", result=claim.payload, idempotency_key=key)
+            if claim.state == "failed":
+                self._metrics.tool_calls.labels(tool.kind, "replayed").inc()
+                error = claim.payload if isinstance(claim.payload, dict) else {}
+                fail = "unknown_outcome" if error.get("code") == "unknown_outcome" else None
+                return Outcome("replayed", error=error, fail_reason=fail, idempotency_key=key)
+            if claim.state == "args_mismatch":
+                if tool.kind == "read":
+                    return await self._run(tool, None, "", arguments, key)
+                return Outcome("refused", fail_reason="args_mismatch", error={
+                    "code": "args_mismatch",
+                    "message": f"{slot.tool} #{slot.ordinal} was called with other arguments "
+                               "before; a write is not re-run with new ones",
+                })  # fmt: skip
+            # in_flight: someone runs it now; wait for its outcome, but not for ever.
+            if loop.time() >= deadline:
+                return Outcome("refused", fail_reason="in_flight_timeout", error={
+                    "code": "in_flight_timeout",
+                    "message": f"{slot.tool} #{slot.ordinal} is still running elsewhere",
+                })  # fmt: skip
+            pause = min(delay, claim.wait_ms / 1000, deadline - loop.time())
+            await asyncio.sleep(max(pause, 0.001) * self._random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 1.0)
+
+    async def _run(
+        self, tool: Tool, slot: Slot | None, token: str, arguments: dict[str, Any], key: str
+    ) -> Outcome:
+        heartbeat = asyncio.create_task(self._heartbeat(slot, token)) if slot is not None else None
+        try:
+            sends = 1 + (KEYED_RESENDS if tool.kind == "keyed_write" else 0)
+            for send in range(sends):
+                try:
+                    result = await invoke(tool, arguments, key, self._http)
+                    break
+                except ToolError as exc:
+                    if exc.outcome_known:
+                        error = {"code": exc.code, "message": exc.message}
+                        if slot is not None:
+                            await self.ledger.finish(slot, token, "failed", error)
+                        self._metrics.tool_calls.labels(tool.kind, "error").inc()
+                        return Outcome("ran", error=error, idempotency_key=key)
+                    if tool.kind != "keyed_write" or send == sends - 1:
+                        if tool.kind == "read":
+                            error = {"code": exc.code, "message": exc.message}
+                            if slot is not None:
+                                await self.ledger.finish(slot, token, "failed", error)
+                            return Outcome("ran", error=error, idempotency_key=key)
+                        assert slot is not None
+                        return await self._unknown(tool, slot, token, key, exc.message)
+                    # A keyed write is safe to re-send: the downstream knows the key.
+                    await asyncio.sleep(0.05 * (send + 1))
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await heartbeat
+        if slot is not None and not await self.ledger.finish(slot, token, "completed", result):
+            log.warning("tool %s #%d finished after its claim was taken over", slot.tool,
+                        slot.ordinal)  # fmt: skip
+        self._metrics.tool_calls.labels(tool.kind, "ok").inc()
+        return Outcome("ran", result=result, idempotency_key=key)
+
+    async def _unknown(self, tool: Tool, slot: Slot, token: str, key: str, why: str) -> Outcome:
+        error = {
+            "code": "unknown_outcome",
+            "message": f"{tool.name} may or may not have taken effect ({why}); it is not re-sent",
+        }
+        await self.ledger.finish(slot, token, "failed", error)
+        self._metrics.tool_calls.labels(tool.kind, "unknown_outcome").inc()
+        return Outcome("ran", error=error, fail_reason="unknown_outcome", idempotency_key=key)
+
+    async def _heartbeat(self, slot: Slot, token: str) -> None:
+        interval = self._settings.tool_lease_ms / 3000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.ledger.renew(slot, token)
+            except FencedWrite:
+                return
+
+
+def _refused(code: str, message: str) -> Outcome:
+    """Not dispatched: the model gets the error and may correct itself."""
+    return Outcome("refused", error={"code": code, "message": message})

@@ -1,0 +1,206 @@
+"""The tool registry: what each tool is, how risky a second call is, and how to call it.
+
+A tool has a name, a JSON schema for its arguments, a class and a way to be called:
+
+* ``read``: no side effect; re-running is harmless.
+* ``keyed_write``: a side effect the downstream deduplicates by the ``Idempotency-Key`` header
+  (or the ``idempotency_key`` a callable receives); re-sending with the same key is safe.
+* ``unkeyed_write``: a side effect nothing downstream deduplicates. The ledger claims it once;
+  if the outcome of a claimed call is unknown, the turn fails and the call is never re-sent.
+
+Tools come from a file named by ``BROKER_TOOLS`` (JSON, or TOML by extension) or from Python
+(:meth:`ToolRegistry.register`) when the broker is embedded::
+
+    {"tools": [{"name": "send_payment", "class": "unkeyed_write",
+                "schema": {"type": "object", "required": ["to", "amount"]},
+                "endpoint": "http://payments.internal/send", "timeout_s": 10}]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import jsonschema
+import orjson
+
+ToolClass = Literal["read", "keyed_write", "unkeyed_write"]
+TOOL_CLASSES: tuple[ToolClass, ...] = ("read", "keyed_write", "unkeyed_write")
+NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+
+ToolFunction = Callable[[dict[str, Any], str], Awaitable[Any]]
+"""A Python tool: ``await fn(arguments, idempotency_key)`` returns a JSON-able result."""
+
+
+class ToolConfigError(ValueError):
+    """The tools file or a registration is invalid."""
+
+
+class ToolError(Exception):
+    """A tool call failed; ``outcome_known`` is False when it may have taken effect anyway."""
+
+    def __init__(self, code: str, message: str, *, outcome_known: bool = True) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.outcome_known = outcome_known
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """One registered tool."""
+
+    name: str
+    kind: ToolClass
+    schema: dict[str, Any]
+    endpoint: str | None = None
+    timeout_s: float = 30.0
+    function: ToolFunction | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not NAME_PATTERN.match(self.name):
+            raise ToolConfigError(f"tool name {self.name!r} must match {NAME_PATTERN.pattern}")
+        if self.kind not in TOOL_CLASSES:
+            raise ToolConfigError(
+                f"tool {self.name!r}: class must be one of {', '.join(TOOL_CLASSES)}"
+            )
+        if (self.endpoint is None) == (self.function is None):
+            raise ToolConfigError(f"tool {self.name!r} needs exactly one of endpoint or function")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ToolConfigError(f"tool {self.name!r}: endpoint must be an http(s) URL")
+        if self.timeout_s <= 0:
+            raise ToolConfigError(f"tool {self.name!r}: timeout_s must be positive")
+        try:
+            jsonschema.Draft202012Validator.check_schema(self.schema)
+        except jsonschema.SchemaError as exc:
+            raise ToolConfigError(f"tool {self.name!r}: invalid schema: {exc.message}") from None
+
+    def validate(self, arguments: Any) -> str | None:
+        """None when ``arguments`` fit the schema, else what is wrong."""
+        error = jsonschema.exceptions.best_match(
+            jsonschema.Draft202012Validator(self.schema).iter_errors(arguments)
+        )
+        return None if error is None else error.message
+
+    @property
+    def protection(self) -> str:
+        """How a repeated call of this tool is kept from doing harm (for the audit)."""
+        if self.kind == "read":
+            return "none needed: re-running a read is harmless"
+        if self.kind == "keyed_write":
+            return "ledger claim + Idempotency-Key: a re-send carries the same key"
+        return "ledger claim: runs once; an unknown outcome fails the turn, never re-sent"
+
+
+class ToolRegistry:
+    """The tools one broker may dispatch."""
+
+    def __init__(self, tools: list[Tool] | None = None) -> None:
+        self._tools: dict[str, Tool] = {}
+        for tool in tools or []:
+            self.register(tool)
+
+    def register(self, tool: Tool) -> None:
+        if tool.name in self._tools:
+            raise ToolConfigError(f"tool {tool.name!r} is registered twice")
+        self._tools[tool.name] = tool
+
+    def get(self, name: str) -> Tool | None:
+        return self._tools.get(name)
+
+    def __iter__(self) -> Any:
+        return iter(self._tools.values())
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ToolRegistry:
+        """Load ``{"tools": [...]}`` from a JSON or TOML file."""
+        file = Path(path)
+        try:
+            raw = file.read_bytes()
+            data = tomllib.loads(raw.decode()) if file.suffix == ".toml" else orjson.loads(raw)
+        except (OSError, ValueError) as exc:
+            raise ToolConfigError(f"cannot read tools file {file}: {exc}") from None
+        entries = data.get("tools") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise ToolConfigError(f"{file}: expected an object with a 'tools' list")
+        tools = []
+        for entry in entries:
+            if not isinstance(entry, dict):
+                raise ToolConfigError(f"{file}: every tool must be an object")
+            unknown = set(entry) - {"name", "class", "schema", "endpoint", "timeout_s",
+                                    "description"}  # fmt: skip
+            if unknown:
+                raise ToolConfigError(f"{file}: unknown tool fields {sorted(unknown)}")
+            try:
+                tools.append(Tool(
+                    name=entry["name"], kind=entry["class"],
+                    schema=entry.get("schema", {"type": "object"}),
+                    endpoint=entry.get("endpoint"), timeout_s=float(entry.get("timeout_s", 30)),
+                    description=str(entry.get("description", "")),
+                ))  # fmt: skip
+            except KeyError as exc:
+                raise ToolConfigError(f"{file}: a tool lacks {exc.args[0]!r}") from None
+        return cls(tools)
+
+    def audit(self) -> str:
+        """A table: which tools can double-fire, and how each is protected."""
+        rows = [("tool", "class", "can double-fire", "protection")]
+        for tool in self:
+            fires = "no" if tool.kind == "read" else "yes, without the ledger"
+            rows.append((tool.name, tool.kind, fires, tool.protection))
+        if len(rows) == 1:
+            return "no tools registered (set BROKER_TOOLS to a tools file)\n"
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = [
+            "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:3])) + "  " + row[3]
+            for row in rows
+        ]
+        return "\n".join(lines) + "\n"
+
+
+async def invoke(
+    tool: Tool, arguments: dict[str, Any], idempotency_key: str, http: httpx.AsyncClient
+) -> Any:
+    """Call a tool once; raises ToolError (with whether its outcome is known)."""
+    if tool.function is not None:
+        try:
+            return await tool.function(arguments, idempotency_key)
+        except ToolError:
+            raise
+        except Exception as exc:
+            raise ToolError("tool_error", f"{type(exc).__name__}: {exc}") from None
+    assert tool.endpoint is not None
+    try:
+        response = await http.post(
+            tool.endpoint,
+            content=orjson.dumps({"name": tool.name, "arguments": arguments}),
+            headers={"Idempotency-Key": idempotency_key, "Content-Type": "application/json"},
+            timeout=tool.timeout_s,
+        )
+    except httpx.ConnectError as exc:
+        # Nothing reached the endpoint: the call certainly did not happen.
+        raise ToolError("tool_unreachable", f"cannot reach {tool.endpoint}: {exc}") from None
+    except httpx.HTTPError as exc:
+        raise ToolError(
+            "tool_timeout" if isinstance(exc, httpx.TimeoutException) else "tool_transport",
+            f"{type(exc).__name__} calling {tool.endpoint}", outcome_known=False,
+        ) from None  # fmt: skip
+    if response.status_code >= 500:
+        # The endpoint may have acted before failing: for a write, the outcome is unknown.
+        raise ToolError("tool_error", f"HTTP {response.status_code} from {tool.endpoint}",
+                        outcome_known=tool.kind == "read")  # fmt: skip
+    if response.status_code >= 400:
+        raise ToolError("tool_rejected", f"HTTP {response.status_code}: {response.text[:300]}")
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
