@@ -15,6 +15,7 @@ from broker import __version__
 from broker.app import Runtime, Server, create_app
 from broker.connection import RedisConnectError
 from broker.embedded_redis import EmbeddedRedisError
+from broker.providers import Providers
 from broker.settings import ROLES, Settings, SettingsError
 from broker.tools import ToolConfigError, ToolRegistry
 
@@ -29,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (BROKER_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind, 0 = any free (BROKER_PORT, 8000)")
     serve.add_argument("--role", choices=ROLES, help="all (default), api or worker (BROKER_ROLE)")
+    commands.add_parser("providers", help="list the configured providers and their models")
     tools = commands.add_parser("tools", help="inspect the tool registry (BROKER_TOOLS)")
     tools_commands = tools.add_subparsers(dest="tools_command", required=True)
     audit = tools_commands.add_parser(
@@ -36,6 +38,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("--file", help="tools file (default: BROKER_TOOLS)")
     return parser
+
+
+def list_providers() -> int:
+    """``broker providers``: what turns may name as ``provider`` and ``model`` (never keys)."""
+    try:
+        providers = Providers(Settings.from_env())
+    except SettingsError as exc:
+        print(f"broker: {exc}", file=sys.stderr)
+        return 2
+    for provider in providers:
+        models = ", ".join(provider.models) if provider.models else "(any)"
+        print(f"{provider.name:<10} {provider.description}\n{'':<10} models: {models}")
+    return 0
 
 
 def audit_tools(path: str | None) -> int:
@@ -81,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "tools":
         return audit_tools(args.file or os.environ.get("BROKER_TOOLS"))
+    if args.command == "providers":
+        return list_providers()
     try:
         settings = Settings.from_env(host=args.host, port=args.port, role=args.role)
     except SettingsError as exc:

@@ -125,6 +125,11 @@ class Runtime:
         await self.drain()
         with contextlib.suppress(Exception):
             await self.http.aclose()
+        for provider in self.providers:
+            close = getattr(provider, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
         for redis in (self.redis, self.blocking_redis):
             with contextlib.suppress(Exception):
                 await redis.aclose()

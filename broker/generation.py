@@ -84,10 +84,13 @@ class _ToolFailure(Exception):
 
 
 class _Retry(Exception):
-    def __init__(self, reason: str, error: dict[str, Any]) -> None:
+    def __init__(
+        self, reason: str, error: dict[str, Any], retry_after_s: float | None = None
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.error = error
+        self.retry_after_s = retry_after_s
 
 
 class Generation:
@@ -123,6 +126,8 @@ class Generation:
         self._tool_output = False
         self._ordinals: dict[str, int] = {}
         self._dispatcher = dispatcher
+        self._pending_usage: tuple[str, dict[str, Any]] | None = None
+        self.started = False
 
     @property
     def _text(self) -> str:
@@ -130,11 +135,29 @@ class Generation:
 
     async def run(self) -> None:
         """Run the attempt; raises LeaseLost when it must stop without writing."""
+        self.started = True
+        try:
+            await self._run_guarded()
+        except FencedWrite as exc:  # also from the handlers' own last writes
+            raise LeaseLost() from exc
+
+    async def end_unstarted(self, stop: str) -> None:
+        """End an attempt whose task was stopped before it ran a single step."""
+        try:
+            await self._load()
+            if stop == STOP:
+                await self._finish("cancelled", "cancelled")
+            elif stop == SHUTDOWN:
+                await self._interrupt("shutdown")
+        except FencedWrite as exc:
+            raise LeaseLost() from exc
+
+    async def _run_guarded(self) -> None:
         try:
             await self._load()
             await self._run_attempt()
-        except (FencedWrite, LeaseLost) as exc:
-            raise LeaseLost() from exc
+        except LeaseLost:
+            raise
         except StopRequested:
             await self._finish("cancelled", "cancelled")
         except asyncio.CancelledError:
@@ -188,6 +211,7 @@ class Generation:
             return
         reason = "worker_lost" if claim.previous_status == "streaming" else None
         last_error: dict[str, Any] = {}
+        retry_after: float | None = None
         while True:
             calls = int(await self._redis.hincrby(self._turn_key, f"calls:{self._n}", 1))
             if calls > 1:  # this call is a retry: after a failure, or of a lost worker's call
@@ -199,12 +223,12 @@ class Generation:
                         "message": f"gave up after {calls - 1} upstream call(s): {detail}",
                     })  # fmt: skip
                     return
-                await asyncio.sleep(self._retry.backoff_s())
+                await asyncio.sleep(self._retry.backoff_s(retry_after))
             try:
                 await self._call_upstream(calls - 1)
                 return
             except _Retry as retry:
-                reason, last_error = retry.reason, retry.error
+                reason, last_error, retry_after = retry.reason, retry.error, retry.retry_after_s
 
     async def _call_upstream(self, upstream_call: int) -> None:
         """One upstream call, and the tool steps it leads to, until the answer ends."""
@@ -217,7 +241,8 @@ class Generation:
             request = GenerationRequest(
                 conversation_id=self._run.conversation_id, turn_id=self._run.turn_id,
                 attempt=self._n, strategy=str(self._record.get("strategy", "initial")),
-                messages=messages, model=self._request.get("model"),
+                messages=messages,
+                model=self._providers.model_for(provider, self._request.get("model")),
                 params=self._request.get("params", {}),
                 response_format=self._request.get("response_format", "text"),
                 upstream_call=upstream_call, tools=self._request.get("tools", []),
@@ -285,10 +310,16 @@ class Generation:
                 elif isinstance(event, ToolCallEnd) and event.index in open_calls:
                     await self._run_tool(open_calls.pop(event.index), calls, results)
                 elif isinstance(event, Usage):
-                    await self._append([("usage", {
+                    usage = ("usage", {
                         "attempt": self._n, "input_tokens": event.input_tokens,
                         "output_tokens": event.output_tokens,
-                    })])  # fmt: skip
+                    })  # fmt: skip
+                    if self._output:
+                        await self._append([usage])
+                    else:
+                        # Held back until the first output: a usage event alone would make
+                        # the attempt visible before a silent retry.
+                        self._pending_usage = usage
                 elif isinstance(event, Finished):
                     for index in sorted(open_calls):  # the message's end completes its calls
                         await self._run_tool(open_calls.pop(index), calls, results)
@@ -311,7 +342,9 @@ class Generation:
                 return None
             if exc.retryable:
                 outcome = "retryable_error"
-                raise _Retry("upstream_timeout" if timeout else "upstream_error", error) from None
+                self._pending_usage = None  # the failed call's usage is not this answer's
+                reason = "upstream_timeout" if timeout else "upstream_error"
+                raise _Retry(reason, error, exc.retry_after_s) from None
             outcome = "fatal_error"
             await self._finish("failed", exc.code, error=error)
             return None
@@ -349,7 +382,9 @@ class Generation:
             outcome = Outcome("refused", error={"code": "unknown_tool",
                                                 "message": "no tools are registered"})  # fmt: skip
         else:
-            outcome = await self._dispatcher.dispatch(slot, call["arguments"], row)
+            outcome = await self._dispatcher.dispatch(
+                slot, call["arguments"], row, self._writer.token
+            )
         data: dict[str, Any] = {
             "attempt": self._n, "call_id": call_id, "name": name, "ordinal": ordinal,
             "source": outcome.source, "status": "error" if outcome.error else "ok",
@@ -398,6 +433,9 @@ class Generation:
         return bool(self._parts) or self._tool_output
 
     async def _append(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        if self._pending_usage is not None:
+            events = [self._pending_usage, *events]
+            self._pending_usage = None
         if not self._has_attempt_event:
             # The attempt becomes visible with its first output, so silent retries stay silent.
             events = [self._attempt_event(), *events]
@@ -419,6 +457,9 @@ class Generation:
         before: list[tuple[str, dict[str, Any]]] = []
         if not self._has_attempt_event:
             before.append(self._attempt_event())
+        if self._pending_usage is not None:
+            before.append(self._pending_usage)
+            self._pending_usage = None
         if error is not None:
             before.append(("error", {"attempt": self._n, **error}))
         text = self._text

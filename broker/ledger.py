@@ -21,7 +21,6 @@ reclaimed          the holder's lease expired: a read re-runs, a keyed write re-
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -31,6 +30,7 @@ from typing import Any
 import httpx
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from broker import redis_calls as rc
 from broker.canonical import fingerprint
@@ -87,14 +87,21 @@ class Ledger:
         self._metrics = metrics
         self._retention_ms = int((settings.stream_ttl + settings.tombstone_ttl) * 1000)
 
-    async def claim(self, slot: Slot, args_fingerprint: str, row: dict[str, Any]) -> Claim:
+    async def claim(
+        self, slot: Slot, args_fingerprint: str, row: dict[str, Any], lease_token: str = ""
+    ) -> Claim:
+        """Claim the slot; with ``lease_token``, only while that turn lease is current."""
+        keys = self._keys
         reply = await self._scripts(
             "claim_tool",
-            [slot.key(self._keys), self._keys.tool_slots(slot.conversation_id, slot.turn_id)],
+            [slot.key(keys), keys.tool_slots(slot.conversation_id, slot.turn_id),
+             keys.lease(slot.conversation_id, slot.turn_id)],
             [args_fingerprint, self._settings.tool_lease_ms, "broker", self._retention_ms,
-             orjson.dumps(row).decode()],
+             orjson.dumps(row).decode(), lease_token],
         )  # fmt: skip
         state = str(reply[0])
+        if state == "fenced":
+            raise FencedWrite("the turn's lease was lost before its tool call")
         self._metrics.ledger_claims.labels(state).inc()
         if state in ("claimed", "reclaimed"):
             return Claim(state, token=str(reply[1]))
@@ -104,10 +111,10 @@ class Ledger:
             return Claim(state, wait_ms=int(reply[1]))
         return Claim(state)
 
-    async def renew(self, slot: Slot, token: str) -> None:
-        await self._scripts(
-            "renew_tool", [slot.key(self._keys)], [token, self._settings.tool_lease_ms]
-        )
+    async def renew(self, slot: Slot, token: str, lease_ms: int | None = None) -> None:
+        """Extend the claim's lease (``lease_ms=0`` releases it for the next claimer)."""
+        ms = self._settings.tool_lease_ms if lease_ms is None else lease_ms
+        await self._scripts("renew_tool", [slot.key(self._keys)], [token, ms])
 
     async def finish(self, slot: Slot, token: str, outcome: str, payload: Any) -> bool:
         """Store the outcome; False when fenced (a newer claim owns the slot, or it is done)."""
@@ -181,7 +188,11 @@ class Dispatcher:
         self._metrics = metrics
         self._random = random.Random()
 
-    async def dispatch(self, slot: Slot, arguments_text: str, row: dict[str, Any]) -> Outcome:
+    async def dispatch(
+        self, slot: Slot, arguments_text: str, row: dict[str, Any], lease_token: str = ""
+    ) -> Outcome:
+        """Run one call through the ledger (see the module docstring); ``lease_token`` is the
+        caller's turn lease, checked by the claim. Raises FencedWrite when it is not current."""
         tool = self.registry.get(slot.tool)
         if tool is None:
             return _refused("unknown_tool", f"no tool named {slot.tool!r}")
@@ -199,7 +210,7 @@ class Dispatcher:
         deadline = loop.time() + self._settings.tool_in_flight_wait_s
         delay = 0.05
         while True:
-            claim = await self.ledger.claim(slot, args_fingerprint, row)
+            claim = await self.ledger.claim(slot, args_fingerprint, row, lease_token)
             if claim.state == "claimed":
                 return await self._run(tool, slot, claim.token, arguments, key)
             if claim.state == "reclaimed":
@@ -238,38 +249,54 @@ class Dispatcher:
     ) -> Outcome:
         heartbeat = asyncio.create_task(self._heartbeat(slot, token)) if slot is not None else None
         try:
-            sends = 1 + (KEYED_RESENDS if tool.kind == "keyed_write" else 0)
-            for send in range(sends):
-                try:
-                    result = await invoke(tool, arguments, key, self._http)
-                    break
-                except ToolError as exc:
-                    if exc.outcome_known:
-                        error = {"code": exc.code, "message": exc.message}
-                        if slot is not None:
-                            await self.ledger.finish(slot, token, "failed", error)
-                        self._metrics.tool_calls.labels(tool.kind, "error").inc()
-                        return Outcome("ran", error=error, idempotency_key=key)
-                    if tool.kind != "keyed_write" or send == sends - 1:
-                        if tool.kind == "read":
-                            error = {"code": exc.code, "message": exc.message}
-                            if slot is not None:
-                                await self.ledger.finish(slot, token, "failed", error)
-                            return Outcome("ran", error=error, idempotency_key=key)
-                        assert slot is not None
-                        return await self._unknown(tool, slot, token, key, exc.message)
-                    # A keyed write is safe to re-send: the downstream knows the key.
-                    await asyncio.sleep(0.05 * (send + 1))
+            result = await self._invoke(tool, arguments, key)
+        except ToolError as exc:
+            if not exc.outcome_known and tool.kind == "read":
+                # A read that may or may not have answered: let the next call re-run it.
+                if slot is not None:
+                    await self.ledger.renew(slot, token, lease_ms=0)
+                return Outcome("ran", error={"code": exc.code, "message": exc.message},
+                               idempotency_key=key)  # fmt: skip
+            if not exc.outcome_known:
+                assert slot is not None
+                return await self._unknown(tool, slot, token, key, exc.message)
+            error = {"code": exc.code, "message": exc.message}
+            if slot is not None:
+                await self.ledger.finish(slot, token, "failed", error)
+            self._metrics.tool_calls.labels(tool.kind, "error").inc()
+            return Outcome("ran", error=error, idempotency_key=key)
+        except asyncio.CancelledError:
+            # Stopped mid-call: whether it acted is unknown. Record that before going, or the
+            # slot would look in flight until its lease ran out.
+            if slot is not None:
+                if tool.kind == "read":
+                    await asyncio.shield(self.ledger.renew(slot, token, lease_ms=0))
+                else:
+                    await asyncio.shield(
+                        self._unknown(tool, slot, token, key, "the turn was stopped mid-call")
+                    )
+            raise
         finally:
             if heartbeat is not None:
                 heartbeat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await heartbeat
+                await asyncio.wait([heartbeat])  # never re-raise: a stop must not be swallowed
         if slot is not None and not await self.ledger.finish(slot, token, "completed", result):
             log.warning("tool %s #%d finished after its claim was taken over", slot.tool,
                         slot.ordinal)  # fmt: skip
         self._metrics.tool_calls.labels(tool.kind, "ok").inc()
         return Outcome("ran", result=result, idempotency_key=key)
+
+    async def _invoke(self, tool: Tool, arguments: dict[str, Any], key: str) -> Any:
+        """Call the tool; a keyed write whose outcome is unknown is re-sent with the same key."""
+        sends = 1 + (KEYED_RESENDS if tool.kind == "keyed_write" else 0)
+        for send in range(sends):
+            try:
+                return await invoke(tool, arguments, key, self._http)
+            except ToolError as exc:
+                if exc.outcome_known or send == sends - 1:
+                    raise
+                await asyncio.sleep(0.05 * (send + 1))
+        raise AssertionError("unreachable")
 
     async def _unknown(self, tool: Tool, slot: Slot, token: str, key: str, why: str) -> Outcome:
         error = {
@@ -288,6 +315,9 @@ class Dispatcher:
                 await self.ledger.renew(slot, token)
             except FencedWrite:
                 return
+            except (RedisError, OSError) as exc:
+                # Keep trying: the call's outcome must not be lost to a renewal blip.
+                log.warning("tool lease renewal failed: %s", exc)
 
 
 def _refused(code: str, message: str) -> Outcome:

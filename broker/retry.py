@@ -31,8 +31,12 @@ class RetryPolicy:
         self._metrics = metrics
         self._random = random.Random()
 
-    def backoff_s(self) -> float:
+    def backoff_s(self, retry_after_s: float | None = None) -> float:
+        """The pause before a retry: drawn from the window, or the upstream's Retry-After
+        held within the window (a longer wait would stall a reader who sees nothing yet)."""
         low, high = self._settings.retry_backoff_min_ms, self._settings.retry_backoff_max_ms
+        if retry_after_s is not None:
+            return min(max(retry_after_s * 1000, low), high) / 1000
         return self._random.uniform(low, high) / 1000
 
     async def permit(self, session: str, calls_made: int, reason: str) -> str | None:

@@ -50,6 +50,14 @@ class Settings:
     retry_backoff_max_ms: int = 400
     upstream_idle_timeout_s: float = 60.0
     tools: str | None = None  # path of the tools file
+    openai_base_url: str | None = None
+    openai_api_key: str | None = dataclasses.field(default=None, repr=False)
+    openai_models: str | None = None  # comma-separated; the first is the default
+    openai_continue_final_message: int = 0  # 1: vLLM's continue_final_message for `continue`
+    anthropic_base_url: str | None = None
+    anthropic_api_key: str | None = dataclasses.field(default=None, repr=False)
+    anthropic_models: str | None = None  # comma-separated; the first is the default
+    anthropic_max_tokens: int = 4096
     max_tool_steps: int = 8
     tool_lease_ms: int = 30_000
     tool_in_flight_wait_s: float = 30.0
@@ -70,7 +78,8 @@ class Settings:
             "max_messages", "max_message_chars", "lease_ttl_ms", "job_reclaim_idle_ms",
             "worker_concurrency", "sse_heartbeat_s", "sse_retry_ms", "sse_send_timeout_s",
             "drain_timeout_s", "json_page_size", "max_attempts_per_turn", "session_retry_window",
-            "upstream_idle_timeout_s", "max_tool_steps", "tool_lease_ms", "tool_in_flight_wait_s",
+            "upstream_idle_timeout_s", "anthropic_max_tokens", "max_tool_steps", "tool_lease_ms",
+            "tool_in_flight_wait_s",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
@@ -84,6 +93,10 @@ class Settings:
         if not 0 <= self.retry_backoff_min_ms <= self.retry_backoff_max_ms:
             raise SettingsError(
                 "BROKER_RETRY_BACKOFF_MIN_MS must be from 0 to BROKER_RETRY_BACKOFF_MAX_MS"
+            )
+        if self.anthropic_models and not self.anthropic_api_key:
+            raise SettingsError(
+                "BROKER_ANTHROPIC_MODELS is set but BROKER_ANTHROPIC_API_KEY is not"
             )
         if self.simulate_max_tokens_per_s < 0:
             raise SettingsError("BROKER_SIMULATE_MAX_TOKENS_PER_S must be 0 (no cap) or more")

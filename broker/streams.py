@@ -128,15 +128,16 @@ class _Subscription:
 class _Feed:
     """One blocking XREAD loop for one stream, shared by every subscription in this process."""
 
-    def __init__(self, hub: Hub, key: str) -> None:
+    def __init__(self, hub: Hub, key: str, start: str | None) -> None:
         self.hub = hub
         self.key = key
+        self.start = start  # the first subscriber's position; None: the stream's tail
         self.subscriptions: set[_Subscription] = set()
         self.task: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         redis = self.hub.blocking_redis
-        after: str | None = None
+        after: str | None = self.start
         failures = 0
         try:
             while self.subscriptions:
@@ -178,10 +179,11 @@ class Hub:
         self._tasks: set[asyncio.Task[None]] = set()  # including cancelled ones still unwinding
         self._closed = False
 
-    def subscribe(self, key: str) -> _Subscription:
+    def subscribe(self, key: str, start: str | None = None) -> _Subscription:
+        """Join (or start, reading after ``start``) the feed of one stream."""
         feed = self._feeds.get(key)
         if feed is None or feed.task is None or feed.task.done():
-            feed = _Feed(self, key)
+            feed = _Feed(self, key, start)
             self._feeds[key] = feed
             self.metrics.live_streams.set(len(self._feeds))
         subscription = _Subscription(feed)
@@ -294,16 +296,22 @@ class Streams:
     async def follow(self, location: Location, after: str) -> AsyncIterator[Entry | Heartbeat]:
         """Every event after entry id ``after``, live, until the turn's final ``end``."""
         key = self._keys.events(location.conversation_id, location.turn_id)
-        subscription = self._hub.subscribe(key)
         position = id_key(after)
         heartbeat_s = self._settings.sse_heartbeat_s
+        subscription: _Subscription | None = None
         try:
-            # Replay what is already stored; the subscription buffers what arrives meanwhile.
-            async for entry in self._range(key, after):
-                yield entry
-                position, after = entry.sort_key, entry.entry_id
-                if entry.kind == "end" and await self._at_rest(location, entry.attempt()):
-                    return
+            # Replay what is stored, join the live feed (a new feed starts where this reader
+            # stands), then read once more what arrived in between: whatever the feed has
+            # already passed is in Redis by now, so no event waits for a later one to surface.
+            for phase in ("replay", "catch-up"):
+                if phase == "catch-up":
+                    subscription = self._hub.subscribe(key, after)
+                async for entry in self._range(key, after):
+                    yield entry
+                    position, after = entry.sort_key, entry.entry_id
+                    if entry.kind == "end" and await self._at_rest(location, entry.attempt()):
+                        return
+            assert subscription is not None
             if await self._at_rest(location):
                 # Final before we looked: anything after our position ends with the `end` event.
                 async for entry in self._range(key, after):
@@ -336,7 +344,8 @@ class Streams:
         except _Closed:
             return
         finally:
-            self._hub.unsubscribe(subscription)
+            if subscription is not None:
+                self._hub.unsubscribe(subscription)
 
     async def page(self, location: Location, offset: str) -> dict[str, Any]:
         """A catch-up page for polling clients."""

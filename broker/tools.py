@@ -18,6 +18,7 @@ Tools come from a file named by ``BROKER_TOOLS`` (JSON, or TOML by extension) or
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import tomllib
@@ -173,11 +174,17 @@ async def invoke(
     """Call a tool once; raises ToolError (with whether its outcome is known)."""
     if tool.function is not None:
         try:
-            return await tool.function(arguments, idempotency_key)
+            async with asyncio.timeout(tool.timeout_s):
+                return await tool.function(arguments, idempotency_key)
         except ToolError:
             raise
+        except TimeoutError:
+            raise ToolError("tool_timeout", f"{tool.name} took longer than {tool.timeout_s} s",
+                            outcome_known=False) from None  # fmt: skip
         except Exception as exc:
-            raise ToolError("tool_error", f"{type(exc).__name__}: {exc}") from None
+            # A write that raised may have acted first: only a read's failure is certain.
+            raise ToolError("tool_error", f"{type(exc).__name__}: {exc}",
+                            outcome_known=tool.kind == "read") from None  # fmt: skip
     assert tool.endpoint is not None
     try:
         response = await http.post(

@@ -120,6 +120,7 @@ class Turns:
                 code="message_too_long",
             )
         provider = self._providers.get(request.provider)
+        self._providers.model_for(provider, request.model)
         provider.validate_params(request.params)
 
     async def create(self, request: TurnRequest) -> tuple[bool, dict[str, Any]]:
@@ -266,17 +267,17 @@ class Turns:
             raise Gone(f"turn {turn_id!r} expired", code="expired")
         self._metrics.cancels.labels(reply[0]).inc()
         if reply[0] == "signalled":
-            await self._notify_stop(conversation_id, turn_id)
+            await self._notify_stop(conversation_id, turn_id, int(reply[1]))
         log.info("turn %s: stop requested (%s)", turn_id, reply[0])
         return await self.get(turn_id)
 
-    async def _notify_stop(self, conversation_id: str, turn_id: str) -> None:
+    async def _notify_stop(self, conversation_id: str, turn_id: str, attempt: int) -> None:
         """Reach the worker holding the lease at once, wherever it runs.
 
         The stop flag is durable: a worker that misses this message sees the flag at its next
         append or lease heartbeat.
         """
-        await self._redis.publish(self._keys.stop_channel, f"{conversation_id} {turn_id}")
+        await self._redis.publish(self._keys.stop_channel, f"{conversation_id} {turn_id} {attempt}")
 
     async def promote(self, turn_id: str, request: CanonicalRequest) -> dict[str, Any]:
         """Make an attempt canonical by compare-and-set; 409 when the canonical one changed."""

@@ -94,8 +94,7 @@ class Worker:
         for task in (self._loop_task, self._listener):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await asyncio.wait([task])
         if self._tasks:
             log.info(
                 "draining: %d running generation(s) get %.0f s to finish before they are "
@@ -215,20 +214,27 @@ class Worker:
         self._runs[(conversation_id, turn_id)] = run
         heartbeat = asyncio.create_task(self._heartbeat(run))
         try:
-            await run.task
-        except (LeaseLost, asyncio.CancelledError) as exc:
-            # A CancelledError is ours to handle only when the heartbeat cancelled the attempt
-            # for a lost lease; otherwise this job task itself is being cancelled (shutdown).
-            if isinstance(exc, asyncio.CancelledError) and run.stop != LEASE_LOST:
-                raise
+            try:
+                await run.task
+            except asyncio.CancelledError:
+                if run.stop in (STOP, SHUTDOWN) and not generation.started:
+                    # Stopped before its first step: no handler inside ran, so end it here.
+                    await generation.end_unstarted(run.stop)
+                    if run.stop == SHUTDOWN:
+                        raise
+                elif run.stop != LEASE_LOST:
+                    raise  # this job task itself is being cancelled (shutdown)
+                else:
+                    raise LeaseLost() from None
+        except LeaseLost:
             self._metrics.fenced_writes.inc()
             log.warning("turn %s: lease lost, another worker owns it now", turn_id)
             return False
         finally:
-            self._runs.pop((conversation_id, turn_id), None)
+            if self._runs.get((conversation_id, turn_id)) is run:
+                del self._runs[(conversation_id, turn_id)]
             heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            await asyncio.wait([heartbeat])
         await self._refresh_index_ttl(conversation_id, turn_id)
         return True
 
@@ -264,9 +270,10 @@ class Worker:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is None:
                         continue
-                    conversation_id, _, turn_id = str(message["data"]).partition(" ")
+                    conversation_id, turn_id, attempt = _stop_message(str(message["data"]))
                     run = self._runs.get((conversation_id, turn_id))
-                    if run is not None:
+                    # A late message must not stop the attempt that followed the one it meant.
+                    if run is not None and run.attempt == attempt:
                         run.request_stop(STOP)
             except (RedisError, OSError) as exc:
                 log.warning("stop notifications interrupted: %s; resubscribing in 1 s", exc)
@@ -285,3 +292,12 @@ class Worker:
             if stream_id:
                 pipe.pexpire(keys.stream_index(stream_id), ttl_ms)
             await pipe.execute()
+
+
+def _stop_message(data: str) -> tuple[str, str, int]:
+    """``"<conversation_id> <turn_id> <attempt>"`` as published by a stop request."""
+    parts = data.split(" ")
+    try:
+        return parts[0], parts[1], int(parts[2])
+    except (IndexError, ValueError):
+        return "", "", 0

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 import pytest
@@ -139,3 +140,36 @@ async def test_a_reader_arriving_as_the_last_one_leaves_gets_a_live_feed(
     assert [e.entry_id for e in batch.entries] == [entry.entry_id]
     hub.unsubscribe(second)
     await hub.close()
+
+
+async def test_events_between_replay_and_joining_the_feed_arrive_without_a_heartbeat(
+    aredis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: a new feed started from the stream's tail when its task first ran, after the
+    # reader's replay; events written in between surfaced only with a later event or at the
+    # next heartbeat (15 s), and a turn that had just ended had no later event.
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    await add(aredis, key, "attempt", {"strategy": "initial"})
+    written: list[Entry] = []
+
+    async def finish_the_turn() -> None:
+        written.extend(
+            [
+                await add(aredis, key, "delta", {"text": "x"}),
+                await add(aredis, key, "end", {"status": "complete", "reason": None}),
+            ]
+        )
+        await aredis.hset(keys.turn("c", "t"), "status", "complete")
+
+    follow = streams.follow(location, "0-0")
+    first = await asyncio.wait_for(anext(follow), 5)  # replay
+    assert isinstance(first, Entry)
+    await finish_the_turn()  # lands after the replay, before the reader joins the feed
+    rest = await asyncio.wait_for(collect(follow), 5)  # heartbeats are 15 s apart
+    assert [e.entry_id for e in rest if isinstance(e, Entry)] == [e.entry_id for e in written]
+    await hub.close()
+
+
+async def collect(follow: AsyncIterator[Any]) -> list[Any]:
+    return [item async for item in follow]

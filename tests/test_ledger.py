@@ -156,7 +156,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(holder=st.integers(0, 2))
     def claim(self, holder: int) -> None:
         reply = self.scripts["claim_tool"](
-            keys=[self.key, self.key + ":set"], args=[FP, 60_000, f"h{holder}", 60_000, "{}"]
+            keys=[self.key, self.key + ":set", self.key + ":lease"],
+            args=[FP, 60_000, f"h{holder}", 60_000, "{}", ""],
         )
         if reply[0] in ("claimed", "reclaimed"):
             self.tokens[holder] = reply[1]

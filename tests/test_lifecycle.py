@@ -250,7 +250,7 @@ def test_stop_lands_within_a_second_and_aborts_the_upstream_call(fast: RunningBr
 def test_stop_reaches_the_worker_even_if_the_notification_is_lost(
     broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def lost(self: Turns, conversation_id: str, turn_id: str) -> None:
+    async def lost(self: Turns, conversation_id: str, turn_id: str, attempt: int) -> None:
         return None
 
     monkeypatch.setattr(Turns, "_notify_stop", lost)

@@ -358,3 +358,109 @@ def test_a_toml_tools_file_is_read(tmp_path: Path) -> None:
     tool = registry.get("lookup")
     assert tool is not None
     assert tool.kind == "read"
+
+
+# --- regressions from review ----------------------------------------------------------------
+
+
+class Slow:
+    """A Python tool that takes ``seconds`` (or hangs) before it answers."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.calls = 0
+        self.started = asyncio.Event()
+
+    async def __call__(self, arguments: dict[str, Any], key: str) -> Any:
+        self.calls += 1
+        self.started.set()
+        await asyncio.sleep(self.seconds)
+        return {"done": self.calls}
+
+
+async def test_a_renewal_blip_does_not_lose_the_outcome(
+    aredis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis as redis_lib
+
+    original = Ledger.renew
+    blips = 0
+
+    async def flaky(self: Ledger, slot: Slot, token: str, lease_ms: int | None = None) -> None:
+        nonlocal blips
+        if blips == 0:
+            blips += 1
+            raise redis_lib.exceptions.ConnectionError("blip")
+        await original(self, slot, token, lease_ms)
+
+    monkeypatch.setattr(Ledger, "renew", flaky)
+    tool = Tool(name="pay", kind="unkeyed_write", schema={"type": "object"}, function=Slow(0.2))
+    dispatcher = dispatcher_for(aredis, [tool], tool_lease_ms=60)
+    outcome = await dispatcher.dispatch(Slot("c", "t", "pay", 0), "{}", {})
+    assert blips == 1
+    assert outcome.result == {"done": 1}
+    assert (await dispatcher.dispatch(Slot("c", "t", "pay", 0), "{}", {})).source == "replayed"
+
+
+@pytest.mark.parametrize(("kind", "after"), [("unkeyed_write", "failed"), ("read", "reclaimed")])
+async def test_a_call_stopped_midway_is_recorded_not_left_in_flight(
+    aredis: Redis, kind: str, after: str
+) -> None:
+    slow = Slow(30)
+    tool = Tool(name="t", kind=kind, schema={"type": "object"}, function=slow)  # type: ignore[arg-type]
+    dispatcher = dispatcher_for(aredis, [tool])
+    target = Slot("c", "t", "t", 0)
+    task = asyncio.create_task(dispatcher.dispatch(target, "{}", {}))
+    await asyncio.wait_for(slow.started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    claim = await dispatcher.ledger.claim(target, outcome_fp({}), {})
+    assert claim.state == after
+    if after == "failed":
+        assert claim.payload["code"] == "unknown_outcome"
+
+
+async def test_a_hanging_or_raising_callable_write_has_an_unknown_outcome(aredis: Redis) -> None:
+    hang = Tool(name="hang", kind="unkeyed_write", schema={"type": "object"},
+                function=Slow(30), timeout_s=0.1)  # fmt: skip
+
+    async def raises(arguments: dict[str, Any], key: str) -> Any:
+        raise RuntimeError("socket closed after the charge")
+
+    boom = Tool(name="boom", kind="unkeyed_write", schema={"type": "object"}, function=raises)
+    dispatcher = dispatcher_for(aredis, [hang, boom])
+    for name in ("hang", "boom"):
+        outcome = await dispatcher.dispatch(Slot("c", "t", name, 0), "{}", {})
+        assert outcome.fail_reason == "unknown_outcome", name
+
+
+async def test_every_claim_restarts_the_slot_retention(aredis: Redis) -> None:
+    dispatcher = dispatcher_for(aredis, [])
+    ledger = dispatcher.ledger
+    target = Slot("c", "t", "pay", 0)
+    claim = await ledger.claim(target, outcome_fp({}), {})
+    await ledger.finish(target, claim.token, "completed", {"ok": 1})
+    key = target.key(ledger._keys)
+    await aredis.pexpire(key, 1000)
+    await ledger.claim(target, outcome_fp({}), {})  # a replay, e.g. by a regenerate
+    assert await aredis.pttl(key) > 10_000
+
+
+async def test_a_worker_that_lost_its_turn_cannot_claim_tool_calls(aredis: Redis) -> None:
+    from broker.errors import FencedWrite
+
+    dispatcher = dispatcher_for(aredis, [])
+    ledger = dispatcher.ledger
+    target = Slot("c", "t", "pay", 0)
+    await aredis.hset(ledger._keys.lease("c", "t"), mapping={"token": "7", "owner": "b"})
+    with pytest.raises(FencedWrite):
+        await ledger.claim(target, outcome_fp({}), {}, lease_token="6")
+    assert (await ledger.claim(target, outcome_fp({}), {}, lease_token="7")).state == "claimed"
+
+
+def test_stop_messages_name_their_attempt() -> None:
+    from broker.worker import _stop_message
+
+    assert _stop_message("conv turn-1 3") == ("conv", "turn-1", 3)
+    assert _stop_message("garbage") == ("", "", 0)

@@ -6,11 +6,14 @@
 --
 -- KEYS[1]  slot hash        {c:<conversation>}:tool:<turn_id>:<tool>:<ordinal>
 -- KEYS[2]  turn's slots     {c:<conversation>}:tools:<turn_id> (a set, for the audit)
+-- KEYS[3]  turn lease       {c:<conversation>}:lease:<turn_id>
 -- ARGV[1]  fingerprint      hex SHA-256 of the canonical JSON of the arguments
 -- ARGV[2]  lease_ms         the claim's lease
 -- ARGV[3]  owner            who claims (for operators)
 -- ARGV[4]  retention_ms     how long the slot is kept
 -- ARGV[5]  row              JSON of the slot's description (tool, ordinal, attempt, args, class)
+-- ARGV[6]  lease token      the caller's turn lease token ("" to skip the check): a worker
+--                           that lost the turn may not start its tool calls
 --
 -- Returns  {"claimed", token}          first claim: the caller runs the call
 --          {"completed", result}       it ran: the stored result (JSON)
@@ -19,8 +22,15 @@
 --          {"args_mismatch", fp}       the slot holds a call with other arguments
 --          {"reclaimed", token, n}     the holder's lease expired: the caller holds it now
 --                                      (n = how many times it was reclaimed)
+--          {"fenced"}                  the caller's turn lease is not current: nothing changed
+-- Every answer but "fenced" restarts the slot's retention, so a slot outlives its turn.
 -- Errors   none of its own.
 local slot = KEYS[1]
+if ARGV[6] ~= '' and redis.call('HGET', KEYS[3], 'token') ~= ARGV[6] then
+  return {'fenced'}
+end
+redis.call('PEXPIRE', slot, ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local v = redis.call('HMGET', slot, 'state', 'fingerprint', 'lease_until', 'result', 'error')

@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  slot hash   {c:<conversation>}:tool:<turn_id>:<tool>:<ordinal>
 -- ARGV[1]  token       the token from claim_tool
--- ARGV[2]  lease_ms    the new lease, from now on the server clock
+-- ARGV[2]  lease_ms    the new lease, from now on the server clock (0: release it now, so the
+--                       next claim reclaims the slot)
 --
 -- Returns  1
 -- Errors   "FENCED ..." when the token is not current or the call is no longer in flight.

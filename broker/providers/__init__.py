@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from broker.errors import BadRequest
 from broker.providers.base import (
     Finished,
@@ -36,13 +38,54 @@ __all__ = [
 DEFAULT_PROVIDER = "simulated"
 
 
+def _models(raw: str | None) -> tuple[str, ...]:
+    return tuple(m.strip() for m in (raw or "").split(",") if m.strip())
+
+
 class Providers:
-    """The configured providers of one broker."""
+    """The configured providers of one broker.
+
+    ``simulated`` is always there; ``openai`` (any OpenAI-compatible Chat Completions server)
+    and ``anthropic`` are there when ``BROKER_OPENAI_MODELS`` / ``BROKER_ANTHROPIC_MODELS``
+    name their models.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self._providers: dict[str, Provider] = {
             "simulated": SimulatedProvider(max_tokens_per_s=settings.simulate_max_tokens_per_s),
         }
+        if _models(settings.openai_models):
+            from broker.providers.openai import OpenAIProvider
+
+            self._providers["openai"] = OpenAIProvider(
+                base_url=settings.openai_base_url, api_key=settings.openai_api_key,
+                models=_models(settings.openai_models),
+                continue_final_message=bool(settings.openai_continue_final_message),
+            )  # fmt: skip
+        if _models(settings.anthropic_models):
+            from broker.providers.anthropic import AnthropicProvider
+
+            self._providers["anthropic"] = AnthropicProvider(
+                base_url=settings.anthropic_base_url, api_key=settings.anthropic_api_key,
+                models=_models(settings.anthropic_models),
+                max_tokens=settings.anthropic_max_tokens,
+            )  # fmt: skip
+
+    def __iter__(self) -> Iterator[Provider]:
+        return iter(self._providers.values())
+
+    @staticmethod
+    def model_for(provider: Provider, model: str | None) -> str:
+        """The model a turn runs on: the provider's default, or one it serves; 400 otherwise."""
+        if model is None:
+            return provider.models[0] if provider.models else ""
+        if provider.models and model not in provider.models:
+            raise BadRequest(
+                f"unknown model {model!r} for provider {provider.name!r}; "
+                f"configured: {', '.join(provider.models)}",
+                code="unknown_model",
+            )
+        return model
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -77,17 +77,22 @@ ProviderEvent = TextDelta | Usage | ToolCallChunk | ToolCallEnd | Finished
 class UpstreamError(Exception):
     """The upstream call failed; ``retryable`` says whether the same call may succeed later."""
 
-    def __init__(self, code: str, message: str, *, retryable: bool) -> None:
+    def __init__(
+        self, code: str, message: str, *, retryable: bool, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retryable = retryable
+        self.retry_after_s = retry_after_s  # the upstream's Retry-After, when it sent one
 
 
 class Provider(Protocol):
     """An upstream model adapter."""
 
     name: str
+    models: tuple[str, ...]  # the first is the default; empty: any model name is passed through
+    description: str  # for `broker providers`: where it points (never a key)
 
     def validate_params(self, params: dict[str, Any]) -> None:
         """Raise ``BadRequest`` for parameters this provider does not understand."""

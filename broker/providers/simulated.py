@@ -73,6 +73,8 @@ class SimulatedProvider:
     """Deterministic fake model; ``max_tokens_per_s`` (0 = none) caps every turn's pace."""
 
     name = "simulated"
+    models: tuple[str, ...] = ("simulated",)
+    description = "built in: deterministic text, fault injection"
 
     def __init__(self, *, max_tokens_per_s: float = 0.0) -> None:
         self.max_tokens_per_s = max_tokens_per_s
