@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Sequence
 
 import uvicorn
 
-from broker import __version__
+from broker import __version__, loadgen, logs
 from broker.app import Runtime, Server, create_app
 from broker.connection import RedisConnectError
 from broker.embedded_redis import EmbeddedRedisError
@@ -31,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port to bind, 0 = any free (BROKER_PORT, 8000)")
     serve.add_argument("--role", choices=ROLES, help="all (default), api or worker (BROKER_ROLE)")
     commands.add_parser("providers", help="list the configured providers and their models")
+    loadgen.add_parser(commands)
     tools = commands.add_parser("tools", help="inspect the tool registry (BROKER_TOOLS)")
     tools_commands = tools.add_subparsers(dest="tools_command", required=True)
     audit = tools_commands.add_parser(
@@ -80,6 +80,7 @@ async def _serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         lifespan="on",
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
         access_log=False,
@@ -94,6 +95,8 @@ async def _serve(settings: Settings) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "loadgen":
+        return loadgen.run(args)
     if args.command == "tools":
         return audit_tools(args.file or os.environ.get("BROKER_TOOLS"))
     if args.command == "providers":
@@ -103,10 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"broker: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(settings.log_level, settings.log_format)
     try:
         return serve(settings)
     except (RedisConnectError, EmbeddedRedisError, ToolConfigError) as exc:

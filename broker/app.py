@@ -91,7 +91,7 @@ class Runtime:
             redis = await connect(url)
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
             blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
-            metrics = Metrics(providers=Providers(settings).names)
+            metrics = Metrics(providers={p.name: p.models for p in Providers(settings)})
             rt = cls(settings, redis, blocking, metrics, embedded, tools)
             policy = await check_eviction_policy(redis)
             metrics.eviction_policy_safe.set(1 if policy == "noeviction" else 0)

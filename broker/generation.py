@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from typing import Any, Final
 
 import orjson
@@ -23,7 +24,7 @@ from redis.exceptions import RedisError
 from broker import redis_calls as rc
 from broker.errors import FencedWrite, StopRequested, StreamFull
 from broker.keys import Keys
-from broker.lease import Claim, TurnWriter
+from broker.lease import ATTEMPT_STATUS, Claim, TurnWriter
 from broker.ledger import Dispatcher, Outcome, Slot
 from broker.metrics import Metrics
 from broker.providers import (
@@ -127,6 +128,8 @@ class Generation:
         self._ordinals: dict[str, int] = {}
         self._dispatcher = dispatcher
         self._pending_usage: tuple[str, dict[str, Any]] | None = None
+        self._usage: dict[str, int] | None = None
+        self._stream_id: str | None = None
         self.started = False
 
     @property
@@ -182,9 +185,10 @@ class Generation:
             })  # fmt: skip
 
     async def _load(self) -> None:
-        raw_request, raw_record, session = await rc.hmget(
-            self._redis, self._turn_key, ["request", f"attempt:{self._n}", "session"]
+        raw_request, raw_record, session, stream_id = await rc.hmget(
+            self._redis, self._turn_key, ["request", f"attempt:{self._n}", "session", "stream_id"]
         )
+        self._stream_id = stream_id
         self._request = orjson.loads(raw_request or "{}")
         self._record = orjson.loads(raw_record or "{}") or {"n": self._n, "strategy": "initial"}
         self._session = session or self._run.conversation_id
@@ -279,6 +283,8 @@ class Generation:
         ended inside it. Raises _Retry for a retryable failure before any output.
         """
         stream = provider.stream(request)
+        began = time.monotonic()
+        first_token = True
         outcome = "ok"
         finished = False
         step_start = len(self._parts)
@@ -298,6 +304,11 @@ class Generation:
                         "upstream_timeout", f"no upstream event for {idle} s", retryable=True
                     ) from None
                 if isinstance(event, TextDelta) and event.text:
+                    if first_token:
+                        first_token = False
+                        self._metrics.upstream_first_token_seconds.labels(provider.name).observe(
+                            time.monotonic() - began
+                        )
                     await self._append([("delta", {"attempt": self._n, "text": event.text})])
                     self._parts.append(event.text)
                 elif isinstance(event, ToolCallChunk):
@@ -310,6 +321,7 @@ class Generation:
                 elif isinstance(event, ToolCallEnd) and event.index in open_calls:
                     await self._run_tool(open_calls.pop(event.index), calls, results)
                 elif isinstance(event, Usage):
+                    self._count_usage(event)
                     usage = ("usage", {
                         "attempt": self._n, "input_tokens": event.input_tokens,
                         "output_tokens": event.output_tokens,
@@ -343,6 +355,7 @@ class Generation:
             if exc.retryable:
                 outcome = "retryable_error"
                 self._pending_usage = None  # the failed call's usage is not this answer's
+                self._usage = None
                 reason = "upstream_timeout" if timeout else "upstream_error"
                 raise _Retry(reason, error, exc.retry_after_s) from None
             outcome = "fatal_error"
@@ -357,7 +370,7 @@ class Generation:
             raise
         finally:
             await stream.aclose()  # an abort reaches the upstream call at once
-            self._metrics.upstream_requests.labels(provider.name, outcome).inc()
+            self._metrics.upstream_requests.labels(provider.name, request.model, outcome).inc()
         return ToolStep("".join(self._parts[step_start:]), calls, results)
 
     async def _run_tool(
@@ -427,6 +440,14 @@ class Generation:
                     "reason": "connection_lost",
                 })])  # fmt: skip
 
+    def _count_usage(self, event: Usage) -> None:
+        """Sum the attempt's tokens over its tool steps, for its record."""
+        so_far = self._usage or {"input_tokens": 0, "output_tokens": 0}
+        self._usage = {
+            "input_tokens": so_far["input_tokens"] + event.input_tokens,
+            "output_tokens": so_far["output_tokens"] + event.output_tokens,
+        }
+
     @property
     def _output(self) -> bool:
         """Whether anything of this attempt reached readers (text or tool events)."""
@@ -464,6 +485,8 @@ class Generation:
             before.append(("error", {"attempt": self._n, **error}))
         text = self._text
         promote = status in PROMOTED_STATUSES and bool(text)
+        if self._usage is not None:
+            self._record = {**self._record, "usage": self._usage}
         base = str(self._record.get("base", ""))
         promoted = await self._writer.finish(
             record=self._record, status=status, reason=reason, text=text, promote=promote,
@@ -472,8 +495,15 @@ class Generation:
         if promoted == -1:
             log.warning("turn %s attempt %d: canonical changed meanwhile; not promoted",
                         self._run.turn_id, self._n)  # fmt: skip
-        log.info("turn %s attempt %d ended %s%s", self._run.turn_id, self._n, status,
-                 f" ({reason})" if reason else "")  # fmt: skip
+        strategy = str(self._record.get("strategy", "initial"))
+        self._metrics.attempts.labels(strategy, ATTEMPT_STATUS[status]).inc()
+        log.info(
+            "turn %s attempt %d ended %s%s", self._run.turn_id, self._n, status,
+            f" ({reason})" if reason else "",
+            extra={"turn_id": self._run.turn_id, "conversation_id": self._run.conversation_id,
+                   "stream_id": self._stream_id, "attempt": self._n, "strategy": strategy,
+                   "status": status, "reason": reason, "event": "attempt_ended"},
+        )  # fmt: skip
 
     async def _delivered(self) -> tuple[bool, str, bool]:
         """Whether this attempt's ``attempt`` event is on the stream, its delivered text, and

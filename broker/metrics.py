@@ -21,12 +21,17 @@ TOOL_OUTCOMES = ("ok", "error", "replayed", "unknown_outcome", "not_run")
 INTERRUPTION_REASONS = ("upstream_error", "upstream_timeout", "worker_lost", "shutdown")
 RESUME_RESULTS = ("ok", "expired", "not_found")
 STREAM_MODES = ("sse", "json")
+STRATEGIES = ("initial", "continue", "regenerate")
+ATTEMPT_OUTCOMES = ("complete", "partial", "cancelled", "failed")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Metrics:
     """The broker's metrics, registered in their own registry."""
 
-    def __init__(self, providers: tuple[str, ...] = ("simulated",)) -> None:
+    def __init__(self, providers: dict[str, tuple[str, ...]] | None = None) -> None:
+        """``providers`` maps each configured provider to its models (label values)."""
+        providers = providers if providers is not None else {"simulated": ("simulated",)}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.build_info = Info("broker_build", "Version of the broker.", registry=r)
@@ -48,13 +53,42 @@ class Metrics:
             self.turns_finished.labels(status)
         self.upstream_requests = Counter(
             "broker_upstream_requests_total",
-            "Calls to the upstream model, by provider and outcome.",
-            ["provider", "outcome"],
+            "Calls to the upstream model, by provider, model and outcome.",
+            ["provider", "model", "outcome"],
             registry=r,
         )
-        for provider in providers:
-            for outcome in UPSTREAM_OUTCOMES:
-                self.upstream_requests.labels(provider, outcome)
+        self.upstream_first_token_seconds = Histogram(
+            "broker_upstream_first_token_seconds",
+            "Time from an upstream call to its first text delta, by provider.",
+            ["provider"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        for provider, models in providers.items():
+            self.upstream_first_token_seconds.labels(provider)
+            for model in models:
+                for outcome in UPSTREAM_OUTCOMES:
+                    self.upstream_requests.labels(provider, model, outcome)
+        self.attempts = Counter(
+            "broker_attempts_total",
+            "Attempts that ended, by strategy and outcome.",
+            ["strategy", "outcome"],
+            registry=r,
+        )
+        for strategy in STRATEGIES:
+            for attempt_outcome in ATTEMPT_OUTCOMES:
+                self.attempts.labels(strategy, attempt_outcome)
+        self.delivery_lag_seconds = Histogram(
+            "broker_delivery_lag_seconds",
+            "Time from an event's append to its hand-over to a live reader.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.lease_expirations = Counter(
+            "broker_lease_expirations_total",
+            "Writer leases that ran out under a running attempt (found at renewal).",
+            registry=r,
+        )
         self.fenced_writes = Counter(
             "broker_fenced_writes_total",
             "Writes refused because the writer's lease was lost or taken over.",

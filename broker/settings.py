@@ -62,8 +62,11 @@ class Settings:
     tool_lease_ms: int = 30_000
     tool_in_flight_wait_s: float = 30.0
     log_level: str = "INFO"
+    log_format: str = "text"  # text | json
 
     def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise SettingsError(f"BROKER_LOG_FORMAT must be text or json, not {self.log_format!r}")
         if self.role not in ROLES:
             raise SettingsError(f"BROKER_ROLE must be one of {', '.join(ROLES)}, not {self.role!r}")
         if self.redis_url is not None and not self.redis_url.startswith(

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
@@ -334,9 +335,13 @@ class Streams:
                 if id_key(batch.after) > position:
                     gap = [e async for e in self._range(key, after, batch.after)]
                     entries = gap + entries
+                now_ms = time.time() * 1000
                 for entry in entries:
                     if entry.sort_key <= position:
                         continue
+                    self._metrics.delivery_lag_seconds.observe(
+                        max(0.0, now_ms - entry.sort_key[0]) / 1000
+                    )
                     yield entry
                     position, after = entry.sort_key, entry.entry_id
                     if entry.kind == "end" and await self._at_rest(location, entry.attempt()):

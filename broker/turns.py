@@ -74,7 +74,7 @@ class CanonicalRequest(BaseModel):
     )
 
 
-ATTEMPT_FIELDS = ("n", "strategy", "status", "reason", "canonical")
+ATTEMPT_FIELDS = ("n", "strategy", "status", "reason", "canonical", "usage")
 
 
 def links(turn_id: str, stream_id: str) -> dict[str, str]:
@@ -174,8 +174,11 @@ class Turns:
             )
             await self._enqueue(conversation_id, turn_id, attempt)
             self._metrics.turns_started.inc()
-            log.info("turn %s started in conversation %s, stream %s", turn_id, conversation_id,
-                     stream_id)  # fmt: skip
+            log.info(
+                "turn %s started in conversation %s, stream %s", turn_id, conversation_id,
+                stream_id, extra={"event": "turn_started", "turn_id": turn_id,
+                                  "conversation_id": conversation_id, "stream_id": stream_id},
+            )  # fmt: skip
         else:
             # The first request may still be between its two steps: make sure a reader finds
             # the stream before we hand out its id, and rescue a turn a crash left unqueued.
@@ -266,6 +269,8 @@ class Turns:
         if reply[0] == "missing":
             raise Gone(f"turn {turn_id!r} expired", code="expired")
         self._metrics.cancels.labels(reply[0]).inc()
+        if reply[0] == "cancelled":
+            self._metrics.turns_finished.labels("cancelled").inc()
         if reply[0] == "signalled":
             await self._notify_stop(conversation_id, turn_id, int(reply[1]))
         log.info("turn %s: stop requested (%s)", turn_id, reply[0])

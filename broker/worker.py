@@ -250,6 +250,7 @@ class Worker:
                     self._keys.jobs, JOB_GROUP, self.name, 0, [run.job_id], justid=True
                 )
             except FencedWrite:
+                self._metrics.lease_expirations.inc()
                 run.request_stop(LEASE_LOST)
                 return
             except (RedisError, OSError) as exc:

@@ -82,7 +82,8 @@ def test_retries_stop_at_the_per_turn_cap(broker_factory: BrokerFactory) -> None
     assert broker.metric("broker_attempts_exhausted_total") == 1
     assert broker.metric("broker_retry_budget_exhausted_total", '{scope="turn"}') == 1
     calls = broker.metric(
-        "broker_upstream_requests_total", '{outcome="retryable_error",provider="simulated"}'
+        "broker_upstream_requests_total",
+        '{model="simulated",outcome="retryable_error",provider="simulated"}',
     )
     assert calls == 3
 
@@ -239,7 +240,7 @@ def test_stop_lands_within_a_second_and_aborts_the_upstream_call(fast: RunningBr
     assert events[-1].data == {"attempt": 1, "status": "cancelled", "reason": "cancelled"}
     assert final["canonical"] == {"attempt": 1, "text": text_of(events)}
     assert simulated(fast).aborted_calls == 1
-    outcome = '{outcome="cancelled",provider="simulated"}'
+    outcome = '{model="simulated",outcome="cancelled",provider="simulated"}'
     assert fast.metric("broker_upstream_requests_total", outcome) == 1
     again = post(fast, "/v1/turns/stop/cancel")  # idempotent: the same state
     assert again.status_code == 200

@@ -73,7 +73,9 @@ def test_fifty_concurrent_posts_start_exactly_one_generation(broker: RunningBrok
     assert statuses == [200] * 49 + [201]
     assert len({r.json()["stream_id"] for r in responses}) == 1
     wait_final(broker.base_url, "turn-race")
-    calls = broker.metric("broker_upstream_requests_total", '{outcome="ok",provider="simulated"}')
+    calls = broker.metric(
+        "broker_upstream_requests_total", '{model="simulated",outcome="ok",provider="simulated"}'
+    )
     assert calls == 1
     assert broker.metric("broker_turns_started_total") == 1
     assert broker.metric("broker_turns_deduplicated_total") == 49
@@ -84,9 +86,12 @@ def test_finished_turn_reports_status_attempts_and_canonical_text(broker: Runnin
     final = wait_final(broker.base_url, "turn-c")
     streamed = text_of(read_sse(broker.base_url, turn["stream_id"]).events)
     assert final["status"] == "complete"
-    assert final["attempts"] == [
-        {"n": 1, "strategy": "initial", "status": "complete", "reason": None, "canonical": True}
-    ]
+    usage = next(e.data for e in read_sse(broker.base_url, turn["stream_id"]).events
+                 if e.event == "usage")  # fmt: skip
+    assert final["attempts"] == [{
+        "n": 1, "strategy": "initial", "status": "complete", "reason": None, "canonical": True,
+        "usage": {"input_tokens": usage["input_tokens"], "output_tokens": usage["output_tokens"]},
+    }]  # fmt: skip
     assert final["canonical"] == {"attempt": 1, "text": streamed}
     assert streamed
 

@@ -1,0 +1,297 @@
+"""The Dockerfile, compose.yaml and Prometheus config agree with each other and with the code.
+
+No container engine is needed: the files are parsed and checked against the repository (paths
+that are copied or mounted exist), the CLI (the image's command parses) and the settings (ports,
+roles, Redis URL). The Dockerfile parser understands what our Dockerfile uses: continuation
+lines, comments, and the exec (JSON) form of CMD, ENTRYPOINT and HEALTHCHECK.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import posixpath
+import re
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from broker.__main__ import _parser
+from broker.settings import ROLES, Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` in order, continuation lines joined."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in (ROOT / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        name, _, rest = line.partition(" ")
+        instructions.append((name.upper(), rest.strip()))
+    assert not pending, "the Dockerfile ends inside a continued line"
+    return instructions
+
+
+def only(instruction: str) -> str:
+    found = [rest for name, rest in dockerfile() if name == instruction]
+    assert len(found) == 1, f"expected one {instruction}, found {len(found)}"
+    return found[0]
+
+
+def exec_form(text: str) -> list[str]:
+    """The JSON array of an exec-form instruction (the shell form is refused: no signals)."""
+    value = json.loads(text)
+    assert isinstance(value, list), f"not the exec form: {text}"
+    assert all(isinstance(item, str) for item in value)
+    return [str(item) for item in value]
+
+
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    return data
+
+
+def services() -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = compose()["services"]
+    return found
+
+
+def broker_services() -> dict[str, dict[str, Any]]:
+    """The services built from this repository's Dockerfile."""
+    return {name: svc for name, svc in services().items() if "build" in svc}
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        return dict(str(item).partition("=")[::2] for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def bind_mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> repository path of each ``./...`` volume of a service."""
+    mounts: dict[str, str] = {}
+    for volume in service.get("volumes", []):
+        source, target = str(volume).split(":")[:2]
+        if source.startswith(("./", "../", "/")):
+            mounts[target] = posixpath.normpath(source)
+    return mounts
+
+
+def host_path(mounts: dict[str, str], container_path: str) -> Path | None:
+    """Where a container path of a service lives in the repository, if it is bind-mounted."""
+    for target, source in sorted(mounts.items(), key=lambda m: -len(m[0])):
+        if container_path == target or container_path.startswith(target.rstrip("/") + "/"):
+            return ROOT / source / posixpath.relpath(container_path, target)
+    return None
+
+
+def container_port() -> int:
+    exposed = only("EXPOSE").split()
+    assert len(exposed) == 1, exposed
+    return int(exposed[0].removesuffix("/tcp"))
+
+
+def prometheus_config() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "grafana/prometheus.yml").read_text())
+    return data
+
+
+# --- the Dockerfile -------------------------------------------------------------------------
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """``.dockerignore`` semantics: the last matching pattern wins; a parent's match counts."""
+    ignored = False
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        glob = posixpath.normpath(pattern.removeprefix("!").strip("/"))
+        regex = re.escape(glob).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*")
+        regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        if any(re.fullmatch(regex, candidate) for candidate in candidates):
+            ignored = not negated
+    return ignored
+
+
+def test_every_copied_path_exists_and_reaches_the_build_context() -> None:
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    copies = [rest for name, rest in dockerfile() if name == "COPY"]
+    assert copies
+    for rest in copies:
+        args = [arg for arg in shlex.split(rest) if not arg.startswith("--")]
+        assert "--from" not in rest
+        for source in args[:-1]:
+            path = ROOT / source
+            assert path.exists(), f"COPY {source}: no such file in the repository"
+            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+            for file in files:
+                relative = file.relative_to(ROOT).as_posix()
+                if "__pycache__" in relative:
+                    assert _ignored(relative, patterns)
+                    continue
+                assert not _ignored(relative, patterns), f"{relative} is in .dockerignore"
+    # The package data must be in the image: the Lua scripts are loaded at start.
+    assert not _ignored("broker/lua/append_events.lua", patterns)
+    assert _ignored(".git/config", patterns)
+    assert _ignored("tests/conftest.py", patterns)
+
+
+def test_the_image_installs_the_package_and_runs_it_as_a_user() -> None:
+    instructions = dockerfile()
+    names = [name for name, _ in instructions]
+    assert re.fullmatch(r"python:3\.11-slim(-\w+)?", only("FROM"))
+    installs = [rest for name, rest in instructions if name == "RUN" and "pip install" in rest]
+    assert len(installs) == 1
+    words = shlex.split(installs[0].split("&&")[0])
+    assert words[words.index("install") + 1 :] == ["."]  # not editable, no extras
+    user = only("USER").split(":")[0]
+    assert user not in ("root", "0")
+    assert names.index("USER") > max(i for i, name in enumerate(names) if name == "RUN")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert exec_form(only("ENTRYPOINT")) == ["broker"]
+    assert scripts["broker"] == "broker.__main__:main"
+
+
+def test_the_command_parses_and_every_port_is_the_settings_port() -> None:
+    port = container_port()
+    args = _parser().parse_args(exec_form(only("CMD")))
+    assert args.command == "serve"
+    assert args.host == "0.0.0.0"  # reachable from outside the container
+    assert args.port == port == Settings().port
+    healthcheck = only("HEALTHCHECK")
+    command = healthcheck[healthcheck.index("CMD ") + 4 :]
+    probe = exec_form(command)
+    assert probe[:2] == ["python", "-c"]  # the slim image has no curl
+    compile(probe[2], "<healthcheck>", "exec")
+    url = urlsplit(re.findall(r"https?://[^'\"\s]+", probe[2])[0])
+    assert (url.hostname, url.port, url.path) == ("127.0.0.1", port, "/healthz")
+
+
+# --- compose.yaml ---------------------------------------------------------------------------
+
+
+def test_every_mounted_path_exists() -> None:
+    for name, service in services().items():
+        build = service.get("build")
+        if build is not None:
+            context = build if isinstance(build, str) else build.get("context", ".")
+            assert (ROOT / context / "Dockerfile").is_file(), f"{name}: no Dockerfile"
+        for target, source in bind_mounts(service).items():
+            assert (ROOT / source).exists(), f"{name}: {source} (for {target}) is missing"
+
+
+def test_the_observability_files_are_in_place() -> None:
+    """Written alongside this file; compose.yaml and prometheus.yml name exactly these."""
+    assert (ROOT / "grafana/provisioning").is_dir()
+    assert (ROOT / "grafana/dashboards").is_dir()
+    assert list((ROOT / "grafana/dashboards").glob("*.json")), "no dashboards"
+    assert (ROOT / "grafana/rules/broker.rules.yml").is_file()
+
+
+def test_broker_services_have_valid_settings_roles_and_ports() -> None:
+    brokers = broker_services()
+    assert set(brokers) == {"api-1", "api-2", "worker"}
+    port = container_port()
+    roles: dict[str, str] = {}
+    host_ports: list[str] = []
+    for name, service in brokers.items():
+        env = environment(service)
+        settings = Settings.from_env(env)  # every BROKER_* value is one the broker accepts
+        assert env.get("BROKER_ROLE") in ROLES
+        roles[name] = settings.role
+        assert "BROKER_PORT" not in env  # the CMD's --port is the one port
+        redis_url = urlsplit(str(settings.redis_url))
+        assert redis_url.hostname in services(), f"{name}: Redis is not a compose service"
+        assert str(services()[redis_url.hostname]["image"]).startswith("redis:")
+        assert (redis_url.port or 6379) == 6379
+        for mapping in service.get("ports", []):
+            host, _, inside = str(mapping).rpartition(":")
+            assert int(inside) == port
+            host_ports.append(host)
+    assert roles == {"api-1": "api", "api-2": "api", "worker": "worker"}
+    assert sorted(host_ports) == ["8001", "8002"]
+
+
+def test_redis_keeps_every_event() -> None:
+    redis = services()["redis"]
+    assert str(redis["image"]).split(":")[:2] == ["redis", "7"]
+    command = redis["command"]
+    words = shlex.split(command) if isinstance(command, str) else [str(w) for w in command]
+    pairs = dict(zip(words[1::2], words[2::2], strict=False))
+    assert words[0] == "redis-server"
+    assert pairs.get("--appendonly") == "yes"  # acknowledged events survive a restart
+    assert pairs.get("--maxmemory-policy") == "noeviction"  # the broker's requirement
+    assert any(str(v).split(":")[1] == "/data" for v in redis.get("volumes", []))
+
+
+# --- Prometheus and Grafana -----------------------------------------------------------------
+
+
+def test_prometheus_scrapes_every_broker_on_the_settings_port() -> None:
+    mounts = bind_mounts(services()["prometheus"])
+    assert mounts[PROMETHEUS_CONFIG] == "grafana/prometheus.yml"
+    jobs = {job["job_name"]: job for job in prometheus_config()["scrape_configs"]}
+    broker = jobs["broker"]
+    assert broker.get("metrics_path", "/metrics") == "/metrics"
+    targets = {t for group in broker["static_configs"] for t in group["targets"]}
+    assert targets == {f"{name}:{container_port()}" for name in broker_services()}
+
+
+def test_prometheus_loads_the_rules_and_not_their_unit_tests() -> None:
+    mounts = bind_mounts(services()["prometheus"])
+    rule_files = prometheus_config()["rule_files"]
+    assert rule_files
+    matched: set[str] = set()
+    for pattern in rule_files:
+        # Relative rule paths resolve against the config file's directory.
+        inside = posixpath.join(posixpath.dirname(PROMETHEUS_CONFIG), pattern)
+        on_host = host_path(mounts, inside)
+        assert on_host is not None, f"{inside} is not mounted into the prometheus service"
+        assert not fnmatch.fnmatchcase("broker.rules.test.yml", on_host.name)
+        matched |= {p.relative_to(ROOT).as_posix() for p in on_host.parent.glob(on_host.name)}
+    assert matched == {"grafana/rules/broker.rules.yml"}
+
+
+def test_grafana_mounts_provisioning_and_dashboards_where_they_are_looked_for() -> None:
+    grafana = services()["grafana"]
+    mounts = bind_mounts(grafana)
+    assert mounts["/etc/grafana/provisioning"] == "grafana/provisioning"
+    assert mounts["/var/lib/grafana/dashboards"] == "grafana/dashboards"
+    env = environment(grafana)
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    provisioning = ROOT / "grafana/provisioning"
+    if not provisioning.is_dir():
+        pytest.fail("grafana/provisioning is missing")
+    paths: list[str] = []
+    urls: list[str] = []
+    for file in sorted(provisioning.rglob("*.y*ml")):
+        data = yaml.safe_load(file.read_text()) or {}
+        paths += [p.get("options", {}).get("path", "") for p in data.get("providers", [])]
+        urls += [d.get("url", "") for d in data.get("datasources", [])]
+    assert paths, "no dashboard provider"
+    for path in paths:  # the provider reads the folder compose.yaml mounts
+        assert host_path(mounts, path) == ROOT / "grafana/dashboards"
+    prometheus_port = str(services()["prometheus"]["ports"][0]).rpartition(":")[2]
+    assert f"http://prometheus:{prometheus_port}" in urls
