@@ -15,10 +15,13 @@ import signal
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
 
 from broker import __version__
@@ -37,6 +40,9 @@ from broker.turns import Turns
 from broker.worker import Worker, ensure_group
 
 log = logging.getLogger("broker")
+
+# The demo page and the browser client (broker/static/js), shipped as package data.
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 
 class Runtime:
@@ -163,8 +169,15 @@ def create_app(
     app.include_router(ops_router)
     if settings.runs_api:
         app.include_router(api_router)
+        app.add_api_route("/", _demo_page, methods=["GET"], include_in_schema=False)
+        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     return app
+
+
+async def _demo_page() -> FileResponse:
+    """The demo page: a chat box on the browser client, showing answers that outlive connections."""
+    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
 class Server(uvicorn.Server):

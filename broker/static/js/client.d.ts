@@ -1,0 +1,126 @@
+/** One event of a broker stream. */
+export interface BrokerEvent {
+  id: string;
+  type: "attempt" | "delta" | "tool_call" | "tool_result" | "usage" | "error" | "end" | string;
+  data: any;
+  /** Attempt number the event belongs to (0 when it names none). */
+  attempt: number;
+}
+
+export interface AttachPolicy {
+  /** Consecutive failed connections before giving up (default 8). */
+  maxRetries: number;
+  /** Backoff base in ms when the server sent no `retry:` (default 500). */
+  baseDelay: number;
+  /** Backoff cap in ms (default 15000). */
+  maxDelay: number;
+  /** Silence in ms after which a connection counts as dead (default 45000). */
+  readTimeout: number;
+  /** Jitter source in [0, 1) (default Math.random). */
+  random: () => number;
+}
+
+export interface AttachStats {
+  reconnects: number;
+  failures: number;
+  events: number;
+  duplicates: number;
+  heartbeats: number;
+  lastEventId: string | null;
+  lastError?: unknown;
+}
+
+export interface ReconnectInfo {
+  failures: number;
+  delay: number;
+  error: unknown;
+  lastEventId: string | null;
+}
+
+export interface AttachOptions {
+  /** Where to start when nothing was read yet: "-1" (the start, default), "now" or an event id. */
+  offset?: string;
+  signal?: AbortSignal;
+  policy?: Partial<AttachPolicy>;
+  stats?: Partial<AttachStats>;
+  onReconnect?: (info: ReconnectInfo) => void;
+  /** Called for each connection with a function that cuts that connection only. */
+  onConnect?: (drop: () => void) => void;
+}
+
+export interface StartTurnOptions {
+  conversationId: string;
+  messages: Array<{ role: string; content: unknown; [key: string]: unknown }>;
+  turnId?: string;
+  provider?: string;
+  model?: string;
+  params?: Record<string, unknown>;
+  tools?: Array<Record<string, unknown>>;
+  responseFormat?: Record<string, unknown>;
+}
+
+export interface TurnInfo {
+  turn_id: string;
+  conversation_id: string;
+  stream_id: string;
+  status: string;
+  attempt: number;
+  links: Record<string, string>;
+  [key: string]: unknown;
+}
+
+export const EVENT_TYPES: readonly string[];
+export const DEFAULT_POLICY: Readonly<AttachPolicy>;
+
+export class BrokerHTTPError extends Error {
+  status: number;
+  code: string | null;
+  body: unknown;
+}
+export class ReattachExhausted extends Error {
+  failures: number;
+}
+export class ProtocolError extends Error {}
+
+export function backoffDelay(
+  failures: number, base: number, cap: number, rand?: () => number,
+): number;
+
+export function toBrokerEvent(sse: { id: string; event: string; data: string }): BrokerEvent;
+
+export class BrokerClient {
+  constructor(
+    baseUrl?: string,
+    options?: { fetch?: typeof fetch; headers?: Record<string, string>; policy?: Partial<AttachPolicy> },
+  );
+  baseUrl: string;
+  headers: Record<string, string>;
+  policy: AttachPolicy;
+  startTurn(options: StartTurnOptions): Promise<TurnInfo & { created: boolean }>;
+  getTurn(turnId: string): Promise<Record<string, any>>;
+  cancel(turnId: string): Promise<Record<string, any>>;
+  retry(turnId: string, strategy: "continue" | "regenerate"): Promise<Record<string, any>>;
+  catchUp(streamId: string, offset?: string): Promise<{
+    events: Array<Record<string, any>>; next_offset: string; up_to_date: boolean; closed: boolean;
+  }>;
+  streamUrl(streamId: string, offset?: string): string;
+  attach(streamId: string, options?: AttachOptions): AsyncGenerator<BrokerEvent, void, undefined>;
+}
+
+export interface EventSourceHandle {
+  source: EventSource;
+  lastEventId: string | null;
+  close(): void;
+}
+
+export function attachEventSource(
+  url: string,
+  options?: {
+    onEvent?: (event: BrokerEvent) => void;
+    /** Called once: with the `end` event, or null when the source closed without one. */
+    onEnd?: (event: BrokerEvent | null) => void;
+    onError?: (error: Event) => void;
+    signal?: AbortSignal;
+    EventSource?: typeof EventSource;
+  },
+): EventSourceHandle;

@@ -1,0 +1,326 @@
+// Fetch-based client for the broker: start turns, stop and retry them, follow their streams.
+//
+// `attach` is the resumable reader: it reconnects with `Last-Event-ID` after any failure, with
+// full-jitter backoff based on the server's `retry:` field, and stops once the turn is at rest
+// (a clean close right after an `end` event, or a 204 answer). The SSE parsing lives in sse.js.
+
+import { SSEDecoder } from "./sse.js";
+
+/** Event types the broker sends on a stream. */
+export const EVENT_TYPES = Object.freeze([
+  "attempt", "delta", "tool_call", "tool_result", "usage", "error", "end",
+]);
+
+/** Defaults for `attach`; times in milliseconds. */
+export const DEFAULT_POLICY = Object.freeze({
+  maxRetries: 8, // consecutive failed connections before giving up
+  baseDelay: 500, // backoff base when the server sent no `retry:`
+  maxDelay: 15000, // backoff cap
+  readTimeout: 45000, // silence (no bytes, not even a heartbeat) that counts as a dead connection
+  random: Math.random, // jitter source, replaceable in tests
+});
+
+// Statuses describing a passing condition (restart, overload), worth waiting out.
+const RETRYABLE = new Set([408, 425, 429]);
+const isRetryable = (status) => status >= 500 || RETRYABLE.has(status);
+
+/** An error answer from the broker; `code` is the broker's error code when it sent one. */
+export class BrokerHTTPError extends Error {
+  constructor(status, body) {
+    const error = body && typeof body === "object" ? body.error ?? body : null;
+    const message = (error && error.message) || (typeof body === "string" && body) || "";
+    super(`HTTP ${status}${message ? `: ${message}` : ""}`);
+    this.name = "BrokerHTTPError";
+    this.status = status;
+    this.code = (error && error.code) || null;
+    this.body = body;
+  }
+}
+
+/** `attach` gave up after too many consecutive failed connections. */
+export class ReattachExhausted extends Error {
+  constructor(failures, cause) {
+    super(`gave up after ${failures} consecutive failed connections: ${cause}`, { cause });
+    this.name = "ReattachExhausted";
+    this.failures = failures;
+  }
+}
+
+/** The response was not an event stream (a proxy's error page, say). */
+export class ProtocolError extends Error {
+  constructor(message) {
+    super(message);
+    this.name = "ProtocolError";
+  }
+}
+
+/**
+ * Full-jitter delay (ms) before the reconnect that follows the `failures`-th consecutive failure:
+ * uniform(0, min(cap, base * 2^(failures-1))).
+ */
+export function backoffDelay(failures, base, cap, rand = Math.random) {
+  const exponent = Math.min(Math.max(failures - 1, 0), 60); // past 60 doublings any cap is reached
+  return rand() * Math.min(cap, base * 2 ** exponent);
+}
+
+/** Parse one SSE event of the broker into `{id, type, data, attempt}`. */
+export function toBrokerEvent(sse) {
+  let data;
+  try {
+    data = JSON.parse(sse.data);
+  } catch {
+    throw new ProtocolError(`event ${sse.id} carries data that is not JSON`);
+  }
+  const attempt = data && Number.isInteger(data.attempt) ? data.attempt : 0;
+  return { id: sse.id, type: sse.event, data, attempt };
+}
+
+function sleep(ms, signal) {
+  // Resolves true when `signal` aborted the wait, false when the time passed.
+  return new Promise((resolve) => {
+    if (signal?.aborted) return resolve(true);
+    const done = (aborted) => {
+      clearTimeout(timer);
+      signal?.removeEventListener("abort", onAbort);
+      resolve(aborted);
+    };
+    const onAbort = () => done(true);
+    const timer = setTimeout(() => done(false), ms);
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+async function readBody(response) {
+  const text = await response.text().catch(() => "");
+  try {
+    return JSON.parse(text);
+  } catch {
+    return text;
+  }
+}
+
+const enc = encodeURIComponent;
+
+export class BrokerClient {
+  /**
+   * @param {string} [baseUrl] the broker's origin; "" means the page's own origin
+   * @param {{fetch?: typeof fetch, headers?: Record<string, string>, policy?: object}} [options]
+   */
+  constructor(baseUrl = "", { fetch: fetchImpl, headers = {}, policy = {} } = {}) {
+    this.baseUrl = baseUrl.replace(/\/+$/, "");
+    this.headers = { ...headers };
+    this.policy = { ...DEFAULT_POLICY, ...policy };
+    this._fetch = fetchImpl ?? ((...args) => globalThis.fetch(...args));
+  }
+
+  /** Start a turn (POST /v1/turns). With a `turnId` it is idempotent: `created` tells. */
+  async startTurn({ conversationId, messages, turnId, provider, model, params, tools, responseFormat }) {
+    const body = { conversation_id: conversationId, messages };
+    const optional = {
+      turn_id: turnId, provider, model, params, tools, response_format: responseFormat,
+    };
+    for (const [key, value] of Object.entries(optional)) if (value != null) body[key] = value;
+    const { data, status } = await this._json("POST", "/v1/turns", body);
+    return { ...data, created: status === 201 };
+  }
+
+  /** A turn's state: status, attempts, canonical text (GET /v1/turns/{id}). */
+  async getTurn(turnId) {
+    return (await this._json("GET", `/v1/turns/${enc(turnId)}`)).data;
+  }
+
+  /** Stop a running turn; the text so far stays (POST /v1/turns/{id}/cancel). */
+  async cancel(turnId) {
+    return (await this._json("POST", `/v1/turns/${enc(turnId)}/cancel`)).data;
+  }
+
+  /** Start a new attempt of an interrupted turn: "continue" extends, "regenerate" replaces. */
+  async retry(turnId, strategy) {
+    if (strategy !== "continue" && strategy !== "regenerate") {
+      throw new TypeError(`strategy must be "continue" or "regenerate", not ${strategy}`);
+    }
+    return (await this._json("POST", `/v1/turns/${enc(turnId)}/attempts`, { strategy })).data;
+  }
+
+  /** One JSON page of events after `offset`, for clients that poll. */
+  async catchUp(streamId, offset = "-1") {
+    const path = `/v1/streams/${enc(streamId)}?format=json&offset=${enc(offset)}`;
+    return (await this._json("GET", path)).data;
+  }
+
+  /** The SSE URL of a stream; `offset` goes in the query (for EventSource, which sets no headers). */
+  streamUrl(streamId, offset) {
+    const query = offset != null ? `?offset=${enc(offset)}` : "";
+    return `${this.baseUrl}/v1/streams/${enc(streamId)}${query}`;
+  }
+
+  /**
+   * Follow a stream from `offset` until the turn is at rest, reconnecting as needed.
+   * Yields `{id, type, data, attempt}` once each, in id order. Returns when a response closes
+   * cleanly after an `end` event, on a 204, or when `signal` aborts. Throws BrokerHTTPError on a
+   * non-retryable status (400, 404, 410), ReattachExhausted after too many failures in a row.
+   *
+   * `onConnect(drop)` is called for each connection with a function that cuts that connection
+   * only (a simulated network failure: the reader reattaches). `stats` is updated in place.
+   */
+  async *attach(streamId, options = {}) {
+    const { offset = "-1", signal, onReconnect, onConnect } = options;
+    const policy = { ...this.policy, ...options.policy };
+    const stats = Object.assign(options.stats ?? {}, {
+      reconnects: 0, failures: 0, events: 0, duplicates: 0, heartbeats: 0, lastEventId: null,
+    });
+    const url = `${this.baseUrl}/v1/streams/${enc(streamId)}`;
+    let lastId = null;
+    let lastType = null;
+    let retryBase = null;
+    const advance = (id) => {
+      lastId = stats.lastEventId = id;
+      stats.failures = 0; // progress: the broker is up and serving this stream
+    };
+
+    for (;;) {
+      if (signal?.aborted) return;
+      const conn = new AbortController();
+      const onAbort = () => conn.abort(signal.reason);
+      signal?.addEventListener("abort", onAbort, { once: true });
+      onConnect?.(() => conn.abort(new DOMException("connection dropped", "AbortError")));
+      let failure;
+      try {
+        const headers = { ...this.headers, Accept: "text/event-stream" };
+        let query = offset;
+        if (lastId !== null) {
+          // The broker prefers Last-Event-ID; the query says the same to anything that only
+          // reads the URL.
+          query = headers["Last-Event-ID"] = lastId;
+        }
+        const response = await this._fetch(`${url}?offset=${enc(query)}`, {
+          headers, signal: conn.signal, cache: "no-store",
+        });
+        if (response.status === 204) return; // at rest, nothing after our position
+        if (response.status !== 200) {
+          const error = new BrokerHTTPError(response.status, await readBody(response));
+          if (!isRetryable(response.status)) throw error;
+          failure = error;
+        } else {
+          const type = (response.headers.get("content-type") ?? "").split(";")[0].trim();
+          if (type.toLowerCase() !== "text/event-stream") {
+            throw new ProtocolError(`expected text/event-stream, got ${type || "nothing"}`);
+          }
+          const decoder = new SSEDecoder();
+          const reader = response.body.getReader();
+          let timer;
+          const arm = () => {
+            clearTimeout(timer);
+            timer = setTimeout(
+              () => conn.abort(new DOMException("read timeout", "TimeoutError")),
+              policy.readTimeout,
+            );
+          };
+          try {
+            arm();
+            for (;;) {
+              const { value, done } = await reader.read();
+              if (done) break;
+              arm();
+              for (const sse of decoder.feed(value)) {
+                if (lastId !== null && sse.id <= lastId) {
+                  stats.duplicates += 1; // a replay overlapping what was already yielded
+                  continue;
+                }
+                const event = toBrokerEvent(sse);
+                advance(event.id);
+                lastType = event.type;
+                stats.events += 1;
+                yield event;
+                if (signal?.aborted) return;
+              }
+              // An id-only block moves the resume point without being an event.
+              const id = decoder.lastEventId;
+              if (id && (lastId === null || id > lastId)) advance(id);
+              if (decoder.retry !== null) retryBase = decoder.retry;
+              if (decoder.comments) {
+                stats.heartbeats += decoder.comments;
+                decoder.comments = 0;
+                stats.failures = 0;
+              }
+            }
+          } finally {
+            clearTimeout(timer);
+            reader.cancel().catch(() => {});
+          }
+          if (lastType === "end") return;
+          failure = new Error("the response ended before the turn did");
+        }
+      } catch (error) {
+        if (signal?.aborted) return;
+        if (error instanceof BrokerHTTPError || error instanceof ProtocolError) throw error;
+        failure = error; // network error, dropped connection, read timeout
+      } finally {
+        signal?.removeEventListener("abort", onAbort);
+        conn.abort(); // release the connection whatever happened
+      }
+
+      stats.failures += 1;
+      stats.lastError = failure;
+      if (stats.failures > policy.maxRetries) throw new ReattachExhausted(stats.failures, failure);
+      const base = retryBase ?? policy.baseDelay;
+      const delay = backoffDelay(stats.failures, base, policy.maxDelay, policy.random);
+      stats.reconnects += 1;
+      onReconnect?.({ failures: stats.failures, delay, error: failure, lastEventId: lastId });
+      if (await sleep(delay, signal)) return;
+    }
+  }
+
+  async _json(method, path, body) {
+    const init = { method, headers: { ...this.headers, Accept: "application/json" } };
+    if (body !== undefined) {
+      init.headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body);
+    }
+    const response = await this._fetch(this.baseUrl + path, init);
+    const data = await readBody(response);
+    if (response.status >= 400) throw new BrokerHTTPError(response.status, data);
+    return { data, status: response.status };
+  }
+}
+
+/**
+ * Follow a stream with the browser's native EventSource, for pages that need no custom headers.
+ * EventSource resends Last-Event-ID on its own reconnects; this closes it after an `end` event
+ * (the turn is at rest) or when `signal` aborts, and drops replays of events already delivered.
+ * To follow a later attempt, call again with `offset` set to the last id seen.
+ */
+export function attachEventSource(url, { onEvent, onEnd, onError, signal, EventSource: ES } = {}) {
+  const Impl = ES ?? globalThis.EventSource;
+  const source = new Impl(url);
+  const handle = {
+    source,
+    lastEventId: null,
+    close() {
+      source.close();
+    },
+  };
+  let ended = false;
+  const finish = (event) => {
+    if (ended) return;
+    ended = true;
+    source.close();
+    onEnd?.(event);
+  };
+  const listener = (message) => {
+    const id = message.lastEventId;
+    if (handle.lastEventId !== null && id && id <= handle.lastEventId) return;
+    if (id) handle.lastEventId = id;
+    const event = toBrokerEvent({ id, event: message.type, data: message.data });
+    onEvent?.(event);
+    if (event.type === "end") finish(event);
+  };
+  for (const type of EVENT_TYPES) source.addEventListener(type, listener);
+  source.addEventListener("error", (error) => {
+    // CLOSED after an error: the browser gave up (a 204 at rest, or a fatal status).
+    if (source.readyState === 2) finish(null);
+    else onError?.(error);
+  });
+  signal?.addEventListener("abort", () => finish(null), { once: true });
+  return handle;
+}

@@ -1,0 +1,3 @@
+export * from "./sse.js";
+export * from "./client.js";
+export * from "./turn.js";

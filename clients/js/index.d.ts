@@ -1,0 +1,1 @@
+export * from "../../broker/static/js/index.js";
