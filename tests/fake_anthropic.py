@@ -31,6 +31,8 @@ from typing import Any, Literal
 
 import uvicorn
 
+from tests.helpers import read_request
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -252,15 +254,10 @@ class FakeAnthropic:
     async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        raw = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request = await read_request(scope, receive)
+        if request is None:
+            return
+        raw, headers = request
         try:
             body = json.loads(raw) if raw else {}
         except ValueError:

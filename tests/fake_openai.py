@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 import uvicorn
 
+from tests.helpers import read_request
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -194,15 +196,10 @@ class FakeOpenAI:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        raw = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request = await read_request(scope, receive)
+        if request is None:
+            return
+        raw, headers = request
         try:
             body = json.loads(raw or b"{}")
         except ValueError:

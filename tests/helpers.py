@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import http.server
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -138,3 +140,53 @@ def wait_final(base_url: str, turn_id: str, timeout: float = 15.0) -> dict[str, 
         lambda: (t := get_turn(base_url, turn_id))["status"] in final and t, timeout
     )
     return turn
+
+
+class ToolEndpoint:
+    """A real HTTP tool endpoint on loopback: it records each call (its ``Idempotency-Key``
+    header and JSON body) and answers with ``reply(number_of_calls_so_far)``."""
+
+    def __init__(self, path: str, reply: Callable[[int], Any]) -> None:
+        self.requests: list[dict[str, Any]] = []
+        endpoint = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = orjson.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                endpoint.requests.append({"key": self.headers.get("Idempotency-Key"),
+                                          "body": body})  # fmt: skip
+                answer = orjson.dumps(reply(len(endpoint.requests)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def bodies(self) -> list[Any]:
+        return [request["body"] for request in self.requests]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def read_request(scope: Any, receive: Any) -> tuple[bytes, dict[str, str]] | None:
+    """The whole body and the lower-cased headers of an ASGI request (None: client left)."""
+    raw = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        raw += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    return bytes(raw), headers

@@ -7,9 +7,7 @@ upstream; ``continue`` as Anthropic's native prefill.
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,15 @@ from broker.providers.anthropic import JSON_INSTRUCTION, AnthropicProvider, buil
 from broker.providers.base import Finished, GenerationRequest, ToolStep, UpstreamError
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.fake_anthropic import FakeAnthropic, words
-from tests.helpers import SSEEvent, get_turn, read_sse, text_of, wait_final, wait_until
+from tests.helpers import (
+    SSEEvent,
+    ToolEndpoint,
+    get_turn,
+    read_sse,
+    text_of,
+    wait_final,
+    wait_until,
+)
 
 KEY = "sk-ant-test-secret"
 MODELS = "claude-test,claude-other"
@@ -157,41 +163,16 @@ def test_unknown_params_and_models_are_refused_before_any_call(
 # --- tool calls --------------------------------------------------------------------------------
 
 
-class WeatherEndpoint:
-    """A tool endpoint on loopback that answers every call with the same weather."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        endpoint = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                length = int(self.headers["Content-Length"])
-                endpoint.requests.append(json.loads(self.rfile.read(length)))
-                reply = json.dumps(WEATHER).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/weather"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 @pytest.fixture
-def weather() -> Iterator[WeatherEndpoint]:
-    endpoint = WeatherEndpoint()
+def weather() -> Iterator[ToolEndpoint]:
+    """A tool endpoint that answers every call with the same weather."""
+    endpoint = ToolEndpoint("/weather", lambda _: WEATHER)
     yield endpoint
-    endpoint.server.shutdown()
+    endpoint.close()
 
 
 def test_a_tool_call_runs_and_the_next_request_carries_use_and_result(
-    broker_factory: BrokerFactory, fake: FakeAnthropic, weather: WeatherEndpoint, tmp_path: Path
+    broker_factory: BrokerFactory, fake: FakeAnthropic, weather: ToolEndpoint, tmp_path: Path
 ) -> None:
     tools_file = tmp_path / "tools.json"
     tools_file.write_text(json.dumps({"tools": [{
@@ -213,7 +194,7 @@ def test_a_tool_call_runs_and_the_next_request_carries_use_and_result(
     assert (result_event["source"], result_event["result"]) == ("ran", WEATHER)
     assert events[-1].data["status"] == "complete"
     assert text_of(events) == "Let me check.It is 21 °C and clear."
-    assert weather.requests == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    assert weather.bodies == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
     first, follow_up = fake.calls
     anthropic_tool = {"name": "get_weather", "description": "Weather now",
                       "input_schema": WEATHER_SCHEMA}  # fmt: skip

@@ -3,9 +3,7 @@ real broker end to end, and the adapter alone where the exact error matters."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,7 +27,15 @@ from broker.providers.base import (
 from broker.providers.openai import OpenAIProvider, render_messages
 from tests.conftest import BrokerFactory, RunningBroker, free_port
 from tests.fake_openai import FakeOpenAI, scripted_text
-from tests.helpers import SSEEvent, get_turn, read_sse, text_of, wait_final, wait_until
+from tests.helpers import (
+    SSEEvent,
+    ToolEndpoint,
+    get_turn,
+    read_sse,
+    text_of,
+    wait_final,
+    wait_until,
+)
 
 KEY = "sk-test-secret"
 PROMPT = [{"role": "user", "content": "Tell me about tunnels"}]
@@ -138,38 +144,12 @@ def test_params_model_format_and_messages_reach_the_upstream(
     assert "continue_final_message" not in body
 
 
-class WeatherEndpoint:
-    """A tool endpoint on loopback that answers every call with the same weather."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-        endpoint = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                endpoint.calls.append(
-                    json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                )
-                reply = json.dumps({"sky": "clear", "celsius": 21}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/weather"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 @pytest.fixture
-def weather() -> Iterator[WeatherEndpoint]:
-    endpoint = WeatherEndpoint()
+def weather() -> Iterator[ToolEndpoint]:
+    """A tool endpoint that answers every call with the same weather."""
+    endpoint = ToolEndpoint("/weather", lambda _: {"sky": "clear", "celsius": 21})
     yield endpoint
-    endpoint.server.shutdown()
+    endpoint.close()
 
 
 WEATHER_TOOL = {
@@ -180,7 +160,7 @@ WEATHER_TOOL = {
 
 
 def test_tool_calls_run_and_their_results_go_back_to_the_model(
-    broker_factory: BrokerFactory, fake: FakeOpenAI, weather: WeatherEndpoint, tmp_path: Path
+    broker_factory: BrokerFactory, fake: FakeOpenAI, weather: ToolEndpoint, tmp_path: Path
 ) -> None:
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps({"tools": [
@@ -199,7 +179,7 @@ def test_tool_calls_run_and_their_results_go_back_to_the_model(
     assert (call["call_id"], call["name"], call["args"]) == ("call_w1", "get_weather",
                                                              {"city": "Paris"})  # fmt: skip
     assert (result["source"], result["result"]) == ("ran", {"sky": "clear", "celsius": 21})
-    assert weather.calls == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    assert weather.bodies == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
     assert end_of(events) == {"attempt": 1, "status": "complete", "reason": None}
     first, second = fake.bodies
     assert first["tools"] == second["tools"] == [WEATHER_TOOL]

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import http.server
 import itertools
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from broker.scripts import Scripts
 from broker.settings import Settings
 from broker.tools import Tool, ToolConfigError, ToolError, ToolRegistry
 from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import SSEEvent, get_turn, read_sse, start_turn, wait_final
+from tests.helpers import SSEEvent, ToolEndpoint, get_turn, read_sse, start_turn, wait_final
 
 _n = itertools.count()
 PAY = {"to": "bob", "amount": 10}
@@ -37,41 +35,16 @@ PAYMENT_SCHEMA = {
 }
 
 
-class PaymentEndpoint:
-    """A real HTTP payment endpoint on loopback that counts what it is asked to do."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        endpoint = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                endpoint.requests.append({"key": self.headers.get("Idempotency-Key"), "body": body})
-                reply = json.dumps({"payment_id": f"pay_{len(endpoint.requests)}"}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/pay"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 @pytest.fixture
-def payments() -> Iterator[PaymentEndpoint]:
-    endpoint = PaymentEndpoint()
+def payments() -> Iterator[ToolEndpoint]:
+    """A payment endpoint that counts what it is asked to do."""
+    endpoint = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
     yield endpoint
-    endpoint.server.shutdown()
+    endpoint.close()
 
 
 @pytest.fixture
-def tools_file(tmp_path: Path, payments: PaymentEndpoint) -> Path:
+def tools_file(tmp_path: Path, payments: ToolEndpoint) -> Path:
     path = tmp_path / "tools.json"
     path.write_text(json.dumps({"tools": [
         {"name": "send_payment", "class": "unkeyed_write", "schema": PAYMENT_SCHEMA,
@@ -94,7 +67,7 @@ def tool_turn(broker: RunningBroker, turn_id: str, **knobs: Any) -> dict[str, An
 
 
 def test_a_regenerated_turn_does_not_pay_twice(
-    broker_factory: BrokerFactory, tools_file: Path, payments: PaymentEndpoint
+    broker_factory: BrokerFactory, tools_file: Path, payments: ToolEndpoint
 ) -> None:
     broker = broker_factory(tools=str(tools_file))
     script = [{"name": "send_payment", "args": PAY, "after": 2}]
@@ -135,7 +108,7 @@ def post_attempt(broker: RunningBroker, turn_id: str, strategy: str) -> int:
 
 
 def test_the_agent_loop_continues_with_the_tool_result(
-    broker_factory: BrokerFactory, tools_file: Path, payments: PaymentEndpoint
+    broker_factory: BrokerFactory, tools_file: Path, payments: ToolEndpoint
 ) -> None:
     broker = broker_factory(tools=str(tools_file))
     script = [{"name": "get_weather", "args": {"city": "Oslo"}, "after": 3}]
@@ -154,7 +127,7 @@ def test_the_agent_loop_continues_with_the_tool_result(
 
 
 def test_two_identical_calls_in_one_turn_are_two_ordinals_and_both_run(
-    broker_factory: BrokerFactory, tools_file: Path, payments: PaymentEndpoint
+    broker_factory: BrokerFactory, tools_file: Path, payments: ToolEndpoint
 ) -> None:
     broker = broker_factory(tools=str(tools_file))
     script = [{"name": "send_payment", "args": PAY, "after": 1},
@@ -168,7 +141,7 @@ def test_two_identical_calls_in_one_turn_are_two_ordinals_and_both_run(
 
 
 def test_a_call_cut_while_its_arguments_arrive_is_not_run(
-    broker_factory: BrokerFactory, tools_file: Path, payments: PaymentEndpoint
+    broker_factory: BrokerFactory, tools_file: Path, payments: ToolEndpoint
 ) -> None:
     broker = broker_factory(tools=str(tools_file))
     script = [{"name": "send_payment", "args": PAY, "after": 2}]
@@ -189,7 +162,7 @@ def test_a_call_cut_while_its_arguments_arrive_is_not_run(
 
 
 def test_invalid_arguments_are_refused_to_the_model_not_sent(
-    broker_factory: BrokerFactory, tools_file: Path, payments: PaymentEndpoint
+    broker_factory: BrokerFactory, tools_file: Path, payments: ToolEndpoint
 ) -> None:
     broker = broker_factory(tools=str(tools_file))
     script = [{"name": "send_payment", "args": {"to": "bob", "amount": -5}, "after": 1},
