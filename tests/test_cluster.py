@@ -1,0 +1,163 @@
+"""Every Lua script runs on Redis Cluster: all keys of one conversation share one hash slot."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import orjson
+import pytest
+import redis as redis_lib
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from broker.embedded_redis import find_server_binary
+from broker.keys import Keys
+from broker.lease import TurnWriter
+from broker.ledger import Ledger, Slot
+from broker.metrics import Metrics
+from broker.scripts import Scripts
+from broker.settings import Settings
+
+
+def _free_port_pair() -> int:
+    """A port p such that p and p + 10000 (the cluster bus) are both free."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port: int = probe.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+@pytest.fixture(scope="module")
+def cluster_port() -> Iterator[int]:
+    binary = find_server_binary(os.environ.get("BROKER_TEST_REDIS_SERVER") or None)
+    base = Path(tempfile.mkdtemp(prefix="broker-cluster-"))
+    ports = [_free_port_pair() for _ in range(3)]
+    processes = []
+    try:
+        for port in ports:
+            node = base / str(port)
+            node.mkdir()
+            processes.append(subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+                 "--dir", str(node), "--save", "", "--appendonly", "no"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))  # fmt: skip
+        clients = [redis_lib.Redis(port=p, decode_responses=True) for p in ports]
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                for client in clients:
+                    client.ping()
+                break
+            except redis_lib.ConnectionError:
+                assert time.monotonic() < deadline, "cluster nodes did not start"
+                time.sleep(0.02)
+        ranges = [(0, 5460), (5461, 10922), (10923, 16383)]
+        for client, (low, high) in zip(clients, ranges, strict=True):
+            client.cluster("ADDSLOTS", *range(low, high + 1))
+        for port in ports[1:]:
+            clients[0].cluster("MEET", "127.0.0.1", str(port))
+        while any(c.cluster("INFO")["cluster_state"] != "ok" for c in clients):
+            assert time.monotonic() < deadline, "cluster did not converge"
+            time.sleep(0.05)
+        for client in clients:
+            client.close()
+        yield ports[0]
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=10)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+async def cluster(cluster_port: int) -> AsyncIterator[Redis]:
+    client = RedisCluster(host="127.0.0.1", port=cluster_port, decode_responses=True)
+    await client.initialize()
+    # The broker's classes take a Redis client; the cluster client speaks the same commands.
+    yield cast(Redis, client)
+    await client.aclose()
+
+
+async def test_the_turn_scripts_run_on_a_cluster(cluster: Redis) -> None:
+    keys = Keys("cluster")
+    scripts = Scripts(cluster)
+    conversation, turn = "conv-a", "turn-a"
+    record = orjson.dumps({"n": 1, "strategy": "initial"}).decode()
+    created = await scripts(
+        "create_turn",
+        [keys.turn(conversation, turn), keys.tombstone(conversation, turn),
+         keys.conversation_turns(conversation)],
+        ["fp", "st_x", conversation, turn, "{}", conversation, record, "text"],
+    )  # fmt: skip
+    assert created[0] == "created"
+    writer = TurnWriter(scripts, keys, Metrics(), conversation, turn, max_events=100,
+                        lease_ttl_ms=10_000, retention_ms=60_000, tombstone_ms=60_000)  # fmt: skip
+    assert (await writer.claim("w1", 1)).result == "claimed"
+    assert await writer.renew() is False
+    ids = await writer.append([("attempt", {"attempt": 1}), ("delta", {"attempt": 1, "text": "a"})])
+    assert len(ids) == 2
+    promoted = await writer.finish(record={"n": 1, "strategy": "initial"}, status="complete",
+                                   reason=None, text="a", promote=True, base="")  # fmt: skip
+    assert promoted == 1
+    turn_key = keys.turn(conversation, turn)
+    started = await scripts("start_attempt", [turn_key, keys.events(conversation, turn)],
+                            ["regenerate"])  # fmt: skip
+    assert started == ["started", "2"]
+    cancelled = await scripts(
+        "cancel_turn",
+        [turn_key, keys.events(conversation, turn), keys.tombstone(conversation, turn),
+         keys.conversation_turns(conversation)],
+        [60_000, 60_000],
+    )  # fmt: skip
+    assert cancelled[0] == "cancelled"
+    assert (await scripts("promote_attempt", [turn_key], [1, "1"]))[0] == "promoted"
+    budget = await scripts("take_retry_budget", [keys.retry_budget("s")], [5, 60_000, "m1"])
+    assert budget == 1
+
+
+async def test_the_ledger_scripts_run_on_a_cluster(cluster: Redis) -> None:
+    keys = Keys("cluster-ledger")
+    settings = Settings(redis_url="unix:///unused", key_prefix="cluster-ledger")
+    ledger = Ledger(cluster, Scripts(cluster), keys, settings, Metrics())
+    slot = Slot("conv-b", "turn-b", "pay", 0)
+    claim = await ledger.claim(slot, "f" * 64, {"tool": "pay"})
+    assert claim.state == "claimed"
+    await ledger.renew(slot, claim.token)
+    assert await ledger.finish(slot, claim.token, "completed", {"ok": True})
+    replay = await ledger.claim(slot, "f" * 64, {})
+    assert (replay.state, replay.payload) == ("completed", {"ok": True})
+    rows: list[dict[str, Any]] = await ledger.rows("conv-b", "turn-b")
+    assert [row["state"] for row in rows] == ["completed"]
+
+
+async def test_keys_of_two_conversations_land_in_their_own_slots(cluster: Redis) -> None:
+    keys = Keys("cluster")
+    cluster_client = cast(RedisCluster, cluster)
+    for conversation in ("conv-a", "conv-b", "another"):
+        slots = {
+            cluster_client.keyslot(key)
+            for key in (keys.turn(conversation, "t"), keys.lease(conversation, "t"),
+                        keys.events(conversation, "t"), keys.tool_slot(conversation, "t", "x", 0),
+                        keys.conversation_turns(conversation))
+        }  # fmt: skip
+        assert len(slots) == 1
