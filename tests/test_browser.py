@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import read_sse
+from tests.helpers import missing_tool, read_sse
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
+    missing_tool(f"{CHROMIUM} is not installed (apt-get install chromium)", module=True)
 
 from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
 

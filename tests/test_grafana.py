@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import wait_final
+from tests.helpers import missing_tool, wait_final
 
 GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
 DASHBOARDS = GRAFANA / "dashboards"
@@ -356,7 +356,7 @@ def test_every_exported_metric_is_on_a_dashboard(broker: RunningBroker) -> None:
 def promtool() -> str:
     path = os.environ.get("PROMTOOL") or shutil.which("promtool")
     if not path:
-        pytest.skip("promtool not found: set PROMTOOL or put it on PATH (.ci/run installs it)")
+        missing_tool("promtool not found: set PROMTOOL or put it on PATH (.ci/run installs it)")
     return path
 
 

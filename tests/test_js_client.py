@@ -6,7 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
+from tests.helpers import missing_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_js_client_unit_tests() -> None:
     node = shutil.which("node")
     if node is None:
-        pytest.skip("node is not installed (the JS client's tests need Node >= 20)")
+        missing_tool("node is not installed (the JS client's tests need Node >= 20)")
     result = subprocess.run(
         [node, "--test", "clients/js/test/"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,

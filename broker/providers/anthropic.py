@@ -63,6 +63,7 @@ from broker.providers.base import (
     ToolCallEnd,
     UpstreamError,
     Usage,
+    reject_unknown_params,
 )
 
 log = logging.getLogger("broker.providers.anthropic")
@@ -117,12 +118,7 @@ class AnthropicProvider:
         self.description = f"Anthropic Messages API at {_without_userinfo(self._base_url)}"
 
     def validate_params(self, params: dict[str, Any]) -> None:
-        unknown = sorted(set(params) - set(PARAMS))
-        if unknown:
-            raise BadRequest(
-                f"unknown params for the anthropic provider: {', '.join(unknown)}; "
-                f"known: {', '.join(PARAMS)}"
-            )
+        reject_unknown_params("anthropic", params, PARAMS)
         _check_number(params, "temperature", 0.0, 1.0)
         _check_number(params, "top_p", 0.0, 1.0)
         _check_integer(params, "top_k", 1, 1_000_000)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any, Protocol
+
+from broker.errors import BadRequest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,6 +87,17 @@ class UpstreamError(Exception):
         self.message = message
         self.retryable = retryable
         self.retry_after_s = retry_after_s  # the upstream's Retry-After, when it sent one
+
+
+def reject_unknown_params(provider: str, params: dict[str, Any], known: Iterable[str]) -> None:
+    """400 naming the ``params`` keys a provider does not take, and the ones it does."""
+    allowed = sorted(known)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise BadRequest(
+            f"unknown params for the {provider} provider: {', '.join(unknown)}; "
+            f"known: {', '.join(allowed)}"
+        )
 
 
 class Provider(Protocol):

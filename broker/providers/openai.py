@@ -61,6 +61,7 @@ from broker.providers.base import (
     ToolCallChunk,
     UpstreamError,
     Usage,
+    reject_unknown_params,
 )
 
 DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
@@ -107,12 +108,7 @@ class OpenAIProvider:
         self._client = client
 
     def validate_params(self, params: dict[str, Any]) -> None:
-        unknown = sorted(set(params) - PARAMS)
-        if unknown:
-            raise BadRequest(
-                f"unknown params for the openai provider: {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(PARAMS))}"
-            )
+        reject_unknown_params("openai", params, PARAMS)
         for key, value in params.items():
             if value is None:
                 continue  # null: the server's default

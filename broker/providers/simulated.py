@@ -29,6 +29,7 @@ from broker.providers.base import (
     ToolCallEnd,
     UpstreamError,
     Usage,
+    reject_unknown_params,
 )
 
 log = logging.getLogger("broker.providers.simulated")
@@ -81,12 +82,7 @@ class SimulatedProvider:
         self.aborted_calls = 0  # calls the broker closed before their end (stop, shutdown)
 
     def validate_params(self, params: dict[str, Any]) -> None:
-        unknown = sorted(set(params) - GENERIC_PARAMS)
-        if unknown:
-            raise BadRequest(
-                f"unknown params for the simulated provider: {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(GENERIC_PARAMS))}"
-            )
+        reject_unknown_params("simulated", params, GENERIC_PARAMS)
         knobs = params.get("simulate", {})
         if not isinstance(knobs, dict):
             raise BadRequest("params.simulate must be an object")
