@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import uvicorn
 
 from broker import __version__, loadgen, logs
-from broker.app import Runtime, Server, create_app
+from broker.app import Runtime, Server, create_app, parser_header_limit
+from broker.auth import Authenticator, new_api_key
 from broker.connection import RedisConnectError
 from broker.embedded_redis import EmbeddedRedisError
 from broker.providers import Providers
@@ -30,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port to bind, 0 = any free (BROKER_PORT, 8000)")
     serve.add_argument("--role", choices=ROLES, help="all (default), api or worker (BROKER_ROLE)")
     commands.add_parser("providers", help="list the configured providers and their models")
+    commands.add_parser("new-key", help="print a new random API key (for BROKER_API_KEYS)")
     loadgen.add_parser(commands)
     tools = commands.add_parser("tools", help="inspect the tool registry (BROKER_TOOLS)")
     tools_commands = tools.add_subparsers(dest="tools_command", required=True)
@@ -84,6 +86,7 @@ async def _serve(settings: Settings) -> int:
         lifespan="on",
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
         access_log=False,
+        h11_max_incomplete_event_size=parser_header_limit(settings),
     )
     server = Server(config)
     try:
@@ -101,8 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return audit_tools(args.file or os.environ.get("BROKER_TOOLS"))
     if args.command == "providers":
         return list_providers()
+    if args.command == "new-key":
+        print(new_api_key())
+        return 0
     try:
         settings = Settings.from_env(host=args.host, port=args.port, role=args.role)
+        Authenticator(settings, b"")  # a bad key file or JWT key fails here, in one line
     except SettingsError as exc:
         print(f"broker: {exc}", file=sys.stderr)
         return 2

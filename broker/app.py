@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import socket
 import threading
@@ -20,12 +21,24 @@ from pathlib import Path
 import httpx
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
 
 from broker import __version__
-from broker.api import BodySizeLimit, api_router, install_error_handlers, ops_router
+from broker import redis_calls as rc
+from broker.admission import Admission
+from broker.api import (
+    BodySizeLimit,
+    HeaderSizeLimit,
+    SecurityHeaders,
+    api_router,
+    cors_origins,
+    install_error_handlers,
+    ops_router,
+)
+from broker.auth import Authenticator
 from broker.connection import check_eviction_policy, client, connect, redact
 from broker.embedded_redis import EmbeddedRedis
 from broker.keys import Keys
@@ -56,6 +69,7 @@ class Runtime:
         metrics: Metrics,
         embedded: EmbeddedRedis | None,
         tools: ToolRegistry,
+        attach_secret: bytes | None = None,
     ) -> None:
         self.settings = settings
         self.redis = redis
@@ -67,7 +81,11 @@ class Runtime:
         self.providers = Providers(settings)
         self.hub = Hub(blocking_redis, metrics)
         self.streams = Streams(redis, self.keys, self.hub, settings, metrics)
-        self.turns = Turns(redis, self.scripts, self.keys, settings, self.providers, metrics)
+        self.auth = Authenticator(settings, attach_secret or secrets.token_bytes(32))
+        self.admission = Admission(redis, self.scripts, self.keys, settings, metrics)
+        self.turns = Turns(
+            redis, self.scripts, self.keys, settings, self.providers, metrics, self.admission
+        )
         self.tools = tools
         self.ledger = Ledger(redis, self.scripts, self.keys, settings, metrics)
         self.http = httpx.AsyncClient(follow_redirects=False)
@@ -98,7 +116,16 @@ class Runtime:
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
             blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
             metrics = Metrics(providers={p.name: p.models for p in Providers(settings)})
-            rt = cls(settings, redis, blocking, metrics, embedded, tools)
+            attach_secret = await shared_attach_secret(redis, settings)
+            rt = cls(settings, redis, blocking, metrics, embedded, tools, attach_secret)
+            if not rt.auth.enabled:
+                log.warning(
+                    "AUTHENTICATION IS OFF: anyone who can reach this broker can start, read and "
+                    "cancel every turn. Fine on your own machine; set BROKER_API_KEYS or "
+                    "BROKER_JWT_SECRET / BROKER_JWT_PUBLIC_KEY before exposing it."
+                )
+            else:
+                log.info("authentication: %s", rt.auth.summary)
             policy = await check_eviction_policy(redis)
             metrics.eviction_policy_safe.set(1 if policy == "noeviction" else 0)
             await rt.scripts.load()
@@ -110,7 +137,7 @@ class Runtime:
         if settings.runs_worker:
             rt.worker = Worker(
                 redis, blocking, rt.scripts, rt.keys, settings, rt.providers, metrics,
-                rt.dispatcher,
+                rt.dispatcher, rt.admission,
             )  # fmt: skip
             rt.worker.start()
         return rt
@@ -143,6 +170,22 @@ class Runtime:
             self.embedded.stop()
 
 
+async def shared_attach_secret(redis: Redis, settings: Settings) -> bytes:
+    """The key that signs attach tokens: ``BROKER_ATTACH_SECRET``, else one random key kept in
+    Redis and shared by every broker process (whoever reaches Redis can read the streams anyway).
+    """
+    if settings.attach_secret:
+        return settings.attach_secret.encode()
+    key = f"{settings.key_prefix}:attach-secret"
+    await redis.set(key, secrets.token_hex(32), nx=True)
+    value = await rc.get(redis, key)
+    if value is None:  # deleted between the two calls: try once more
+        await redis.set(key, secrets.token_hex(32), nx=True)
+        value = await rc.get(redis, key)
+    assert value is not None
+    return value.encode()
+
+
 def create_app(
     settings: Settings, runtime: Runtime | None = None, *, tools: ToolRegistry | None = None
 ) -> FastAPI:
@@ -172,7 +215,24 @@ def create_app(
         app.add_api_route("/", _demo_page, methods=["GET"], include_in_schema=False)
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(HeaderSizeLimit, limit=settings.max_header_bytes)
+    app.add_middleware(SecurityHeaders)
+    origins = cors_origins(settings.cors_origins)
+    if origins:  # outermost, so that even a 413 or 431 is readable by the calling page
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
+            expose_headers=["Retry-After", "WWW-Authenticate"],
+            max_age=600,
+        )
     return app
+
+
+def parser_header_limit(settings: Settings) -> int:
+    """uvicorn's own header limit, set above the broker's so that the broker's 431 is sent."""
+    return settings.max_header_bytes + 65_536
 
 
 async def _demo_page() -> FileResponse:

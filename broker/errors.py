@@ -4,11 +4,14 @@
 
     BrokerError                 code            status
     ├── BadRequest              bad_request     400   malformed body, offset or id
+    ├── Unauthorized            unauthorized    401   no credentials, or credentials refused
+    ├── Forbidden               forbidden       403   an attach token used beyond its scope
     ├── NotFound                not_found       404   unknown turn or stream
     ├── Conflict                conflict        409   same turn_id, different request
     ├── Gone                    expired         410   the turn existed but its data expired
     ├── PayloadTooLarge         too_large       413   body over BROKER_MAX_BODY_BYTES
     ├── NotAllowed              not_allowed     422   valid request, wrong state
+    ├── TooManyRequests         rate_limited    429   a tenant's rate or stream limit
     ├── Unavailable             redis_unavailable 503 Redis cannot be reached
     ├── FencedWrite             fenced          —     a writer's lease was taken over
     ├── StopRequested           stop_requested  —     the user pressed stop during an append
@@ -29,9 +32,12 @@ class BrokerError(Exception):
     code: ClassVar[str] = "internal"
     status: ClassVar[int] = 500
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
+        self.headers = headers or {}
         if code is not None:
             self.code = code  # type: ignore[misc]  # a finer code for one instance
 
@@ -42,6 +48,21 @@ class BrokerError(Exception):
 class BadRequest(BrokerError):
     code = "bad_request"
     status = 400
+
+
+class Unauthorized(BrokerError):
+    """No credentials, or credentials the broker does not accept."""
+
+    code = "unauthorized"
+    status = 401
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"WWW-Authenticate": 'Bearer realm="broker"'})
+
+
+class Forbidden(BrokerError):
+    code = "forbidden"
+    status = 403
 
 
 class NotFound(BrokerError):
@@ -67,6 +88,17 @@ class PayloadTooLarge(BrokerError):
 class NotAllowed(BrokerError):
     code = "not_allowed"
     status = 422
+
+
+class TooManyRequests(BrokerError):
+    """A limit of the caller's tenant; ``retry_after_s`` goes out as ``Retry-After``."""
+
+    code = "rate_limited"
+    status = 429
+
+    def __init__(self, message: str, *, retry_after_s: int, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(max(1, retry_after_s))})
+        self.retry_after_s = max(1, retry_after_s)
 
 
 class Unavailable(BrokerError):

@@ -13,6 +13,25 @@ import re
 # Ids chosen by clients become part of key names and hash tags: keep them to a safe alphabet.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 STREAM_ID_PATTERN = re.compile(r"^st_[0-9a-f]{32}$")
+# Tenant names never hold "/", so "<tenant>/<id>" splits one way only (client ids hold no "/").
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+OPEN_TENANT = "-"  # the rate and stream limits' name for every caller of an open broker
+
+
+def scoped(tenant: str | None, ident: str) -> str:
+    """A client-chosen id inside its tenant: ``<tenant>/<id>``; unchanged when the broker is open.
+
+    Conversations and turn ids are named by clients, so two tenants may pick the same ones: the
+    scoped form keeps their keys apart, and a tenant can only ever name ids of its own.
+    """
+    return ident if tenant is None else f"{tenant}/{ident}"
+
+
+def unscoped(scoped_id: str) -> tuple[str | None, str]:
+    """``(tenant, id)`` from :func:`scoped`'s form (tenant ``None`` for an open broker's ids)."""
+    tenant, slash, ident = scoped_id.partition("/")
+    return (tenant, ident) if slash else (None, scoped_id)
+
 
 JOB_GROUP = "workers"
 
@@ -65,6 +84,21 @@ class Keys:
     def conversation_turns(self, conversation_id: str) -> str:
         """Sorted set: the conversation's turn ids, scored by creation time (ms)."""
         return f"{self.tag(conversation_id)}:turns"
+
+    def viewer(self, conversation_id: str, token_id: str) -> str:
+        """String with a PEXPIRE: the one connection a one-viewer attach token admits."""
+        return f"{self.tag(conversation_id)}:viewer:{token_id}"
+
+    def tenant_tag(self, tenant: str | None) -> str:
+        return f"{self.prefix}:{{t:{tenant or OPEN_TENANT}}}"
+
+    def turn_rate(self, tenant: str | None) -> str:
+        """Hash: the tenant's token bucket for turn creation (tokens, last refill time)."""
+        return f"{self.tenant_tag(tenant)}:rate"
+
+    def live_streams(self, tenant: str | None) -> str:
+        """Sorted set: the tenant's turns queued or generating, scored by a deadline (ms)."""
+        return f"{self.tenant_tag(tenant)}:live"
 
     def retry_budget(self, session: str) -> str:
         """Sorted set: the times of a session's recent silent retries (a sliding window)."""

@@ -26,6 +26,9 @@ ATTEMPT_OUTCOMES = ("complete", "partial", "cancelled", "failed")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+AUTH_FAILURES = ("missing", "bad_credentials", "bad_token", "token_expired", "forbidden")
+
+
 class Metrics:
     """The broker's metrics, registered in their own registry."""
 
@@ -165,6 +168,22 @@ class Metrics:
         )
         for result in ("cancelled", "signalled", "final"):
             self.cancels.labels(result)
+        self.turns_refused = Counter(
+            "broker_turns_refused_total",
+            "Turns and attempts refused by a tenant limit: rate or live streams.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("rate", "streams"):
+            self.turns_refused.labels(reason)
+        self.auth_failures = Counter(
+            "broker_auth_failures_total",
+            "Requests refused for their credentials (401) or an attach token's scope (403).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in AUTH_FAILURES:
+            self.auth_failures.labels(reason)
         self.ledger_claims = Counter(
             "broker_ledger_claims_total",
             "Tool-call ledger claims, by what the claim found.",

@@ -18,6 +18,10 @@ async def get(redis: Redis, key: str) -> str | None:
     return cast(str | None, await redis.get(key))
 
 
+async def hget(redis: Redis, key: str, field: str) -> str | None:
+    return cast(str | None, await redis.hget(key, field))
+
+
 async def hmget(redis: Redis, key: str, fields: list[str]) -> list[str | None]:
     return cast(list[str | None], await redis.hmget(key, fields))
 

@@ -63,6 +63,23 @@ class Settings:
     tool_in_flight_wait_s: float = 30.0
     log_level: str = "INFO"
     log_format: str = "text"  # text | json
+    # Security. With no API keys and no JWT key the broker runs open (local development only).
+    api_keys: str | None = dataclasses.field(default=None, repr=False)  # tenant=key,tenant=key
+    api_keys_file: str | None = None  # lines of tenant=key
+    jwt_secret: str | None = dataclasses.field(default=None, repr=False)  # HS256
+    jwt_public_key: str | None = None  # path of a PEM public key: RS256
+    jwt_tenant_claim: str = "sub"
+    jwt_audience: str | None = None
+    jwt_issuer: str | None = None
+    attach_secret: str | None = dataclasses.field(default=None, repr=False)
+    attach_token_ttl: float = 900.0  # seconds
+    attach_token_max_ttl: float = 86_400.0  # seconds
+    metrics_token: str | None = dataclasses.field(default=None, repr=False)
+    cors_origins: str | None = None  # comma-separated origins, or *
+    max_header_bytes: int = 16_384
+    turn_rate_per_s: float = 10.0  # per tenant; 0 = no rate limit
+    turn_burst: int = 100
+    max_streams_per_tenant: int = 200  # turns queued or generating at once; 0 = no limit
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -82,7 +99,8 @@ class Settings:
             "worker_concurrency", "sse_heartbeat_s", "sse_retry_ms", "sse_send_timeout_s",
             "drain_timeout_s", "json_page_size", "max_attempts_per_turn", "session_retry_window",
             "upstream_idle_timeout_s", "anthropic_max_tokens", "max_tool_steps", "tool_lease_ms",
-            "tool_in_flight_wait_s",
+            "tool_in_flight_wait_s", "attach_token_ttl", "attach_token_max_ttl",
+            "max_header_bytes",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
@@ -103,6 +121,22 @@ class Settings:
             )
         if self.simulate_max_tokens_per_s < 0:
             raise SettingsError("BROKER_SIMULATE_MAX_TOKENS_PER_S must be 0 (no cap) or more")
+        if self.attach_token_ttl > self.attach_token_max_ttl:
+            raise SettingsError(
+                "BROKER_ATTACH_TOKEN_TTL must not exceed BROKER_ATTACH_TOKEN_MAX_TTL"
+            )
+        if self.attach_secret is not None and len(self.attach_secret) < 32:
+            raise SettingsError("BROKER_ATTACH_SECRET must be at least 32 characters")
+        if self.turn_rate_per_s < 0 or self.max_streams_per_tenant < 0:
+            raise SettingsError(
+                "BROKER_TURN_RATE_PER_S and BROKER_MAX_STREAMS_PER_TENANT must be 0 (off) or more"
+            )
+        if self.turn_rate_per_s > 0 and self.turn_burst < 1:
+            raise SettingsError("BROKER_TURN_BURST must be at least 1")
+        if self.jwt_secret is not None and self.jwt_public_key is not None:
+            raise SettingsError(
+                "set BROKER_JWT_SECRET (HS256) or BROKER_JWT_PUBLIC_KEY (RS256), not both"
+            )
         if not self.key_prefix or any(c in self.key_prefix for c in "{} \n"):
             raise SettingsError("BROKER_KEY_PREFIX must be non-empty without braces or spaces")
 
@@ -134,7 +168,10 @@ class Settings:
 
 
 # Durations read as seconds, or with a unit: 500ms, 30s, 15m, 24h, 7d.
-DURATIONS = frozenset({"stream_ttl", "tombstone_ttl", "session_retry_window"})
+DURATIONS = frozenset({
+    "stream_ttl", "tombstone_ttl", "session_retry_window", "attach_token_ttl",
+    "attach_token_max_ttl",
+})  # fmt: skip
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 

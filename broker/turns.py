@@ -11,9 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis
 
 from broker import redis_calls as rc
+from broker.admission import Admission
 from broker.canonical import canonical_json, fingerprint
 from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
-from broker.keys import ID_PATTERN, Keys
+from broker.keys import ID_PATTERN, Keys, scoped, unscoped
 from broker.metrics import Metrics
 from broker.providers import Providers
 from broker.scripts import Scripts
@@ -97,7 +98,9 @@ class Turns:
         settings: Settings,
         providers: Providers,
         metrics: Metrics,
+        admission: Admission,
     ) -> None:
+        self._admission = admission
         self._redis = redis
         self._scripts = scripts
         self._keys = keys
@@ -123,11 +126,17 @@ class Turns:
         self._providers.model_for(provider, request.model)
         provider.validate_params(request.params)
 
-    async def create(self, request: TurnRequest) -> tuple[bool, dict[str, Any]]:
-        """Start a turn, or find the one with the same ``turn_id``; True when it is new."""
+    async def create(
+        self, request: TurnRequest, tenant: str | None = None
+    ) -> tuple[bool, dict[str, Any]]:
+        """Start a turn, or find the one with the same ``turn_id``; True when it is new.
+
+        ``tenant`` owns the turn (None: the broker runs open). Conversation, turn and session
+        ids are the tenant's own: another tenant may use the same ones without meeting them.
+        """
         self._check_limits(request)
         turn_id = request.turn_id or f"t_{secrets.token_hex(16)}"
-        conversation_id = request.conversation_id
+        conversation_id = scoped(tenant, request.conversation_id)
         # The session names a retry budget, not the work: it is not part of the fingerprint.
         body = request.model_dump(exclude={"turn_id", "session_id"})
         for message in body["messages"]:
@@ -137,15 +146,37 @@ class Turns:
         fp = fingerprint(body)
         keys = self._keys
         index_ttl_ms = int((self._settings.stream_ttl + self._settings.tombstone_ttl) * 1000)
-        claimed = await self._redis.set(
-            keys.turn_index(turn_id), conversation_id, nx=True, px=index_ttl_ms
-        )
-        if not claimed:
-            owner = await self._redis.get(keys.turn_index(turn_id))
-            if owner is not None and owner != conversation_id:
-                raise Conflict(
-                    f"turn {turn_id!r} exists with a different request", code="turn_conflict"
-                )
+        # A repeated request for an existing turn is a lookup: it takes nothing from the limits.
+        admitted = not await self._redis.exists(keys.turn(conversation_id, turn_id))
+        if admitted:
+            await self._admission.admit(conversation_id, turn_id, new_turn=True)
+        try:
+            index = keys.turn_index(scoped(tenant, turn_id))
+            claimed = await self._redis.set(index, conversation_id, nx=True, px=index_ttl_ms)
+            if not claimed:
+                owner = await self._redis.get(index)
+                if owner is not None and owner != conversation_id:
+                    raise Conflict(
+                        f"turn {turn_id!r} exists with a different request", code="turn_conflict"
+                    )
+            session = scoped(tenant, request.session_id or request.conversation_id)
+            return await self._create(request, conversation_id, turn_id, session, fp, body)
+        finally:
+            if admitted:
+                # Frees the slot unless the turn is live (created now, or by a twin request).
+                await self._admission.release_if_at_rest(conversation_id, turn_id)
+
+    async def _create(
+        self,
+        request: TurnRequest,
+        conversation_id: str,
+        turn_id: str,
+        session: str,
+        fp: str,
+        body: dict[str, Any],
+    ) -> tuple[bool, dict[str, Any]]:
+        keys = self._keys
+        index_ttl_ms = int((self._settings.stream_ttl + self._settings.tombstone_ttl) * 1000)
         stream_id = f"st_{secrets.token_hex(16)}"
         record = {"n": 1, "strategy": "initial", "status": "queued", "reason": None,
                   "canonical": False, "base": ""}  # fmt: skip
@@ -154,7 +185,7 @@ class Turns:
             [keys.turn(conversation_id, turn_id), keys.tombstone(conversation_id, turn_id),
              keys.conversation_turns(conversation_id)],
             [fp, stream_id, conversation_id, turn_id, canonical_json(body).decode(),
-             request.session_id or conversation_id, orjson.dumps(record).decode(),
+             session, orjson.dumps(record).decode(),
              request.response_format],
         )  # fmt: skip
         result = reply[0]
@@ -191,7 +222,7 @@ class Turns:
             self._metrics.turns_deduplicated.inc()
         return result == "created", {
             "turn_id": turn_id,
-            "conversation_id": conversation_id,
+            "conversation_id": request.conversation_id,
             "stream_id": stream_id,
             "status": status,
             "attempt": attempt,
@@ -214,11 +245,14 @@ class Turns:
             log.warning("turn %s was created but not queued; queueing it now", turn_id)
             await self._enqueue(conversation_id, turn_id, attempt)
 
-    async def _locate(self, turn_id: str) -> tuple[str, dict[str, str]]:
-        """The turn's conversation and stored hash; 404 unknown, 410 expired."""
+    async def _locate(self, turn_id: str, tenant: str | None) -> tuple[str, dict[str, str]]:
+        """The turn's (scoped) conversation and stored hash; 404 unknown, 410 expired.
+
+        Another tenant's turn is not found: the index is looked up under the caller's tenant.
+        """
         if not ID_PATTERN.match(turn_id):
             raise NotFound(f"unknown turn {turn_id[:80]!r}")
-        conversation_id = await rc.get(self._redis, self._keys.turn_index(turn_id))
+        conversation_id = await rc.get(self._redis, self._keys.turn_index(scoped(tenant, turn_id)))
         if conversation_id is None:
             raise NotFound(f"unknown turn {turn_id!r}")
         meta = await rc.hgetall(self._redis, self._keys.turn(conversation_id, turn_id))
@@ -228,22 +262,33 @@ class Turns:
             raise NotFound(f"unknown turn {turn_id!r}")  # being created right now, or never was
         return conversation_id, meta
 
-    async def get(self, turn_id: str) -> dict[str, Any]:
+    async def locate(self, turn_id: str, tenant: str | None) -> str:
+        """The (scoped) conversation of the caller's turn ``turn_id``; 404 or 410 otherwise."""
+        conversation_id, _ = await self._locate(turn_id, tenant)
+        return conversation_id
+
+    async def get(self, turn_id: str, tenant: str | None = None) -> dict[str, Any]:
         """The turn's state: status, attempts and the canonical attempt's text."""
-        conversation_id, meta = await self._locate(turn_id)
+        conversation_id, meta = await self._locate(turn_id, tenant)
         if meta["status"] == "queued" and meta.get("enqueued") != "1":
             await self._rescue(conversation_id, turn_id, int(meta["attempt"]))
         return _state(turn_id, conversation_id, meta)
 
-    async def start_attempt(self, turn_id: str, request: AttemptRequest) -> dict[str, Any]:
+    async def start_attempt(
+        self, turn_id: str, request: AttemptRequest, tenant: str | None = None
+    ) -> dict[str, Any]:
         """Continue or regenerate a turn at rest; 409 while one runs, 422 when not allowed."""
-        conversation_id, _ = await self._locate(turn_id)
+        conversation_id, _ = await self._locate(turn_id, tenant)
         keys = self._keys
-        reply = await self._scripts(
-            "start_attempt",
-            [keys.turn(conversation_id, turn_id), keys.events(conversation_id, turn_id)],
-            [request.strategy],
-        )
+        await self._admission.admit(conversation_id, turn_id, new_turn=False)
+        try:
+            reply = await self._scripts(
+                "start_attempt",
+                [keys.turn(conversation_id, turn_id), keys.events(conversation_id, turn_id)],
+                [request.strategy],
+            )
+        finally:
+            await self._admission.release_if_at_rest(conversation_id, turn_id)
         if reply[0] == "busy":
             raise Conflict(f"turn {turn_id!r} is {reply[1]}: wait for it, or stop it first",
                            code="turn_busy")  # fmt: skip
@@ -254,11 +299,11 @@ class Turns:
         attempt = int(reply[1])
         await self._enqueue(conversation_id, turn_id, attempt)
         log.info("turn %s: attempt %d (%s) queued", turn_id, attempt, request.strategy)
-        return await self.get(turn_id)
+        return await self.get(turn_id, tenant)
 
-    async def cancel(self, turn_id: str) -> dict[str, Any]:
+    async def cancel(self, turn_id: str, tenant: str | None = None) -> dict[str, Any]:
         """The stop button: idempotent; a finished turn just reports its state."""
-        conversation_id, _ = await self._locate(turn_id)
+        conversation_id, _ = await self._locate(turn_id, tenant)
         keys, settings = self._keys, self._settings
         reply = await self._scripts(
             "cancel_turn",
@@ -271,10 +316,11 @@ class Turns:
         self._metrics.cancels.labels(reply[0]).inc()
         if reply[0] == "cancelled":
             self._metrics.turns_finished.labels("cancelled").inc()
+            await self._admission.release_if_at_rest(conversation_id, turn_id)
         if reply[0] == "signalled":
             await self._notify_stop(conversation_id, turn_id, int(reply[1]))
         log.info("turn %s: stop requested (%s)", turn_id, reply[0])
-        return await self.get(turn_id)
+        return await self.get(turn_id, tenant)
 
     async def _notify_stop(self, conversation_id: str, turn_id: str, attempt: int) -> None:
         """Reach the worker holding the lease at once, wherever it runs.
@@ -284,9 +330,11 @@ class Turns:
         """
         await self._redis.publish(self._keys.stop_channel, f"{conversation_id} {turn_id} {attempt}")
 
-    async def promote(self, turn_id: str, request: CanonicalRequest) -> dict[str, Any]:
+    async def promote(
+        self, turn_id: str, request: CanonicalRequest, tenant: str | None = None
+    ) -> dict[str, Any]:
         """Make an attempt canonical by compare-and-set; 409 when the canonical one changed."""
-        conversation_id, _ = await self._locate(turn_id)
+        conversation_id, _ = await self._locate(turn_id, tenant)
         expected = "" if request.expected is None else str(request.expected)
         reply = await self._scripts(
             "promote_attempt",
@@ -304,9 +352,11 @@ class Turns:
             raise NotAllowed(str(reply[1]), code="not_promotable")
         if reply[0] == "missing":
             raise NotFound(f"turn {turn_id!r} has no attempt {request.attempt}")
-        return await self.get(turn_id)
+        return await self.get(turn_id, tenant)
 
-    async def history(self, conversation_id: str) -> dict[str, Any]:
+    async def history(
+        self, client_conversation_id: str, tenant: str | None = None
+    ) -> dict[str, Any]:
         """What the next request must send: each turn's input, then its canonical answer.
 
         A turn contributes the messages at the end of its request that are not assistant
@@ -314,8 +364,9 @@ class Turns:
         then one assistant message with its canonical attempt's text, flagged ``partial`` when
         that answer was cut short. Turns without a canonical answer contribute their input only.
         """
-        if not ID_PATTERN.match(conversation_id):
-            raise NotFound(f"unknown conversation {conversation_id[:80]!r}")
+        if not ID_PATTERN.match(client_conversation_id):
+            raise NotFound(f"unknown conversation {client_conversation_id[:80]!r}")
+        conversation_id = scoped(tenant, client_conversation_id)
         keys = self._keys
         turn_ids = await rc.zrange_all(self._redis, keys.conversation_turns(conversation_id))
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -346,8 +397,8 @@ class Turns:
                 entry["partial"] = attempt_status != "complete"
             turns.append(entry)
         if not turns:
-            raise NotFound(f"unknown conversation {conversation_id!r}")
-        return {"conversation_id": conversation_id, "messages": messages, "turns": turns}
+            raise NotFound(f"unknown conversation {client_conversation_id!r}")
+        return {"conversation_id": client_conversation_id, "messages": messages, "turns": turns}
 
 
 def _new_input(messages: list[dict[str, Any]], *, first: bool) -> list[dict[str, Any]]:
@@ -387,7 +438,7 @@ def _state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict[str
     stream_id = meta["stream_id"]
     return {
         "turn_id": turn_id,
-        "conversation_id": conversation_id,
+        "conversation_id": unscoped(conversation_id)[1],
         "stream_id": stream_id,
         "status": meta["status"],
         "attempt": current,

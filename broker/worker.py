@@ -15,11 +15,13 @@ import logging
 import os
 import secrets
 import socket
+import time
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from broker import redis_calls as rc
+from broker.admission import Admission
 from broker.errors import FencedWrite
 from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, LeaseLost, Run
 from broker.keys import JOB_GROUP, Keys
@@ -32,6 +34,9 @@ from broker.scripts import Scripts
 from broker.settings import Settings
 
 log = logging.getLogger("broker.worker")
+
+# A live turn's stream slot lasts LIVE_SLOT_TTL_MS (10 minutes): refresh it now and then.
+SLOT_REFRESH_S = 60.0
 
 
 async def enqueue(
@@ -66,8 +71,10 @@ class Worker:
         providers: Providers,
         metrics: Metrics,
         dispatcher: Dispatcher | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._redis = redis
+        self._admission = admission or Admission(redis, scripts, keys, settings, metrics)
         self._dispatcher = dispatcher
         self._blocking_redis = blocking_redis
         self._scripts = scripts
@@ -186,6 +193,7 @@ class Worker:
             log.warning("turn %s attempt %d stopped on a Redis error: %s", turn_id, attempt, exc)
             return
         if finished:
+            await self._admission.release_if_at_rest(conversation_id, turn_id)
             with contextlib.suppress(RedisError, OSError):
                 await self._done(job_id)
 
@@ -240,6 +248,7 @@ class Worker:
 
     async def _heartbeat(self, run: Run) -> None:
         interval = self._settings.lease_heartbeat_s
+        refreshed = time.monotonic()
         while True:
             await asyncio.sleep(interval)
             try:
@@ -249,6 +258,9 @@ class Worker:
                 await self._redis.xclaim(
                     self._keys.jobs, JOB_GROUP, self.name, 0, [run.job_id], justid=True
                 )
+                if time.monotonic() - refreshed > SLOT_REFRESH_S:
+                    await self._admission.refresh(run.conversation_id, run.turn_id)
+                    refreshed = time.monotonic()
             except FencedWrite:
                 self._metrics.lease_expirations.inc()
                 run.request_stop(LEASE_LOST)

@@ -30,7 +30,7 @@ import redis
 import uvicorn
 from redis.asyncio import Redis
 
-from broker.app import Runtime, Server, _find_runtime, create_app
+from broker.app import Runtime, Server, _find_runtime, create_app, parser_header_limit
 from broker.embedded_redis import EmbeddedRedis
 from broker.settings import Settings
 
@@ -112,7 +112,7 @@ def start_broker(redis_url: str, **overrides: Any) -> RunningBroker:
     settings = Settings(**values)
     config = uvicorn.Config(
         create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning",
-        lifespan="on",
+        lifespan="on", h11_max_incomplete_event_size=parser_header_limit(settings),
         timeout_graceful_shutdown=5,
     )  # fmt: skip
     server = Server(config)

@@ -40,10 +40,17 @@ def read_sse(
     last_event_id: str | None = None,
     stop_after: int | None = None,
     timeout: float = 15.0,
+    token: str | None = None,
+    auth: str | None = None,
 ) -> Read:
-    """Read a stream; with ``stop_after`` the client hangs up after that many events."""
+    """Read a stream; with ``stop_after`` the client hangs up after that many events.
+
+    ``token`` is sent as ``?token=`` (an attach token), ``auth`` as a bearer credential.
+    """
     params = {"offset": offset} if offset is not None else {}
-    headers = {"Accept": "text/event-stream"}
+    if token is not None:
+        params["token"] = token
+    headers = {"Accept": "text/event-stream", **bearer(auth)}
     if last_event_id is not None:
         headers["Last-Event-ID"] = last_event_id
     events: list[SSEEvent] = []
@@ -95,6 +102,7 @@ def start_turn(
     turn_id: str | None = None,
     prompt: str = "Tell me about streams",
     expect: int | tuple[int, ...] = (200, 201),
+    auth: str | None = None,
     **simulate: Any,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
@@ -104,7 +112,7 @@ def start_turn(
     }
     if turn_id is not None:
         body["turn_id"] = turn_id
-    response = httpx.post(f"{base_url}/v1/turns", json=body, timeout=10)
+    response = httpx.post(f"{base_url}/v1/turns", json=body, headers=bearer(auth), timeout=10)
     allowed = (expect,) if isinstance(expect, int) else expect
     assert response.status_code in allowed, response.text
     turn: dict[str, Any] = response.json()
@@ -127,17 +135,24 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: fl
         time.sleep(interval)
 
 
-def get_turn(base_url: str, turn_id: str) -> dict[str, Any]:
-    response = httpx.get(f"{base_url}/v1/turns/{turn_id}", timeout=10)
+def bearer(credential: str | None) -> dict[str, str]:
+    """The ``Authorization`` header for an API key or token (none for ``None``)."""
+    return {} if credential is None else {"Authorization": f"Bearer {credential}"}
+
+
+def get_turn(base_url: str, turn_id: str, auth: str | None = None) -> dict[str, Any]:
+    response = httpx.get(f"{base_url}/v1/turns/{turn_id}", headers=bearer(auth), timeout=10)
     assert response.status_code == 200, response.text
     turn: dict[str, Any] = response.json()
     return turn
 
 
-def wait_final(base_url: str, turn_id: str, timeout: float = 15.0) -> dict[str, Any]:
+def wait_final(
+    base_url: str, turn_id: str, timeout: float = 15.0, auth: str | None = None
+) -> dict[str, Any]:
     final = ("complete", "interrupted", "cancelled", "failed")
     turn: dict[str, Any] = wait_until(
-        lambda: (t := get_turn(base_url, turn_id))["status"] in final and t, timeout
+        lambda: (t := get_turn(base_url, turn_id, auth))["status"] in final and t, timeout
     )
     return turn
 

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from broker.embedded_redis import find_server_binary
-from broker.keys import Keys
+from broker.keys import Keys, scoped
 from broker.lease import TurnWriter
 from broker.ledger import Ledger, Slot
 from broker.metrics import Metrics
@@ -148,6 +148,23 @@ async def test_the_ledger_scripts_run_on_a_cluster(cluster: Redis) -> None:
     assert (replay.state, replay.payload) == ("completed", {"ok": True})
     rows: list[dict[str, Any]] = await ledger.rows("conv-b", "turn-b")
     assert [row["state"] for row in rows] == ["completed"]
+
+
+async def test_the_tenant_and_viewer_scripts_run_on_a_cluster(cluster: Redis) -> None:
+    keys = Keys("cluster-tenant")
+    scripts = Scripts(cluster)
+    conversation = scoped("acme", "conv-c")
+    tenant_keys = [keys.turn_rate("acme"), keys.live_streams("acme")]
+    admitted = await scripts("admit_turn", tenant_keys, [1, 1, 1, 5, f"{conversation} t", 60_000])
+    assert admitted[0] == 1
+    refused = await scripts("admit_turn", tenant_keys, [1, 1, 1, 5, f"{conversation} u", 60_000])
+    assert refused[0] == 0
+    assert refused[2] == "rate"
+    viewer = keys.viewer(conversation, "jti")
+    assert await cluster.set(viewer, "holder", nx=True, px=10_000)
+    assert await scripts("renew_viewer", [viewer], ["holder", 10_000]) == 1
+    assert await scripts("renew_viewer", [viewer], ["other", 10_000]) == 0
+    assert await scripts("release_viewer", [viewer], ["holder"]) == 1
 
 
 async def test_keys_of_two_conversations_land_in_their_own_slots(cluster: Redis) -> None:

@@ -28,7 +28,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def broker_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, BrokerError)
-        return error_response(exc.status, exc.code, exc.message)
+        response = error_response(exc.status, exc.code, exc.message)
+        response.headers.update(exc.headers)
+        return response
 
     async def validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

@@ -1,9 +1,32 @@
-"""A body-size guard that answers 413 before a large body is read into memory."""
+"""Size guards: 413 before a large body is read into memory, 431 for oversized headers."""
 
 from __future__ import annotations
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class HeaderSizeLimit:
+    """Refuse requests whose headers (names, values, and the query string) pass ``limit`` bytes.
+
+    uvicorn's own parser limit is set above this one, so the client gets our JSON error.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("query_string", b"")) + len(scope.get("raw_path") or b"")
+            size += sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+            if size > self.limit:
+                await BodySizeLimit._reply(
+                    send, 431, "headers_too_large",
+                    f"request headers are larger than BROKER_MAX_HEADER_BYTES={self.limit}",
+                )  # fmt: skip
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyTooLarge(Exception):

@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import secrets
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Query, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
-from starlette.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.exceptions import RedisError
+from starlette.responses import PlainTextResponse, Response
 
 from broker.api.errors import describe_validation
-from broker.errors import BadRequest, BrokerError
+from broker.api.schemas import (
+    AttachToken,
+    ErrorBody,
+    History,
+    Status,
+    ToolCalls,
+    TurnCreated,
+    TurnState,
+    errors,
+    stream_responses,
+)
+from broker.auth import Principal, require_actor
+from broker.errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound, Unauthorized
+from broker.keys import unscoped
+from broker.metrics import AUTH_FAILURES
 from broker.offsets import NOW, START, ZERO_ID, from_entry_id, to_entry_id
 from broker.sse import PING, EventStreamResponse, opening_frame
 from broker.streams import Heartbeat, Location
@@ -27,18 +46,79 @@ api_router = APIRouter()
 ops_router = APIRouter()
 
 
+# One-viewer attach tokens hold a lock for their connection, renewed while it lasts.
+VIEWER_LEASE_MS = 30_000
+
+bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="bearer",
+    description="An API key, a JWT, or an attach token (read-only, one stream).",
+)
+
+
 def runtime(request: Request) -> Runtime:
     rt: Runtime = request.app.state.runtime
     return rt
+
+
+async def caller(
+    request: Request,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
+) -> Principal:
+    """Who sends the request; 401 when the broker needs credentials and these are refused."""
+    rt = runtime(request)
+    authorization = request.headers.get("authorization")
+    token = request.query_params.get("token")
+    try:
+        return rt.auth.authenticate(authorization, token)
+    except Unauthorized as exc:
+        missing = authorization is None and token is None
+        reason = (
+            "missing" if missing else exc.code if exc.code in AUTH_FAILURES else "bad_credentials"
+        )
+        rt.metrics.auth_failures.labels(reason).inc()
+        raise
+
+
+Caller = Annotated[Principal, Depends(caller)]
+
+
+async def actor(request: Request, principal: Caller) -> Principal:
+    """A caller that may act on turns: an attach token is refused (403)."""
+    try:
+        return require_actor(principal)
+    except Forbidden:
+        runtime(request).metrics.auth_failures.labels("forbidden").inc()
+        raise
+
+
+Actor = Annotated[Principal, Depends(actor)]
+
+
+class AttachTokenRequest(BaseModel):
+    """The body of ``POST /v1/turns/{turn_id}/attach-tokens`` (all optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttl_s: float | None = Field(
+        default=None, gt=0, le=31_536_000,
+        description="lifetime in seconds (default BROKER_ATTACH_TOKEN_TTL, capped at "
+        "BROKER_ATTACH_TOKEN_MAX_TTL)",
+    )  # fmt: skip
+    one_viewer: bool = Field(
+        default=False, description="admit one SSE connection at a time (409 for a second)"
+    )
 
 
 def json_response(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+async def parse_body(request: Request, model: type[BodyT], *, optional: bool = False) -> BodyT:
     """The request body as ``model``: 400 with a readable message for anything else."""
     raw = await request.body()
+    if optional and not raw.strip():
+        return model()
     try:
         payload = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -51,76 +131,141 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
         raise BadRequest(describe_validation(exc.errors())) from None
 
 
-def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+def body_schema(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
     """OpenAPI for a body we parse ourselves (so that errors keep our shape)."""
     schema = {"content": {"application/json": {"schema": model.model_json_schema()}}}
-    return {"requestBody": {"required": True, **schema}}
+    return {"requestBody": {"required": required, **schema}}
 
 
-@api_router.post("/v1/turns", openapi_extra=body_schema(TurnRequest), status_code=201)
-async def create_turn(request: Request) -> Response:
+@api_router.post(
+    "/v1/turns",
+    openapi_extra=body_schema(TurnRequest),
+    status_code=201,
+    response_model=TurnCreated,
+    responses={200: {"model": TurnCreated, "description": "the existing turn"},
+               **errors(409, 410, 429)},
+)  # fmt: skip
+async def create_turn(request: Request, principal: Actor) -> Response:
     """Start a turn; the same ``turn_id`` with the same request returns the existing turn."""
     turn_request = await parse_body(request, TurnRequest)
-    created, turn = await runtime(request).turns.create(turn_request)
+    created, turn = await runtime(request).turns.create(turn_request, principal.tenant)
     return json_response(turn, 201 if created else 200)
 
 
 @api_router.post(
-    "/v1/turns/{turn_id}/attempts", openapi_extra=body_schema(AttemptRequest), status_code=201
+    "/v1/turns/{turn_id}/attempts",
+    openapi_extra=body_schema(AttemptRequest),
+    status_code=201,
+    response_model=TurnState,
+    responses=errors(409, 410, 422, 429),
 )
-async def start_attempt(request: Request, turn_id: str) -> Response:
+async def start_attempt(request: Request, turn_id: str, principal: Actor) -> Response:
     """Continue or regenerate a turn at rest: 409 while a generation runs, 422 not allowed."""
     attempt_request = await parse_body(request, AttemptRequest)
-    return json_response(await runtime(request).turns.start_attempt(turn_id, attempt_request), 201)
+    turns = runtime(request).turns
+    return json_response(await turns.start_attempt(turn_id, attempt_request, principal.tenant), 201)
 
 
-@api_router.post("/v1/turns/{turn_id}/cancel")
-async def cancel_turn(request: Request, turn_id: str) -> Response:
+@api_router.post("/v1/turns/{turn_id}/cancel", response_model=TurnState, responses=errors(410))
+async def cancel_turn(request: Request, turn_id: str, principal: Actor) -> Response:
     """The stop button: ends the running attempt `cancelled`, keeping its text. Idempotent."""
-    return json_response(await runtime(request).turns.cancel(turn_id))
+    return json_response(await runtime(request).turns.cancel(turn_id, principal.tenant))
 
 
-@api_router.post("/v1/turns/{turn_id}/canonical", openapi_extra=body_schema(CanonicalRequest))
-async def promote_attempt(request: Request, turn_id: str) -> Response:
+@api_router.post(
+    "/v1/turns/{turn_id}/canonical",
+    openapi_extra=body_schema(CanonicalRequest),
+    response_model=TurnState,
+    responses=errors(409, 410, 422),
+)
+async def promote_attempt(request: Request, turn_id: str, principal: Actor) -> Response:
     """Choose which attempt is the turn's answer, by compare-and-set on the current one."""
     canonical_request = await parse_body(request, CanonicalRequest)
-    return json_response(await runtime(request).turns.promote(turn_id, canonical_request))
+    turns = runtime(request).turns
+    return json_response(await turns.promote(turn_id, canonical_request, principal.tenant))
 
 
-@api_router.get("/v1/turns/{turn_id}/tool-calls")
-async def tool_calls(request: Request, turn_id: str) -> Response:
+@api_router.post(
+    "/v1/turns/{turn_id}/attach-tokens",
+    openapi_extra=body_schema(AttachTokenRequest, required=False),
+    status_code=201,
+    response_model=AttachToken,
+    responses=errors(410),
+)
+async def mint_attach_token(request: Request, turn_id: str, principal: Actor) -> Response:
+    """A signed, read-only token for the turn's stream: for EventSource, second devices, links."""
+    token_request = await parse_body(request, AttachTokenRequest, optional=True)
+    rt = runtime(request)
+    state = await rt.turns.get(turn_id, principal.tenant)
+    stream_id = state["stream_id"]
+    minted = rt.auth.mint_attach(
+        principal.tenant, stream_id, token_request.ttl_s, token_request.one_viewer
+    )
+    return json_response(
+        {
+            "token": minted.token,
+            "turn_id": turn_id,
+            "stream_id": stream_id,
+            "expires_at": minted.expires_at,
+            "one_viewer": token_request.one_viewer,
+            "links": {"stream": f"/v1/streams/{stream_id}?token={minted.token}"},
+        },
+        201,
+    )
+
+
+@api_router.get("/v1/turns/{turn_id}/tool-calls", response_model=ToolCalls, responses=errors(410))
+async def tool_calls(request: Request, turn_id: str, principal: Actor) -> Response:
     """The ledger rows of a turn's tool calls, for audit."""
     rt = runtime(request)
-    state = await rt.turns.get(turn_id)
-    rows = await rt.ledger.rows(state["conversation_id"], turn_id)
+    conversation_id = await rt.turns.locate(turn_id, principal.tenant)
+    rows = await rt.ledger.rows(conversation_id, turn_id)
     return json_response({"turn_id": turn_id, "tool_calls": rows})
 
 
-@api_router.get("/v1/conversations/{conversation_id}/messages")
-async def conversation_messages(request: Request, conversation_id: str) -> Response:
+@api_router.get(
+    "/v1/conversations/{conversation_id}/messages", response_model=History, responses=errors()
+)
+async def conversation_messages(
+    request: Request, conversation_id: str, principal: Actor
+) -> Response:
     """The conversation as the next request must send it: canonical answers only."""
-    return json_response(await runtime(request).turns.history(conversation_id))
+    return json_response(await runtime(request).turns.history(conversation_id, principal.tenant))
 
 
-@api_router.get("/v1/turns/{turn_id}")
-async def get_turn(request: Request, turn_id: str) -> Response:
+@api_router.get("/v1/turns/{turn_id}", response_model=TurnState, responses=errors(410))
+async def get_turn(request: Request, turn_id: str, principal: Actor) -> Response:
     """The turn's status, attempts and canonical text."""
-    return json_response(await runtime(request).turns.get(turn_id))
+    return json_response(await runtime(request).turns.get(turn_id, principal.tenant))
 
 
-@api_router.get("/v1/streams/{stream_id}")
+@api_router.get("/v1/streams/{stream_id}", responses=stream_responses())
 async def read_stream(
-    request: Request, stream_id: str, offset: str | None = None, format: str | None = None
+    request: Request,
+    stream_id: str,
+    principal: Caller,
+    offset: str | None = None,
+    format: str | None = None,
+    token: Annotated[
+        str | None, Query(description="an attach token, for clients that cannot send headers")
+    ] = None,
 ) -> Response:
     """Read a turn's events as SSE (default) or as a JSON catch-up page (``format=json``)."""
     rt = runtime(request)
     if format not in (None, "sse", "json"):
         raise BadRequest("format must be sse or json", code="bad_format")
+    if principal.stream_id is not None and principal.stream_id != stream_id:
+        rt.metrics.auth_failures.labels("forbidden").inc()
+        raise Forbidden("the attach token is for another stream", code="wrong_stream")
+    if principal.one_viewer and format == "json":
+        raise Forbidden("a one-viewer attach token reads over SSE only", code="sse_only")
     resume = request.headers.get("last-event-id") or offset or START
     if resume not in (START, NOW):
         to_entry_id(resume)  # 400 before anything else for a malformed offset
     try:
         location = await rt.streams.locate(stream_id)
+        if unscoped(location.conversation_id)[0] != principal.tenant:
+            raise NotFound(f"unknown stream {stream_id!r}")  # another tenant's: never found
     except BrokerError as exc:
         if resume not in (START, NOW):
             rt.metrics.resumes.labels("expired" if exc.status == 410 else "not_found").inc()
@@ -137,31 +282,82 @@ async def read_stream(
     # Announce where this read starts, so a client that drops before the first event resumes
     # from here; after `now` even on an empty stream, where "the start" is the right answer.
     announce = from_entry_id(after) if after != ZERO_ID or resume == NOW else None
+    viewer = await _hold_viewer(rt, principal, location) if principal.one_viewer else None
     return EventStreamResponse(
-        _frames(rt, location, after, announce), send_timeout_s=rt.settings.sse_send_timeout_s
+        _frames(rt, location, after, announce, viewer),
+        send_timeout_s=rt.settings.sse_send_timeout_s,
     )
 
 
+class ViewerLock:
+    """The lock a one-viewer attach token's connection holds while it lasts."""
+
+    def __init__(self, rt: Runtime, key: str, holder: str) -> None:
+        self.rt, self.key, self.holder = rt, key, holder
+        self.lost = False
+
+    async def keep(self) -> None:
+        """Renew the lock until cancelled; a lost lock ends the stream at its next frame."""
+        while True:
+            await asyncio.sleep(VIEWER_LEASE_MS / 3000)
+            try:
+                held = await self.rt.scripts(
+                    "renew_viewer", [self.key], [self.holder, VIEWER_LEASE_MS]
+                )
+            except (RedisError, OSError):
+                continue  # the lock lives VIEWER_LEASE_MS: the next renewal may still make it
+            if not held:
+                self.lost = True
+                return
+
+    async def release(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self.rt.scripts("release_viewer", [self.key], [self.holder])
+
+
+async def _hold_viewer(rt: Runtime, principal: Principal, location: Location) -> ViewerLock:
+    assert principal.token_id is not None
+    key = rt.keys.viewer(location.conversation_id, principal.token_id)
+    holder = secrets.token_hex(8)
+    if not await rt.redis.set(key, holder, nx=True, px=VIEWER_LEASE_MS):
+        raise Conflict(
+            "this attach token admits one viewer at a time, and one is connected",
+            code="token_in_use",
+        )
+    return ViewerLock(rt, key, holder)
+
+
 async def _frames(
-    rt: Runtime, location: Location, after: str, announce: str | None
+    rt: Runtime, location: Location, after: str, announce: str | None, viewer: ViewerLock | None
 ) -> AsyncIterator[bytes]:
     viewers = rt.metrics.viewers.labels("sse")
     viewers.inc()
+    keeper = asyncio.create_task(viewer.keep()) if viewer is not None else None
     try:
         yield opening_frame(rt.settings.sse_retry_ms, announce)
         async for item in rt.streams.follow(location, after):
+            if viewer is not None and viewer.lost:
+                return
             yield PING if isinstance(item, Heartbeat) else item.frame
     finally:
         viewers.dec()
+        if keeper is not None and viewer is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            await viewer.release()
 
 
-@ops_router.get("/healthz")
+@ops_router.get("/healthz", response_model=Status)
 async def healthz() -> Response:
     """Liveness: the process answers."""
     return json_response({"status": "ok"})
 
 
-@ops_router.get("/readyz")
+@ops_router.get(
+    "/readyz",
+    response_model=Status,
+    responses={503: {"model": ErrorBody, "description": "not ready"}},
+)
 async def readyz(request: Request) -> Response:
     """Readiness: Redis answers and every Lua script is loaded."""
     rt = runtime(request)
@@ -176,8 +372,13 @@ async def readyz(request: Request) -> Response:
     return json_response({"status": "ready"})
 
 
-@ops_router.get("/metrics")
+@ops_router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={401: {"model": ErrorBody, "description": "BROKER_METRICS_TOKEN needed"}},
+)
 async def metrics(request: Request) -> Response:
-    """Prometheus text format."""
+    """Prometheus text format (behind ``Bearer <BROKER_METRICS_TOKEN>`` when that is set)."""
+    runtime(request).auth.check_metrics(request.headers.get("authorization"))
     body = generate_latest(runtime(request).metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,108 @@
+"""A tenant's limits on starting work: a token bucket for new turns, a cap on live streams.
+
+Both live in one Lua script on the tenant's keys (``admit_turn``), so every API process shares
+them. A live stream is a turn queued or generating; it stops counting when the worker finds the
+turn at rest, or when its deadline passes (a crashed process cannot hold a slot for ever: the
+worker running the turn refreshes the deadline with each lease heartbeat).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from broker import redis_calls as rc
+from broker.errors import TooManyRequests
+from broker.keys import Keys, unscoped
+from broker.metrics import Metrics
+from broker.scripts import Scripts
+from broker.settings import Settings
+
+log = logging.getLogger("broker.admission")
+
+LIVE_SLOT_TTL_MS = 600_000
+ACTIVE_STATUSES = frozenset({"queued", "streaming"})
+
+
+def member(conversation_id: str, turn_id: str) -> str:
+    return f"{conversation_id} {turn_id}"
+
+
+class Admission:
+    """Charges and frees a tenant's limits; ``conversation_id`` is always the scoped id."""
+
+    def __init__(
+        self, redis: Redis, scripts: Scripts, keys: Keys, settings: Settings, metrics: Metrics
+    ) -> None:
+        self._redis = redis
+        self._scripts = scripts
+        self._keys = keys
+        self._settings = settings
+        self._metrics = metrics
+
+    @property
+    def counts_streams(self) -> bool:
+        return self._settings.max_streams_per_tenant > 0
+
+    async def admit(self, conversation_id: str, turn_id: str, *, new_turn: bool) -> None:
+        """Take a rate token (new turns only) and a live-stream slot, or raise 429."""
+        settings = self._settings
+        if settings.turn_rate_per_s <= 0 and not self.counts_streams:
+            return
+        tenant, _ = unscoped(conversation_id)
+        reply = await self._scripts(
+            "admit_turn",
+            [self._keys.turn_rate(tenant), self._keys.live_streams(tenant)],
+            [settings.turn_rate_per_s, settings.turn_burst, 1 if new_turn else 0,
+             settings.max_streams_per_tenant, member(conversation_id, turn_id),
+             LIVE_SLOT_TTL_MS],
+        )  # fmt: skip
+        if int(reply[0]) == 1:
+            return
+        retry_after_s = math.ceil(int(reply[1]) / 1000)
+        reason = str(reply[2])
+        self._metrics.turns_refused.labels(reason).inc()
+        who = f"tenant {tenant!r}" if tenant else "this broker"
+        if reason == "rate":
+            raise TooManyRequests(
+                f"{who} starts turns faster than BROKER_TURN_RATE_PER_S="
+                f"{settings.turn_rate_per_s:g} (burst {settings.turn_burst}); retry in "
+                f"{retry_after_s} s",
+                retry_after_s=retry_after_s, code="rate_limited",
+            )  # fmt: skip
+        raise TooManyRequests(
+            f"{who} has BROKER_MAX_STREAMS_PER_TENANT={settings.max_streams_per_tenant} turns "
+            "queued or generating; wait for one to finish",
+            retry_after_s=retry_after_s, code="too_many_streams",
+        )  # fmt: skip
+
+    async def release_if_at_rest(self, conversation_id: str, turn_id: str) -> None:
+        """Free the turn's slot unless it is queued or generating (a new attempt keeps it)."""
+        if not self.counts_streams:
+            return
+        try:
+            status = await rc.hget(self._redis, self._keys.turn(conversation_id, turn_id), "status")
+            if status in ACTIVE_STATUSES:
+                return
+            tenant, _ = unscoped(conversation_id)
+            await self._redis.zrem(
+                self._keys.live_streams(tenant), member(conversation_id, turn_id)
+            )
+        except (RedisError, OSError) as exc:  # the slot's deadline frees it later
+            log.warning("could not free the stream slot of turn %s: %s", turn_id, exc)
+
+    async def refresh(self, conversation_id: str, turn_id: str) -> None:
+        """Push the live turn's deadline forward (called with each lease heartbeat)."""
+        if not self.counts_streams:
+            return
+        tenant, _ = unscoped(conversation_id)
+        key = self._keys.live_streams(tenant)
+        deadline = int(time.time() * 1000) + LIVE_SLOT_TTL_MS
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(key, {member(conversation_id, turn_id): deadline})
+            pipe.pexpire(key, LIVE_SLOT_TTL_MS)
+            await pipe.execute()

@@ -1,0 +1,101 @@
+"""Property-based fuzzing of every operation in the broker's own OpenAPI document.
+
+Requests are generated from ``/openapi.json`` (valid and invalid ones) and sent over HTTP to a
+real broker with authentication on. No answer may be a 5xx, and every answer must match the
+document: a declared status, the declared content type, a body of the declared shape. Then the
+broker must still serve a normal turn. ``BROKER_FUZZ_EXAMPLES`` sets the examples per operation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any, cast
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.conftest import RunningBroker, start_broker
+from tests.helpers import bearer, read_sse, start_turn, text_of, wait_final
+
+KEY = "key-fuzz-0123456789abcdef"
+EXAMPLES = int(os.environ.get("BROKER_FUZZ_EXAMPLES", "50"))
+
+
+def not_a_server_error(ctx: Any, response: Any, case: Any) -> bool:
+    """Never a 5xx (503 is allowed only when Redis is down, and it is not here)."""
+    assert response.status_code < 500, f"{case.method} {case.formatted_path}: {response.text}"
+    return True
+
+
+@pytest.fixture(scope="module")
+def fuzzed(redis_url: str) -> Iterator[RunningBroker]:
+    broker = start_broker(
+        redis_url, api_keys=f"fuzz={KEY}", max_body_bytes=65_536, turn_rate_per_s=0,
+        max_streams_per_tenant=0, simulate_max_tokens_per_s=0,
+    )  # fmt: skip
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def operations(broker: RunningBroker) -> list[Any]:
+    document = httpx.get(f"{broker.base_url}/openapi.json", timeout=10).json()
+    schema = schemathesis.openapi.from_dict(document)
+    found = [cast(Any, result).ok() for result in schema.get_all_operations()]
+    assert len(found) >= 12, [f"{op.method} {op.path}" for op in found]
+    return found
+
+
+def fuzz(operation: Any, mode: GenerationMode, base_url: str, checked: dict[str, int]) -> None:
+    """Run the generated cases of one operation (valid ones, or invalid ones) against the broker."""
+    label = f"{mode.value} {operation.method.upper()} {operation.path}"
+
+    @settings(
+        max_examples=EXAMPLES, deadline=None, database=None,
+        suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case: Any) -> None:
+        response = case.call(base_url=base_url, headers=bearer(KEY), timeout=15)
+        case.validate_response(
+            response,
+            checks=[not_a_server_error, status_code_conformance, content_type_conformance,
+                    response_schema_conformance],
+        )  # fmt: skip
+        checked[label] = checked.get(label, 0) + 1
+
+    try:
+        run()
+    except Unsatisfiable:
+        # Nothing in this operation can be made invalid (no parameters, no body).
+        assert mode is GenerationMode.NEGATIVE, label
+
+
+@pytest.mark.timeout(600)
+def test_no_generated_request_gets_a_5xx_or_an_undocumented_answer(
+    fuzzed: RunningBroker,
+) -> None:
+    checked: dict[str, int] = {}
+    for operation in operations(fuzzed):
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            fuzz(operation, mode, fuzzed.base_url, checked)
+    assert len([label for label in checked if label.startswith("positive")]) >= 12, checked
+
+
+def test_after_the_fuzzing_a_normal_turn_is_served(fuzzed: RunningBroker) -> None:
+    turn = start_turn(fuzzed.base_url, "after-fuzz", auth=KEY, tokens=25, seed=4)
+    assert wait_final(fuzzed.base_url, turn["turn_id"], auth=KEY)["status"] == "complete"
+    read = read_sse(fuzzed.base_url, turn["stream_id"], auth=KEY)
+    assert len([e for e in read.events if e.event == "delta"]) == 25
+    assert text_of(read.events)
