@@ -9,7 +9,8 @@ Three kinds of credentials arrive as ``Authorization: Bearer <credential>``:
   one viewer at a time. It may also come as ``?token=`` (``EventSource`` cannot set headers).
 
 With neither API keys nor a JWT key the broker runs open: every caller is the same anonymous
-principal, and credentials are not checked.
+principal and ``Authorization`` is not looked at; a ``?token=`` is still checked, so a share link
+keeps its stream and one-viewer limits.
 """
 
 from __future__ import annotations
@@ -154,10 +155,11 @@ class Authenticator:
 
     def authenticate(self, authorization: str | None, query_token: str | None) -> Principal:
         """The caller behind a request's credentials; 401 when they are missing or refused."""
+        if query_token is not None:
+            # Checked even on an open broker: a share link keeps its stream and viewer limits.
+            return self.check_attach(query_token)
         if not self.enabled:
             return OPEN
-        if query_token is not None:
-            return self.check_attach(query_token)
         if not authorization:
             raise Unauthorized(
                 "this broker needs credentials: Authorization: Bearer <key or token>"

@@ -2,7 +2,7 @@
 
 Playwright's sync API drives Debian's Chromium (never a downloaded browser); the module is
 skipped when /usr/bin/chromium is missing. One browser serves the whole module, one context
-(fresh storage) each test.
+(fresh storage) each test; a second context is a second device (no shared storage).
 """
 
 from __future__ import annotations
@@ -16,13 +16,21 @@ import httpx
 import pytest
 
 from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import missing_tool, read_sse
+from tests.helpers import bearer, missing_tool, read_sse
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
     missing_tool(f"{CHROMIUM} is not installed (apt-get install chromium)", module=True)
 
-from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import (  # noqa: E402
+    Browser,
+    BrowserContext,
+    ConsoleMessage,
+    Page,
+    Request,
+    expect,
+    sync_playwright,
+)
 
 ARGS = [
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -32,6 +40,15 @@ ARGS = [
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "demo.png"
 PROMPT = "Tell me about tunnels"
 WAIT_MS = 20_000
+KEY = "key-acme-0123456789abcdef"
+SECURED = {"api_keys": f"acme={KEY}", "attach_secret": "a" * 40}
+# Runs before any page script, outside the page's CSP: records what the policy blocked.
+RECORD_VIOLATIONS = """
+window.__violations = [];
+document.addEventListener("securitypolicyviolation", (e) => {
+  window.__violations.push(`${e.violatedDirective} ${e.blockedURI}`);
+});
+"""
 
 
 @pytest.fixture(scope="module")
@@ -46,25 +63,43 @@ def browser() -> Iterator[Browser]:
             browser.close()
 
 
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
+def new_context(browser: Browser) -> BrowserContext:
     context = browser.new_context(viewport={"width": 900, "height": 820})
     context.set_default_timeout(WAIT_MS)
+    context.add_init_script(RECORD_VIOLATIONS)
+    return context
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = new_context(browser)
     try:
         yield context.new_page()
     finally:
         context.close()
 
 
-def full_answer(broker: RunningBroker, seed: str, tokens: int) -> str:
+@pytest.fixture
+def other_device(browser: Browser) -> Iterator[BrowserContext]:
+    """A second browser with storage of its own: nothing of the first page's tab reaches it."""
+    context = new_context(browser)
+    try:
+        yield context
+    finally:
+        context.close()
+
+
+def full_answer(broker: RunningBroker, seed: str, tokens: int, auth: str | None = None) -> str:
     """The uninterrupted answer for the page's prompt, read over plain HTTP at full speed."""
     body: dict[str, Any] = {
         "conversation_id": "reference",
         "messages": [{"role": "user", "content": PROMPT}],
         "params": {"simulate": {"seed": seed, "tokens": tokens, "tokens_per_s": 0}},
     }
-    turn = httpx.post(f"{broker.base_url}/v1/turns", json=body, timeout=10).json()
-    read = read_sse(broker.base_url, turn["stream_id"])
+    turn = httpx.post(
+        f"{broker.base_url}/v1/turns", json=body, headers=bearer(auth), timeout=10
+    ).json()
+    read = read_sse(broker.base_url, turn["stream_id"], auth=auth)
     assert read.events[-1].event == "end"
     assert read.events[-1].data["status"] == "complete"
     return "".join(e.data["text"] for e in read.events if e.event == "delta")
@@ -78,8 +113,10 @@ def send(
     tokens: int,
     pace: float,
     break_after: int | None = None,
+    navigate: bool = True,
 ) -> None:
-    page.goto(broker.base_url + "/")
+    if navigate:
+        page.goto(broker.base_url + "/")
     page.get_by_label("Message").fill(PROMPT)
     page.get_by_label("Tokens", exact=True).fill(str(tokens))
     page.get_by_label("Tokens per second").fill(str(pace))
@@ -193,3 +230,140 @@ def test_interrupted_answer_continues_or_regenerates(
     turn_id = page.get_by_test_id("turn-id").text_content()
     turn = httpx.get(f"{broker.base_url}/v1/turns/{turn_id}", timeout=10).json()
     assert [a["strategy"] for a in turn["attempts"]] == ["initial", "regenerate"]
+
+
+# --- credentials, share links, the page's policy ---------------------------------------------
+
+
+def violations(page: Page) -> list[str]:
+    found: list[str] = page.evaluate("window.__violations")
+    return found
+
+
+def watch_console(page: Page) -> list[str]:
+    """Collects the page's console errors (Chromium reports CSP refusals there too)."""
+    errors: list[str] = []
+
+    def record(message: ConsoleMessage) -> None:
+        if message.type == "error":
+            errors.append(message.text)
+
+    page.on("console", record)
+    return errors
+
+
+def watch_streams(page: Page) -> list[Request]:
+    reads: list[Request] = []
+    page.on("request", lambda r: reads.append(r) if "/v1/streams/" in r.url else None)
+    return reads
+
+
+def test_a_secured_broker_asks_for_a_key_and_a_share_link_opens_a_viewer(
+    broker_factory: BrokerFactory, page: Page, other_device: BrowserContext
+) -> None:
+    broker = broker_factory(**SECURED)
+    expected = full_answer(broker, "key", 40, auth=KEY)
+    console = watch_console(page)
+    owner_reads = watch_streams(page)
+
+    # Without a key the broker answers 401 and the page asks for one.
+    send(page, broker, seed="key", tokens=40, pace=12)
+    expect(page.get_by_test_id("error")).to_contain_text("401")
+    expect(page.get_by_test_id("credentials")).to_have_attribute("open", "")
+    expect(page.get_by_test_id("key-note")).to_contain_text("needs an API key")
+    expect(page.get_by_test_id("status")).to_have_text("idle")
+
+    page.get_by_test_id("api-key").fill(KEY)
+    page.get_by_test_id("save-key").click()
+    expect(page.get_by_test_id("key-summary")).to_have_text("API key (set)")
+    assert page.evaluate("sessionStorage.getItem('broker:api-key')") == KEY
+    send(page, broker, seed="key", tokens=40, pace=12, navigate=False)
+    expect(page.get_by_test_id("status")).to_have_text("streaming")
+    expect(page.get_by_test_id("error")).to_have_text("")
+    wait_for_words(page, 3)
+
+    # Mid-answer, the owner mints a read-only link; another device follows the same turn live.
+    page.get_by_test_id("share").click()
+    link = page.get_by_test_id("share-link")
+    expect(link).to_be_visible()
+    url = link.get_attribute("href") or ""
+    assert url.startswith(f"{broker.base_url}/#")
+    assert re.search(r"[#&]token=[\w.-]+", url)
+    assert page.get_by_test_id("share-url").input_value() == url
+    viewer = other_device.new_page()
+    reads = watch_streams(viewer)
+    viewer.goto(url)
+    expect(viewer.get_by_test_id("viewer-note")).to_be_visible()
+    expect(viewer.get_by_test_id("composer")).to_be_hidden()
+    expect(viewer.get_by_test_id("stop")).to_be_hidden()
+    expect(viewer.get_by_test_id("share")).to_be_hidden()
+    expect(viewer.get_by_test_id("status")).to_have_text("complete")
+    assert answer(viewer) == expected
+    # The viewer read with the token alone: the other device has no key to send.
+    assert reads
+    for read in reads:
+        assert "token=" in read.url
+        assert "authorization" not in read.headers
+    assert viewer.evaluate("sessionStorage.getItem('broker:api-key')") is None
+
+    expect(page.get_by_test_id("status")).to_have_text("complete")
+    assert answer(page) == expected
+    assert owner_reads
+    for read in owner_reads:  # the owner's page reads with its key, and no token
+        assert read.headers.get("authorization") == f"Bearer {KEY}"
+        assert "token=" not in read.url
+    assert not [e for e in console if "401" not in e], console  # only the refused first send
+    assert violations(page) == []
+    assert violations(viewer) == []
+
+
+def test_a_share_link_with_a_bad_token_is_refused(
+    broker_factory: BrokerFactory, page: Page
+) -> None:
+    broker = broker_factory(**SECURED)
+    turn = httpx.post(
+        f"{broker.base_url}/v1/turns",
+        json={"conversation_id": "c", "messages": [{"role": "user", "content": PROMPT}]},
+        headers=bearer(KEY),
+        timeout=10,
+    ).json()
+    page.goto(f"{broker.base_url}/#turn={turn['turn_id']}&stream={turn['stream_id']}&token=a.b.c")
+    expect(page.get_by_test_id("viewer-note")).to_be_visible()
+    expect(page.get_by_test_id("error")).to_contain_text("read-only link was refused")
+    expect(page.get_by_test_id("error")).to_contain_text("bad_token")
+    assert answer(page) == ""
+
+
+def test_the_demo_page_breaks_none_of_its_policy(
+    broker: RunningBroker, page: Page, other_device: BrowserContext
+) -> None:
+    console = watch_console(page)
+    expected = full_answer(broker, "csp", 12)
+    send(page, broker, seed="csp", tokens=12, pace=0)
+    expect(page.get_by_test_id("status")).to_have_text("complete")
+    assert answer(page) == expected
+    # On an open broker sharing works as well (minting needs no key there).
+    page.get_by_test_id("share").click()
+    expect(page.get_by_test_id("share-link")).to_be_visible()
+    url = page.get_by_test_id("share-link").get_attribute("href") or ""
+    assert "token=" in url
+    page.get_by_test_id("key-summary").click()
+    expect(page.get_by_test_id("api-key")).to_be_visible()
+    viewer = other_device.new_page()
+    viewer_console = watch_console(viewer)
+    viewer.goto(url)
+    expect(viewer.get_by_test_id("status")).to_have_text("complete")
+    assert answer(viewer) == expected
+    assert violations(page) == []
+    assert violations(viewer) == []
+    csp = [e for e in console + viewer_console if "Content Security Policy" in e]
+    assert csp == []
+    assert console == []
+    assert viewer_console == []
+
+    # The watch itself works: markup with an inline style is refused, and both records see it.
+    with page.expect_console_message(lambda m: "Content Security Policy" in m.text):
+        page.evaluate("""document.body.insertAdjacentHTML(
+            "beforeend", '<p style="color: red">inline</p>')""")
+    page.wait_for_function("window.__violations.length > 0")
+    assert any(v.startswith("style-src") for v in violations(page)), violations(page)

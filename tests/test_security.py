@@ -346,6 +346,14 @@ def test_attach_tokens_work_on_an_open_broker_too(broker: RunningBroker) -> None
     minted = mint(broker, turn["turn_id"], auth="anything")
     read = read_sse(broker.base_url, turn["stream_id"], token=minted["token"])
     assert text_of(read.events) == text_of(read_sse(broker.base_url, turn["stream_id"]).events)
+    # A share link keeps its limits even here: its token is checked and scoped.
+    other = start_turn(broker.base_url, "c", tokens=2)
+    wrong = call(broker, "GET", f"/v1/streams/{other['stream_id']}",
+                 params={"token": minted["token"]})  # fmt: skip
+    assert wrong.status_code == 403
+    forged = call(broker, "GET", f"/v1/streams/{turn['stream_id']}",
+                  params={"token": minted["token"][:-4] + "AAAA"})  # fmt: skip
+    assert forged.status_code == 401
 
 
 # --- limits ---------------------------------------------------------------------------------

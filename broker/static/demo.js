@@ -3,12 +3,31 @@
 // The turn id, stream id and last offset live in the URL hash, and the rendered turn in
 // sessionStorage, so a reload resumes where it was; a second tab opens the same hash without an
 // offset and reads the same stream from its start.
+//
+// A broker with API keys answers 401: the page then asks for a key, keeps it in sessionStorage
+// (this tab only) and sends it on every call. "Share read-only link" mints an attach token for
+// the turn; the link carries it in the hash (never sent to a server, never in a Referer), and a
+// page opened on it is a viewer: it follows that one stream with the token and can do nothing
+// else.
 
 import { BrokerClient, TurnState } from "./js/index.js";
 
-const client = new BrokerClient("");
+const KEY_STORAGE = "broker:api-key";
+const SHARE_TTL_S = 3600;
+
+function storedKey() {
+  try {
+    return sessionStorage.getItem(KEY_STORAGE);
+  } catch {
+    return null; // storage disabled: the key lives as long as the page
+  }
+}
+
+const client = new BrokerClient("", { apiKey: storedKey() });
 const $ = (id) => document.querySelector(`[data-testid="${id}"]`);
 
+let token = null; // viewer mode: the attach token this page reads with
+let sharing = false;
 let turnId = null;
 let streamId = null;
 let state = null; // TurnState of the turn shown
@@ -27,6 +46,7 @@ function hashParams() {
 function keep() {
   // replaceState: keeping the position should not add history entries
   const params = new URLSearchParams({ turn: turnId, stream: streamId });
+  if (token) params.set("token", token);
   if (state?.lastId) params.set("offset", state.lastId);
   history.replaceState(null, "", `#${params}`);
   try {
@@ -43,20 +63,42 @@ function render() {
   badge.dataset.status = status;
   $("prefix").textContent = state?.prefix ?? "";
   $("own").textContent = state?.slot?.text ?? "";
+  const viewer = token !== null;
   $("answer").classList.toggle("partial", status === "interrupted");
-  $("recovery").hidden = status !== "interrupted" || reading !== null;
+  $("recovery").hidden = viewer || status !== "interrupted" || reading !== null;
+  $("composer").hidden = viewer;
+  $("credentials").hidden = viewer;
+  $("viewer-note").hidden = !viewer;
+  $("stop").hidden = viewer;
   $("stop").disabled = !turnId || state?.status != null;
+  $("share").hidden = viewer || !turnId;
+  $("share").disabled = sharing || !turnId;
   $("drop").disabled = drop === null;
   $("reconnects").textContent = String(reconnects);
   $("turn-id").textContent = turnId ?? "none";
   $("attempt").textContent = state?.current != null ? String(state.current) : "–";
   const link = $("second-tab");
-  link.hidden = !turnId;
+  link.hidden = !turnId || viewer;
   if (turnId) link.href = `#${new URLSearchParams({ turn: turnId, stream: streamId })}`;
+  $("key-summary").textContent = client.apiKey ? "API key (set)" : "API key";
+  $("forget-key").disabled = !client.apiKey;
 }
 
 function showError(error) {
-  $("error").textContent = error ? String(error.message ?? error) : "";
+  let text = error ? String(error.message ?? error) : "";
+  if (error?.status === 401 && token !== null) {
+    text = `This read-only link was refused (${error.code ?? "401"}); ask for a new one.`;
+  } else if (error?.status === 401) {
+    // The broker has credentials configured: ask for a key, then the user sends again.
+    const details = $("credentials");
+    details.open = true;
+    $("key-note").textContent = client.apiKey
+      ? "The broker refused this key (401). Enter another one."
+      : "This broker needs an API key (it answered 401). Enter it, then try again.";
+    $("api-key").focus();
+    text = `${text} (${error.code ?? "unauthorized"})`;
+  }
+  $("error").textContent = text;
 }
 
 /** Read the stream from `offset` until the turn is at rest (or another read replaces this). */
@@ -68,6 +110,7 @@ async function follow(offset) {
   try {
     const events = client.attach(streamId, {
       offset,
+      token: token ?? undefined,
       signal: controller.signal,
       onConnect: (cut) => {
         drop = cut;
@@ -115,6 +158,7 @@ async function send(event) {
   streamId = null;
   reconnects = 0;
   starting = true;
+  $("share-box").hidden = true;
   render();
   try {
     const turn = await client.startTurn({
@@ -147,6 +191,53 @@ async function retry(strategy) {
   follow(state.lastId ?? "-1");
 }
 
+async function share() {
+  showError(null);
+  sharing = true;
+  render();
+  try {
+    const minted = await client.mintAttachToken(turnId, { ttlS: SHARE_TTL_S });
+    const params = new URLSearchParams({
+      turn: minted.turn_id ?? turnId, stream: minted.stream_id, token: minted.token,
+    });
+    const url = `${location.origin}${location.pathname}#${params}`;
+    $("share-link").href = url;
+    $("share-url").value = url;
+    $("share-expires").textContent = new Date(minted.expires_at * 1000).toLocaleTimeString();
+    $("share-box").hidden = false;
+  } catch (error) {
+    showError(error);
+  } finally {
+    sharing = false;
+    render();
+  }
+}
+
+function saveKey(event) {
+  event.preventDefault();
+  const key = $("api-key").value.trim();
+  client.apiKey = key || null;
+  try {
+    if (key) sessionStorage.setItem(KEY_STORAGE, key);
+    else sessionStorage.removeItem(KEY_STORAGE);
+  } catch {
+    // storage disabled: the key is used until the page goes away
+  }
+  $("api-key").value = "";
+  $("key-note").textContent = key
+    ? "Key set for this tab. Send again."
+    : "No key: the page calls the broker without credentials.";
+  showError(null);
+  // A read that was refused for want of a key picks up where it was.
+  if (turnId && streamId && !reading && state?.status == null) follow(state?.lastId ?? "-1");
+  render();
+}
+
+function forgetKey() {
+  $("api-key").value = "";
+  saveKey(new Event("submit"));
+}
+
 async function stop() {
   try {
     await client.cancel(turnId);
@@ -160,6 +251,7 @@ function resume() {
   if (!params.get("turn") || !params.get("stream")) return;
   turnId = params.get("turn");
   streamId = params.get("stream");
+  token = params.get("token") || null;
   const saved = sessionStorage.getItem(`turn:${turnId}`);
   state = saved ? TurnState.fromJSON(JSON.parse(saved)) : new TurnState(turnId);
   // Only trust an offset that matches the text we kept; otherwise read from the start.
@@ -167,6 +259,9 @@ function resume() {
 }
 
 $("composer").addEventListener("submit", send);
+$("key-form").addEventListener("submit", saveKey);
+$("forget-key").addEventListener("click", forgetKey);
+$("share").addEventListener("click", share);
 $("stop").addEventListener("click", stop);
 $("drop").addEventListener("click", () => drop?.());
 $("continue").addEventListener("click", () => retry("continue"));

@@ -21,6 +21,7 @@ from broker_client import (
     BrokerHTTPError,
     Conflict,
     Event,
+    Forbidden,
     NotFound,
     ProtocolError,
     ReattachExhausted,
@@ -30,6 +31,7 @@ from broker_client import (
     StreamExpired,
     StreamNotFound,
     TurnNotFound,
+    Unauthorized,
     backoff_delay,
 )
 from broker_client.__main__ import main
@@ -317,7 +319,9 @@ async def test_id_only_block_moves_the_resume_point() -> None:
         (400, "bad_offset", BadRequest),
         (404, "stream_not_found", StreamNotFound),
         (410, "stream_expired", StreamExpired),
-        (403, "forbidden", BrokerHTTPError),
+        (401, "bad_credentials", Unauthorized),
+        (403, "wrong_stream", Forbidden),
+        (418, "teapot", BrokerHTTPError),
     ],
 )
 async def test_client_errors_raise_at_once(

@@ -16,6 +16,8 @@ export interface AttachPolicy {
   maxDelay: number;
   /** Silence in ms after which a connection counts as dead (default 45000). */
   readTimeout: number;
+  /** A longer `Retry-After` (ms) ends `attach` with that error instead of waiting (default 60000). */
+  maxRetryAfter: number;
   /** Jitter source in [0, 1) (default Math.random). */
   random: () => number;
 }
@@ -40,6 +42,8 @@ export interface ReconnectInfo {
 export interface AttachOptions {
   /** Where to start when nothing was read yet: "-1" (the start, default), "now" or an event id. */
   offset?: string;
+  /** An attach token, sent as `?token=` instead of the client's API key. */
+  token?: string;
   signal?: AbortSignal;
   policy?: Partial<AttachPolicy>;
   stats?: Partial<AttachStats>;
@@ -69,13 +73,46 @@ export interface TurnInfo {
   [key: string]: unknown;
 }
 
+export interface AttachTokenOptions {
+  /** Lifetime in seconds (default: the broker's BROKER_ATTACH_TOKEN_TTL, capped by its maximum). */
+  ttlS?: number;
+  /** Admit one SSE connection at a time (a second one gets 409 `token_in_use`). */
+  oneViewer?: boolean;
+}
+
+export interface AttachTokenInfo {
+  /** The read-only credential: pass it as `token` to `attach`, `catchUp` or `streamUrl`. */
+  token: string;
+  turn_id: string;
+  stream_id: string;
+  /** Unix seconds. */
+  expires_at: number;
+  one_viewer: boolean;
+  links: { stream: string; [key: string]: string };
+  /** `links.stream` made absolute against the client's base URL (relative when that is ""). */
+  streamUrl: string;
+  [key: string]: unknown;
+}
+
+export interface BrokerClientOptions {
+  fetch?: typeof fetch;
+  headers?: Record<string, string>;
+  policy?: Partial<AttachPolicy>;
+  /** An API key, a JWT or an attach token, sent as `Authorization: Bearer ...` on every call. */
+  apiKey?: string | null;
+}
+
 export const EVENT_TYPES: readonly string[];
 export const DEFAULT_POLICY: Readonly<AttachPolicy>;
 
 export class BrokerHTTPError extends Error {
+  constructor(status: number, body: unknown, retryAfter?: number | null);
   status: number;
+  /** The broker's error code: `bad_credentials`, `token_expired`, `read_only`, `rate_limited`, ... */
   code: string | null;
   body: unknown;
+  /** Seconds of the answer's `Retry-After` header (429, 503), or null. */
+  retryAfter: number | null;
 }
 export class ReattachExhausted extends Error {
   failures: number;
@@ -89,21 +126,22 @@ export function backoffDelay(
 export function toBrokerEvent(sse: { id: string; event: string; data: string }): BrokerEvent;
 
 export class BrokerClient {
-  constructor(
-    baseUrl?: string,
-    options?: { fetch?: typeof fetch; headers?: Record<string, string>; policy?: Partial<AttachPolicy> },
-  );
+  constructor(baseUrl?: string, options?: BrokerClientOptions);
   baseUrl: string;
   headers: Record<string, string>;
   policy: AttachPolicy;
+  /** Sent as `Authorization: Bearer ...`; may be set or cleared at any time. */
+  apiKey: string | null;
   startTurn(options: StartTurnOptions): Promise<TurnInfo & { created: boolean }>;
   getTurn(turnId: string): Promise<Record<string, any>>;
   cancel(turnId: string): Promise<Record<string, any>>;
   retry(turnId: string, strategy: "continue" | "regenerate"): Promise<Record<string, any>>;
-  catchUp(streamId: string, offset?: string): Promise<{
+  mintAttachToken(turnId: string, options?: AttachTokenOptions): Promise<AttachTokenInfo>;
+  catchUp(streamId: string, offset?: string, options?: { token?: string }): Promise<{
     events: Array<Record<string, any>>; next_offset: string; up_to_date: boolean; closed: boolean;
   }>;
-  streamUrl(streamId: string, offset?: string): string;
+  /** The SSE URL of a stream, with `offset` and an attach `token` in the query. */
+  streamUrl(streamId: string, offset?: string | null, token?: string | null): string;
   attach(streamId: string, options?: AttachOptions): AsyncGenerator<BrokerEvent, void, undefined>;
 }
 
@@ -121,6 +159,8 @@ export function attachEventSource(
     onEnd?: (event: BrokerEvent | null) => void;
     onError?: (error: Event) => void;
     signal?: AbortSignal;
+    /** An attach token, added to the URL as `?token=` (EventSource sends no headers). */
+    token?: string | null;
     EventSource?: typeof EventSource;
   },
 ): EventSourceHandle;

@@ -3,6 +3,9 @@
 // `attach` is the resumable reader: it reconnects with `Last-Event-ID` after any failure, with
 // full-jitter backoff based on the server's `retry:` field, and stops once the turn is at rest
 // (a clean close right after an `end` event, or a 204 answer). The SSE parsing lives in sse.js.
+//
+// Credentials: `apiKey` goes out as `Authorization: Bearer ...` on every fetch; a stream read may
+// use an attach token instead (`token`), sent as `?token=` so that EventSource can use it too.
 
 import { SSEDecoder } from "./sse.js";
 
@@ -17,16 +20,35 @@ export const DEFAULT_POLICY = Object.freeze({
   baseDelay: 500, // backoff base when the server sent no `retry:`
   maxDelay: 15000, // backoff cap
   readTimeout: 45000, // silence (no bytes, not even a heartbeat) that counts as a dead connection
+  maxRetryAfter: 60000, // a longer Retry-After ends `attach` with that error instead of waiting
   random: Math.random, // jitter source, replaceable in tests
 });
 
-// Statuses describing a passing condition (restart, overload), worth waiting out.
+// Statuses describing a passing condition (restart, overload), worth waiting out. 401 and 403
+// are never among them: refused credentials do not get better by asking again.
 const RETRYABLE = new Set([408, 425, 429]);
 const isRetryable = (status) => status >= 500 || RETRYABLE.has(status);
 
-/** An error answer from the broker; `code` is the broker's error code when it sent one. */
+/** Seconds from a `Retry-After` header (delta-seconds or an HTTP date); null if unusable. */
+function parseRetryAfter(value) {
+  if (value == null || String(value).trim() === "") return null;
+  const text = String(value).trim();
+  let seconds = /^[+-]?(\d+\.?\d*|\.\d+)$/.test(text) ? Number(text) : NaN;
+  if (Number.isNaN(seconds)) {
+    const when = Date.parse(text);
+    if (Number.isNaN(when)) return null;
+    seconds = (when - Date.now()) / 1000;
+  }
+  return Number.isFinite(seconds) ? Math.max(0, seconds) : null;
+}
+
+/**
+ * An error answer from the broker; `code` is the broker's error code when it sent one
+ * (`bad_credentials`, `token_expired`, `read_only`, `token_in_use`, `rate_limited`, ...), and
+ * `retryAfter` the seconds of a `Retry-After` header (null without one).
+ */
 export class BrokerHTTPError extends Error {
-  constructor(status, body) {
+  constructor(status, body, retryAfter = null) {
     const error = body && typeof body === "object" ? body.error ?? body : null;
     const message = (error && error.message) || (typeof body === "string" && body) || "";
     super(`HTTP ${status}${message ? `: ${message}` : ""}`);
@@ -34,7 +56,15 @@ export class BrokerHTTPError extends Error {
     this.status = status;
     this.code = (error && error.code) || null;
     this.body = body;
+    this.retryAfter = retryAfter;
   }
+}
+
+async function httpError(response) {
+  const body = await readBody(response);
+  return new BrokerHTTPError(
+    response.status, body, parseRetryAfter(response.headers?.get?.("retry-after")),
+  );
 }
 
 /** `attach` gave up after too many consecutive failed connections. */
@@ -101,16 +131,33 @@ async function readBody(response) {
 
 const enc = encodeURIComponent;
 
+const withQuery = (url, params) => {
+  const query = Object.entries(params)
+    .filter(([, value]) => value != null)
+    .map(([key, value]) => `${key}=${enc(value)}`)
+    .join("&");
+  return query ? `${url}${url.includes("?") ? "&" : "?"}${query}` : url;
+};
+
 export class BrokerClient {
   /**
    * @param {string} [baseUrl] the broker's origin; "" means the page's own origin
-   * @param {{fetch?: typeof fetch, headers?: Record<string, string>, policy?: object}} [options]
+   * @param {{fetch?: typeof fetch, headers?: Record<string, string>, policy?: object,
+   *   apiKey?: string | null}} [options] `apiKey` (an API key, a JWT or an attach token) is sent
+   *   as `Authorization: Bearer ...` on every call; it may be changed later on the instance.
    */
-  constructor(baseUrl = "", { fetch: fetchImpl, headers = {}, policy = {} } = {}) {
+  constructor(baseUrl = "", { fetch: fetchImpl, headers = {}, policy = {}, apiKey = null } = {}) {
     this.baseUrl = baseUrl.replace(/\/+$/, "");
     this.headers = { ...headers };
     this.policy = { ...DEFAULT_POLICY, ...policy };
+    this.apiKey = apiKey || null;
     this._fetch = fetchImpl ?? ((...args) => globalThis.fetch(...args));
+  }
+
+  // The credential of one call: an attach token travels alone in the query (the broker prefers
+  // it anyway, and the key has no business going along); otherwise the API key, if any.
+  _auth(token) {
+    return token == null && this.apiKey ? { Authorization: `Bearer ${this.apiKey}` } : {};
   }
 
   /** Start a turn (POST /v1/turns). With a `turnId` it is idempotent: `created` tells. */
@@ -142,29 +189,48 @@ export class BrokerClient {
     return (await this._json("POST", `/v1/turns/${enc(turnId)}/attempts`, { strategy })).data;
   }
 
-  /** One JSON page of events after `offset`, for clients that poll. */
-  async catchUp(streamId, offset = "-1") {
-    const path = `/v1/streams/${enc(streamId)}?format=json&offset=${enc(offset)}`;
-    return (await this._json("GET", path)).data;
+  /**
+   * Mint a read-only attach token for a turn's stream (POST /v1/turns/{id}/attach-tokens).
+   * Returns the broker's answer plus `streamUrl`, the absolute stream URL with `?token=`.
+   */
+  async mintAttachToken(turnId, { ttlS, oneViewer = false } = {}) {
+    const body = { one_viewer: Boolean(oneViewer) };
+    if (ttlS != null) body.ttl_s = ttlS;
+    const path = `/v1/turns/${enc(turnId)}/attach-tokens`;
+    const { data } = await this._json("POST", path, body);
+    const link = data?.links?.stream ?? this.streamUrl(data.stream_id, null, data.token);
+    return { ...data, streamUrl: /^[a-z]+:\/\//i.test(link) ? link : this.baseUrl + link };
   }
 
-  /** The SSE URL of a stream; `offset` goes in the query (for EventSource, which sets no headers). */
-  streamUrl(streamId, offset) {
-    const query = offset != null ? `?offset=${enc(offset)}` : "";
-    return `${this.baseUrl}/v1/streams/${enc(streamId)}${query}`;
+  /** One JSON page of events after `offset`, for clients that poll; `token`: an attach token. */
+  async catchUp(streamId, offset = "-1", { token } = {}) {
+    const path = withQuery(`/v1/streams/${enc(streamId)}`, { format: "json", offset, token });
+    return (await this._json("GET", path, undefined, token)).data;
+  }
+
+  /**
+   * The SSE URL of a stream. `offset` and `token` (an attach token) go in the query, for
+   * EventSource, which sets no headers.
+   */
+  streamUrl(streamId, offset, token) {
+    return withQuery(`${this.baseUrl}/v1/streams/${enc(streamId)}`, { offset, token });
   }
 
   /**
    * Follow a stream from `offset` until the turn is at rest, reconnecting as needed.
    * Yields `{id, type, data, attempt}` once each, in id order. Returns when a response closes
    * cleanly after an `end` event, on a 204, or when `signal` aborts. Throws BrokerHTTPError on a
-   * non-retryable status (400, 404, 410), ReattachExhausted after too many failures in a row.
+   * non-retryable status (400, 401, 403, 404, 410; 409 `token_in_use` on the first connection,
+   * waited out on a reconnect, when our own cut connection may still hold the token), and
+   * ReattachExhausted after too many failures in a row. A `Retry-After` (429, 503) is waited out
+   * (a 429 without one waits at least the base delay); one beyond `policy.maxRetryAfter` throws.
+   * `token` (an attach token) is sent as `?token=` instead of the API key.
    *
    * `onConnect(drop)` is called for each connection with a function that cuts that connection
    * only (a simulated network failure: the reader reattaches). `stats` is updated in place.
    */
   async *attach(streamId, options = {}) {
-    const { offset = "-1", signal, onReconnect, onConnect } = options;
+    const { offset = "-1", signal, onReconnect, onConnect, token } = options;
     const policy = { ...this.policy, ...options.policy };
     const stats = Object.assign(options.stats ?? {}, {
       reconnects: 0, failures: 0, events: 0, duplicates: 0, heartbeats: 0, lastEventId: null,
@@ -173,6 +239,7 @@ export class BrokerClient {
     let lastId = null;
     let lastType = null;
     let retryBase = null;
+    let connected = false;
     const advance = (id) => {
       lastId = stats.lastEventId = id;
       stats.failures = 0; // progress: the broker is up and serving this stream
@@ -185,23 +252,32 @@ export class BrokerClient {
       signal?.addEventListener("abort", onAbort, { once: true });
       onConnect?.(() => conn.abort(new DOMException("connection dropped", "AbortError")));
       let failure;
+      let leastWait = 0;
       try {
-        const headers = { ...this.headers, Accept: "text/event-stream" };
+        const headers = { ...this.headers, ...this._auth(token), Accept: "text/event-stream" };
         let query = offset;
         if (lastId !== null) {
           // The broker prefers Last-Event-ID; the query says the same to anything that only
           // reads the URL.
           query = headers["Last-Event-ID"] = lastId;
         }
-        const response = await this._fetch(`${url}?offset=${enc(query)}`, {
+        const response = await this._fetch(withQuery(url, { offset: query, token }), {
           headers, signal: conn.signal, cache: "no-store",
         });
         if (response.status === 204) return; // at rest, nothing after our position
         if (response.status !== 200) {
-          const error = new BrokerHTTPError(response.status, await readBody(response));
-          if (!isRetryable(response.status)) throw error;
+          const error = await httpError(response);
+          // A one-viewer token's lock outlives a cut connection by a moment (until the broker
+          // notices the disconnect): after our own drop, that 409 is waited out.
+          const lingering = connected && error.status === 409 && error.code === "token_in_use";
+          if (!isRetryable(error.status) && !lingering) throw error;
+          const floor = error.status === 429 || lingering
+            ? Math.max(retryBase ?? 0, policy.baseDelay) : 0;
+          leastWait = error.retryAfter != null ? error.retryAfter * 1000 : floor;
+          if (leastWait > policy.maxRetryAfter) throw error;
           failure = error;
         } else {
+          connected = true;
           const type = (response.headers.get("content-type") ?? "").split(";")[0].trim();
           if (type.toLowerCase() !== "text/event-stream") {
             throw new ProtocolError(`expected text/event-stream, got ${type || "nothing"}`);
@@ -264,23 +340,25 @@ export class BrokerClient {
       stats.lastError = failure;
       if (stats.failures > policy.maxRetries) throw new ReattachExhausted(stats.failures, failure);
       const base = retryBase ?? policy.baseDelay;
-      const delay = backoffDelay(stats.failures, base, policy.maxDelay, policy.random);
+      const delay = Math.max(
+        backoffDelay(stats.failures, base, policy.maxDelay, policy.random), leastWait,
+      );
       stats.reconnects += 1;
       onReconnect?.({ failures: stats.failures, delay, error: failure, lastEventId: lastId });
       if (await sleep(delay, signal)) return;
     }
   }
 
-  async _json(method, path, body) {
-    const init = { method, headers: { ...this.headers, Accept: "application/json" } };
+  async _json(method, path, body, token) {
+    const headers = { ...this.headers, ...this._auth(token), Accept: "application/json" };
+    const init = { method, headers };
     if (body !== undefined) {
       init.headers["Content-Type"] = "application/json";
       init.body = JSON.stringify(body);
     }
     const response = await this._fetch(this.baseUrl + path, init);
-    const data = await readBody(response);
-    if (response.status >= 400) throw new BrokerHTTPError(response.status, data);
-    return { data, status: response.status };
+    if (response.status >= 400) throw await httpError(response);
+    return { data: await readBody(response), status: response.status };
   }
 }
 
@@ -288,11 +366,15 @@ export class BrokerClient {
  * Follow a stream with the browser's native EventSource, for pages that need no custom headers.
  * EventSource resends Last-Event-ID on its own reconnects; this closes it after an `end` event
  * (the turn is at rest) or when `signal` aborts, and drops replays of events already delivered.
- * To follow a later attempt, call again with `offset` set to the last id seen.
+ * To follow a later attempt, call again with `offset` set to the last id seen. `token` (an attach
+ * token) is added to the URL as `?token=`: EventSource cannot send an Authorization header. A
+ * refused token (401, 403) makes the browser close the source for good: `onEnd(null)` follows.
  */
-export function attachEventSource(url, { onEvent, onEnd, onError, signal, EventSource: ES } = {}) {
+export function attachEventSource(
+  url, { onEvent, onEnd, onError, signal, token, EventSource: ES } = {},
+) {
   const Impl = ES ?? globalThis.EventSource;
-  const source = new Impl(url);
+  const source = new Impl(token != null ? withQuery(url, { token }) : url);
   const handle = {
     source,
     lastEventId: null,

@@ -2,6 +2,8 @@
 
 `BrokerClient.attach` yields a turn's events over SSE and reconnects by itself from the last event
 id when the connection or the broker goes away; `TurnText` folds those events into text.
+`BrokerClient(api_key=...)` talks to a broker that needs credentials, and `mint_attach_token`
+hands out read-only access to one turn's stream.
 """
 
 from .assemble import TurnText
@@ -12,16 +14,19 @@ from .errors import (
     BrokerConnectionError,
     BrokerHTTPError,
     Conflict,
+    Forbidden,
     NotFound,
     ProtocolError,
+    RateLimited,
     ReattachExhausted,
     ResponseEnded,
     ServerError,
     StreamExpired,
     StreamNotFound,
     TurnNotFound,
+    Unauthorized,
 )
-from .models import Event, Page, Turn
+from .models import AttachToken, Event, Page, Turn
 from .sse import ServerSentEvent, SSEDecoder, decode_all
 
 __version__ = "0.1.0"
@@ -29,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttachPolicy",
     "AttachStats",
+    "AttachToken",
     "BadRequest",
     "BrokerClient",
     "BrokerClientError",
@@ -36,9 +42,11 @@ __all__ = [
     "BrokerHTTPError",
     "Conflict",
     "Event",
+    "Forbidden",
     "NotFound",
     "Page",
     "ProtocolError",
+    "RateLimited",
     "ReattachExhausted",
     "ReconnectInfo",
     "ResponseEnded",
@@ -50,6 +58,7 @@ __all__ = [
     "Turn",
     "TurnNotFound",
     "TurnText",
+    "Unauthorized",
     "__version__",
     "backoff_delay",
     "decode_all",

@@ -1,7 +1,8 @@
-"""Command line: `python -m broker_client tail STREAM_ID` and `python -m broker_client start ...`.
+"""Command line: `python -m broker_client tail STREAM_ID`, `start ...` and `share TURN_ID`.
 
 Exit codes: 0 when the turn ended `complete`, 1 when it ended any other way, 2 on errors (bad
-arguments, unknown or expired stream, broker unreachable for too long), 130 on Ctrl-C.
+arguments, refused credentials, unknown or expired stream, broker unreachable for too long), 130
+on Ctrl-C. `--api-key` (default `$BROKER_API_KEY`) is sent as a bearer credential.
 """
 
 from __future__ import annotations
@@ -70,12 +71,16 @@ async def tail(
     stream_id: str,
     *,
     offset: str = "-1",
+    token: str | None = None,
     policy: AttachPolicy | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
     quiet: bool = False,
 ) -> int:
-    """Print a stream's delta text live until the turn is at rest; return the exit code."""
+    """Print a stream's delta text live until the turn is at rest; return the exit code.
+
+    `token` is an attach token to read with instead of the client's credential.
+    """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     console = _Console(out, err, quiet=quiet)
@@ -87,7 +92,7 @@ async def tail(
         )
 
     async for event in client.attach(
-        stream_id, offset=offset, policy=policy, on_reconnect=on_reconnect
+        stream_id, offset=offset, token=token, policy=policy, on_reconnect=on_reconnect
     ):
         assembled.feed(event)
         if event.type == "delta":
@@ -124,6 +129,10 @@ def _build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("BROKER_URL", _DEFAULT_URL),
         help=f"broker base URL (default: $BROKER_URL or {_DEFAULT_URL})",
     )
+    common.add_argument(
+        "--api-key",
+        help="API key or JWT sent as 'Authorization: Bearer ...' (default: $BROKER_API_KEY)",
+    )
     common.add_argument("-q", "--quiet", action="store_true", help="no notes on stderr")
     common.add_argument(
         "--max-retries",
@@ -150,6 +159,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tail_cmd.add_argument(
         "--offset", default="-1", help="'-1' from the start, 'now' for new events only, or an id"
     )
+    tail_cmd.add_argument("--token", help="an attach token: read with it instead of a key")
 
     start_cmd = commands.add_parser(
         "start", parents=[common], help="start a turn with one user message and print its JSON"
@@ -161,17 +171,49 @@ def _build_parser() -> argparse.ArgumentParser:
     start_cmd.add_argument("--model")
     start_cmd.add_argument("--system", help="system message placed before the prompt")
     start_cmd.add_argument("--tail", action="store_true", help="then follow the turn's stream")
+
+    share_cmd = commands.add_parser(
+        "share",
+        parents=[common],
+        help="mint a read-only attach token for a turn's stream and print it as JSON",
+    )
+    share_cmd.add_argument("turn_id")
+    share_cmd.add_argument("--ttl", type=float, help="lifetime in seconds (default: the broker's)")
+    share_cmd.add_argument(
+        "--one-viewer", action="store_true", help="admit one connection at a time"
+    )
     return parser
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    key: str | None = args.api_key or os.environ.get("BROKER_API_KEY") or None
+    return key
 
 
 async def _run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None) -> int:
     policy = AttachPolicy(max_retries=args.max_retries, read_timeout=args.read_timeout)
     async with (
         httpx.AsyncClient(transport=transport) as http,
-        BrokerClient(args.url, http=http, policy=policy) as client,
+        BrokerClient(args.url, http=http, policy=policy, api_key=_api_key(args)) as client,
     ):
         if args.command == "tail":
-            return await tail(client, args.stream_id, offset=args.offset, quiet=args.quiet)
+            return await tail(
+                client, args.stream_id, offset=args.offset, token=args.token, quiet=args.quiet
+            )
+        if args.command == "share":
+            minted = await client.mint_attach_token(
+                args.turn_id, ttl_s=args.ttl, one_viewer=args.one_viewer
+            )
+            shared = {
+                "token": minted.token,
+                "turn_id": minted.turn_id,
+                "stream_id": minted.stream_id,
+                "expires_at": minted.expires_at,
+                "one_viewer": minted.one_viewer,
+                "stream_url": minted.stream_url,
+            }
+            print(json.dumps(shared, indent=2), flush=True)
+            return 0
         messages = [{"role": "user", "content": args.prompt}]
         if args.system:
             messages.insert(0, {"role": "system", "content": args.system})
@@ -192,7 +234,11 @@ def main(
     argv: Sequence[str] | None = None, *, transport: httpx.AsyncBaseTransport | None = None
 ) -> int:
     """Run the command line; `transport` lets tests serve the broker from memory."""
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    key = _api_key(args)
+    if key is not None and (not key.strip() or any(c in key for c in "\r\n")):
+        parser.error("the API key must be one non-empty line")
     try:
         return asyncio.run(_run(args, transport))
     except KeyboardInterrupt:

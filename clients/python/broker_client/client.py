@@ -16,6 +16,7 @@ import httpx
 from .errors import (
     BrokerConnectionError,
     BrokerHTTPError,
+    Conflict,
     NotFound,
     ProtocolError,
     ReattachExhausted,
@@ -23,8 +24,9 @@ from .errors import (
     StreamNotFound,
     TurnNotFound,
     error_from_response,
+    parse_retry_after,
 )
-from .models import Event, Page, Turn
+from .models import AttachToken, Event, Page, Turn
 from .sse import SSEDecoder
 
 __all__ = [
@@ -36,7 +38,8 @@ __all__ = [
 ]
 
 # Statuses that describe a passing condition (broker restarting, Redis down, overload) rather than
-# a wrong request, so `attach` waits and tries again.
+# a wrong request, so `attach` waits and tries again. 401 and 403 are never among them: refused
+# credentials do not get better by asking again.
 _RETRYABLE_STATUSES = frozenset({408, 425, 429})
 
 
@@ -48,8 +51,10 @@ class AttachPolicy:
     new event or heartbeat resets the count. `max_reconnect_time`, if set, also bounds the seconds
     spent in one such run of failures. Before the n-th consecutive retry `attach` sleeps
     uniform(0, min(max_delay, base * 2**(n-1))) (full jitter), where base is the server's `retry:`
-    field when it sent one, else `base_delay`. `read_timeout` must exceed the server's heartbeat
-    interval (15 s) so that only dead connections time out.
+    field when it sent one, else `base_delay`. A `Retry-After` answer (429, 503) makes the wait
+    at least that long, and a 429 without one waits at least the base; a `Retry-After` beyond
+    `max_retry_after` seconds ends `attach` with that error instead. `read_timeout` must exceed
+    the server's heartbeat interval (15 s) so that only dead connections time out.
     """
 
     max_retries: int = 8
@@ -58,6 +63,7 @@ class AttachPolicy:
     max_reconnect_time: float | None = None
     read_timeout: float = 45.0
     connect_timeout: float = 10.0
+    max_retry_after: float = 60.0
 
 
 @dataclass(slots=True)
@@ -94,11 +100,13 @@ def backoff_delay(
 
 
 class _Retry(Exception):
-    """Internal: carries a retryable HTTP error out of the response context."""
+    """Internal: carries a retryable HTTP error, and the least wait before retrying, out of the
+    response context."""
 
-    def __init__(self, error: BrokerHTTPError) -> None:
+    def __init__(self, error: BrokerHTTPError, wait: float) -> None:
         super().__init__(str(error))
         self.error = error
+        self.wait = wait
 
 
 class _ChunkReader:
@@ -177,6 +185,24 @@ def _is_retryable_status(status: int) -> bool:
     return status >= 500 or status in _RETRYABLE_STATUSES
 
 
+def _reattach_may_retry(error: BrokerHTTPError, connected: bool) -> bool:
+    """Whether `attach` waits and reconnects after this answer instead of raising it."""
+    if _is_retryable_status(error.status):
+        return True
+    # A one-viewer token's lock outlives a cut connection by a moment: the broker releases it
+    # once it notices the disconnect. Our own earlier connection is then the viewer in the way.
+    return connected and isinstance(error, Conflict) and error.code == "token_in_use"
+
+
+def _least_wait(response: httpx.Response, base: float) -> float:
+    """How long to stay away at least: `Retry-After`, else the base for a 429 or a 409 (whose
+    waits should not be shortened to nothing by the jitter), else nothing."""
+    retry_after = parse_retry_after(response.headers.get("retry-after"))
+    if retry_after is not None:
+        return retry_after
+    return base if response.status_code in (409, 429) else 0.0
+
+
 class _Cursor:
     """Where `attach` stands in a stream, carried from one connection to the next."""
 
@@ -238,9 +264,10 @@ class _Cursor:
 class BrokerClient:
     """Client for one broker, usable as an async context manager.
 
-    Pass `http` to share an `httpx.AsyncClient` (connection pool, transport, auth); the caller then
-    owns it and `aclose` leaves it open. `timeout` applies to the one-shot requests; stream reads
-    use the policy's `read_timeout` instead.
+    `api_key` is sent as `Authorization: Bearer <api_key>` on every call: an API key, a JWT, or
+    an attach token (which can only read its stream). Pass `http` to share an `httpx.AsyncClient`
+    (connection pool, transport, auth); the caller then owns it and `aclose` leaves it open.
+    `timeout` applies to the one-shot requests; stream reads use the policy's `read_timeout`.
     """
 
     def __init__(
@@ -251,11 +278,19 @@ class BrokerClient:
         policy: AttachPolicy | None = None,
         timeout: float = 30.0,
         headers: Mapping[str, str] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.policy = policy if policy is not None else AttachPolicy()
         self._timeout = timeout
         self._headers = dict(headers or {})
+        self._auth: dict[str, str] = {}
+        if api_key is not None:
+            if not api_key.strip() or any(c in api_key for c in "\r\n"):
+                raise ValueError("api_key must be a non-empty single-line string")
+            if any(name.lower() == "authorization" for name in self._headers):
+                raise ValueError("pass the credential as api_key or as a header, not both")
+            self._auth = {"Authorization": f"Bearer {api_key.strip()}"}
         self._owns_http = http is None
         self._http = http if http is not None else httpx.AsyncClient(timeout=timeout)
 
@@ -323,13 +358,38 @@ class BrokerClient:
             raise ProtocolError(f"turn answer is not a JSON object: {raw!r}")
         return raw
 
-    async def catch_up(self, stream_id: str, offset: str = "-1") -> Page:
-        """Fetch the events after `offset` as one JSON page, for clients that poll."""
+    async def mint_attach_token(
+        self, turn_id: str, ttl_s: float | None = None, one_viewer: bool = False
+    ) -> AttachToken:
+        """Mint a read-only token for a turn's stream (POST /v1/turns/{turn_id}/attach-tokens).
+
+        `ttl_s` defaults to the broker's `BROKER_ATTACH_TOKEN_TTL` and is capped at its
+        `BROKER_ATTACH_TOKEN_MAX_TTL`; with `one_viewer` the token admits one SSE connection at a
+        time. Raises `TurnNotFound` on 404 and `Forbidden` (`read_only`) for an attach token.
+        """
+        body: dict[str, Any] = {"one_viewer": one_viewer}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
         response = await self._request(
-            "GET",
-            _stream_path(stream_id),
-            params={"format": "json", "offset": offset},
-            not_found=StreamNotFound,
+            "POST",
+            f"/v1/turns/{quote(turn_id, safe='')}/attach-tokens",
+            json=body,
+            not_found=TurnNotFound,
+        )
+        return AttachToken.from_json(_json_body(response), base_url=self.base_url, turn_id=turn_id)
+
+    async def catch_up(
+        self, stream_id: str, offset: str = "-1", *, token: str | None = None
+    ) -> Page:
+        """Fetch the events after `offset` as one JSON page, for clients that poll.
+
+        `token` (an attach token) is sent as `?token=` instead of the client's credential.
+        """
+        params = {"format": "json", "offset": offset}
+        if token is not None:
+            params["token"] = token
+        response = await self._request(
+            "GET", _stream_path(stream_id), params=params, not_found=StreamNotFound, token=token
         )
         return Page.from_json(_json_body(response))
 
@@ -338,6 +398,7 @@ class BrokerClient:
         stream_id: str,
         *,
         offset: str = "-1",
+        token: str | None = None,
         policy: AttachPolicy | None = None,
         stop: asyncio.Event | None = None,
         stats: AttachStats | None = None,
@@ -350,9 +411,13 @@ class BrokerClient:
         204 (the turn is at rest and nothing follows the resume point), or when `stop` is set.
         Any other way a response finishes (transport or read error, read timeout, a close without
         a final `end`, a 5xx/408/429 answer, an unreachable broker) leads to a reconnect from the
-        last event id after a jittered backoff; too many consecutive failures raise
-        `ReattachExhausted`. 400, 404 and 410 raise `BadRequest`, `StreamNotFound` and
-        `StreamExpired` at once. Events are yielded once each, in id order.
+        last event id after a jittered backoff, never shorter than a `Retry-After`; too many
+        consecutive failures raise `ReattachExhausted`. 400, 401, 403, 404 and 410 raise
+        `BadRequest`, `Unauthorized`, `Forbidden`, `StreamNotFound` and `StreamExpired` at once;
+        409 `token_in_use` (a one-viewer token) raises `Conflict` on the first connection and is
+        waited out on a reconnect. Events are yielded once each, in id order.
+
+        `token` (an attach token) is sent as `?token=` instead of the client's credential.
         """
         policy = policy if policy is not None else self.policy
         stats = stats if stats is not None else AttachStats()
@@ -363,18 +428,22 @@ class BrokerClient:
         )
         loop = asyncio.get_running_loop()
         streak_started: float | None = None
+        connected = False
 
         while True:
             if stop is not None and stop.is_set():
                 return
             cursor.progressed = False
-            headers = {**self._headers, "Accept": "text/event-stream"}
+            headers = {**self._headers, **self._credential(token), "Accept": "text/event-stream"}
             params = {"offset": offset}
+            if token is not None:
+                params["token"] = token
             if cursor.last_id is not None:
                 # The broker prefers Last-Event-ID; the offset says the same for any proxy or
                 # server version that only reads the query string.
                 params["offset"] = headers["Last-Event-ID"] = cursor.last_id
             failure: BaseException
+            least_wait = 0.0
             try:
                 async with self._http.stream(
                     "GET", url, params=params, headers=headers, timeout=timeout
@@ -383,11 +452,16 @@ class BrokerClient:
                         return  # the turn is at rest and nothing follows our position
                     if response.status_code != 200:
                         error = error_from_response(
-                            response.status_code, await response.aread(), not_found=StreamNotFound
+                            response.status_code,
+                            await response.aread(),
+                            not_found=StreamNotFound,
+                            headers=response.headers,
                         )
-                        if _is_retryable_status(response.status_code):
-                            raise _Retry(error)
+                        if _reattach_may_retry(error, connected):
+                            base = max(cursor.retry_base or 0.0, policy.base_delay)
+                            raise _Retry(error, _least_wait(response, base))
                         raise error
+                    connected = True
                     _check_event_stream(response)
                     async with contextlib.aclosing(cursor.read(response, stop)) as events:
                         async for event in events:
@@ -401,6 +475,9 @@ class BrokerClient:
                 failure = ResponseEnded(f"stream {stream_id!r} response ended before the turn did")
             except _Retry as retry:
                 failure = retry.error
+                least_wait = retry.wait
+                if least_wait > policy.max_retry_after:
+                    raise retry.error from None
             except httpx.UnsupportedProtocol:
                 # A bad URL scheme will not fix itself.
                 raise
@@ -420,7 +497,7 @@ class BrokerClient:
             ):
                 raise ReattachExhausted(stats.failures, failure) from failure
             base = cursor.retry_base if cursor.retry_base is not None else policy.base_delay
-            delay = backoff_delay(stats.failures, base, policy.max_delay)
+            delay = max(backoff_delay(stats.failures, base, policy.max_delay), least_wait)
             stats.reconnects += 1
             if on_reconnect is not None:
                 on_reconnect(ReconnectInfo(stats.failures, delay, failure, cursor.last_id))
@@ -430,6 +507,11 @@ class BrokerClient:
     def _url(self, path: str) -> str:
         return self.base_url + path
 
+    def _credential(self, token: str | None) -> dict[str, str]:
+        # A read with an attach token sends the token alone: the broker prefers it anyway, and
+        # the API key has no business travelling along with a link someone may share.
+        return {} if token is not None else self._auth
+
     async def _request(
         self,
         method: str,
@@ -438,20 +520,28 @@ class BrokerClient:
         json: Any = None,
         params: Mapping[str, str] | None = None,
         not_found: type[NotFound] = NotFound,
+        token: str | None = None,
     ) -> httpx.Response:
+        headers = {**self._headers, **self._credential(token), "Accept": "application/json"}
         try:
             response = await self._http.request(
                 method,
                 self._url(path),
                 json=json,
                 params=params,
-                headers={**self._headers, "Accept": "application/json"},
+                headers=headers,
                 timeout=self._timeout,
             )
         except httpx.TransportError as exc:
+            # The path holds no query string, so the message never shows a `?token=`.
             raise BrokerConnectionError(f"{method} {path}: {exc!r}") from exc
         if response.status_code >= 400:
-            raise error_from_response(response.status_code, response.content, not_found=not_found)
+            raise error_from_response(
+                response.status_code,
+                response.content,
+                not_found=not_found,
+                headers=response.headers,
+            )
         return response
 
 

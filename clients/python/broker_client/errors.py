@@ -1,8 +1,32 @@
-"""Exceptions raised by the broker client; all derive from `BrokerClientError`."""
+"""Exceptions raised by the broker client; all derive from `BrokerClientError`.
+
+```
+BrokerClientError
+├── ProtocolError
+├── BrokerConnectionError
+├── ResponseEnded
+├── ReattachExhausted
+└── BrokerHTTPError            (status, code, message, body)
+    ├── BadRequest             400, 422
+    ├── Unauthorized           401: bad_credentials, bad_token, token_expired, ...
+    ├── Forbidden              403: read_only, wrong_stream, sse_only
+    ├── NotFound               404
+    │   ├── StreamNotFound
+    │   └── TurnNotFound
+    ├── Conflict               409: turn_conflict, turn_busy, token_in_use, ...
+    ├── StreamExpired          410
+    ├── RateLimited            429: rate_limited, too_many_streams (retry_after)
+    └── ServerError            5xx
+```
+"""
 
 from __future__ import annotations
 
+import email.utils
 import json
+import math
+import time
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
@@ -11,15 +35,19 @@ __all__ = [
     "BrokerConnectionError",
     "BrokerHTTPError",
     "Conflict",
+    "Forbidden",
     "NotFound",
     "ProtocolError",
+    "RateLimited",
     "ReattachExhausted",
     "ResponseEnded",
     "ServerError",
     "StreamExpired",
     "StreamNotFound",
     "TurnNotFound",
+    "Unauthorized",
     "error_from_response",
+    "parse_retry_after",
 ]
 
 
@@ -58,6 +86,14 @@ class BadRequest(BrokerHTTPError):
     """400 (or 422): the request was malformed, e.g. an invalid offset."""
 
 
+class Unauthorized(BrokerHTTPError):
+    """401: credentials missing or refused (`bad_credentials`, `bad_token`, `token_expired`)."""
+
+
+class Forbidden(BrokerHTTPError):
+    """403: an attach token used beyond its scope (`read_only`, `wrong_stream`, `sse_only`)."""
+
+
 class NotFound(BrokerHTTPError):
     """404 for any resource."""
 
@@ -78,6 +114,25 @@ class StreamExpired(BrokerHTTPError):
     """410: the stream existed but its retention has passed."""
 
 
+class RateLimited(BrokerHTTPError):
+    """429: a tenant limit (`rate_limited`, `too_many_streams`); nothing was created.
+
+    `retry_after` is the server's `Retry-After` in seconds, or None when it sent none.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        body: Any = None,
+        *,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(status, code, message, body)
+        self.retry_after = retry_after
+
+
 class ServerError(BrokerHTTPError):
     """5xx: the broker or its Redis is failing; `attach` retries these by itself."""
 
@@ -96,6 +151,8 @@ class ReattachExhausted(BrokerClientError):
 
 _BY_STATUS: dict[int, type[BrokerHTTPError]] = {
     400: BadRequest,
+    401: Unauthorized,
+    403: Forbidden,
     409: Conflict,
     410: StreamExpired,
     # FastAPI reports body validation failures as 422; to a caller that is the same mistake as 400.
@@ -103,10 +160,32 @@ _BY_STATUS: dict[int, type[BrokerHTTPError]] = {
 }
 
 
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a `Retry-After` header (delta-seconds or an HTTP date); None if unusable."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = when.timestamp() - time.time()
+    if not math.isfinite(seconds):
+        return None
+    return max(0.0, seconds)
+
+
 def error_from_response(
-    status: int, body: bytes, *, not_found: type[NotFound] = NotFound
+    status: int,
+    body: bytes,
+    *,
+    not_found: type[NotFound] = NotFound,
+    headers: Mapping[str, str] | None = None,
 ) -> BrokerHTTPError:
-    """Build the exception that matches an error response's status and body."""
+    """Build the exception that matches an error response's status, body and headers."""
     parsed: Any = None
     code = f"http_{status}"
     message = body[:500].decode("utf-8", errors="replace").strip()
@@ -121,10 +200,14 @@ def error_from_response(
             message = str(error.get("message") or message)
         elif "detail" in parsed:
             message = str(parsed["detail"])
+    message = message or f"HTTP {status}"
+    if status == 429:
+        retry_after = parse_retry_after((headers or {}).get("retry-after"))
+        return RateLimited(status, code, message, parsed, retry_after=retry_after)
     if status == 404:
         cls: type[BrokerHTTPError] = not_found
     elif status >= 500:
         cls = ServerError
     else:
         cls = _BY_STATUS.get(status, BrokerHTTPError)
-    return cls(status, code, message or f"HTTP {status}", parsed)
+    return cls(status, code, message, parsed)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from .errors import ProtocolError
 
-__all__ = ["Event", "Page", "Turn"]
+__all__ = ["AttachToken", "Event", "Page", "Turn"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,5 +120,49 @@ class Turn:
             status=status if isinstance(status, str) else "",
             attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else 0,
             created=created,
+            raw=raw,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AttachToken:
+    """A read-only credential for one turn's stream, minted by `BrokerClient.mint_attach_token`.
+
+    Pass `token` to `attach(..., token=...)` or `catch_up(..., token=...)`, or hand `stream_url`
+    (absolute, with `?token=`) to a reader that cannot send headers. `expires_at` is in unix
+    seconds. The token and the URL are left out of `repr`: they are credentials.
+    """
+
+    token: str = field(repr=False)
+    turn_id: str
+    stream_id: str
+    expires_at: int
+    one_viewer: bool
+    stream_url: str = field(repr=False)
+    raw: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_json(cls, raw: Any, *, base_url: str, turn_id: str) -> AttachToken:
+        """Parse the broker's answer; `links.stream` is made absolute against `base_url`."""
+        if not isinstance(raw, dict):
+            raise ProtocolError("attach token answer is not a JSON object")
+        token, stream_id = raw.get("token"), raw.get("stream_id")
+        expires_at = raw.get("expires_at")
+        if not isinstance(token, str) or not token or not isinstance(stream_id, str):
+            raise ProtocolError("attach token answer lacks token or stream_id")
+        if not isinstance(expires_at, int | float) or isinstance(expires_at, bool):
+            raise ProtocolError("attach token answer lacks expires_at")
+        links = raw.get("links")
+        link = links.get("stream") if isinstance(links, dict) else None
+        if not isinstance(link, str) or not link:
+            link = f"/v1/streams/{quote(stream_id, safe='')}?token={quote(token, safe='')}"
+        answered_turn = raw.get("turn_id")
+        return cls(
+            token=token,
+            turn_id=answered_turn if isinstance(answered_turn, str) else turn_id,
+            stream_id=stream_id,
+            expires_at=int(expires_at),
+            one_viewer=bool(raw.get("one_viewer", False)),
+            stream_url=link if "://" in link else base_url.rstrip("/") + link,
             raw=raw,
         )
