@@ -1,9 +1,10 @@
-"""A tenant's limits on starting work: a token bucket for new turns, a cap on live streams.
+"""A tenant's limits on starting work: a token bucket for generations, a cap on live streams.
 
 Both live in one Lua script on the tenant's keys (``admit_turn``), so every API process shares
-them. A live stream is a turn queued or generating; it stops counting when the worker finds the
-turn at rest, or when its deadline passes (a crashed process cannot hold a slot for ever: the
-worker running the turn refreshes the deadline with each lease heartbeat).
+them. Every generation is charged: a new turn, and each ``continue`` or ``regenerate`` attempt.
+A live stream is an attempt queued or generating; its slot is freed when the attempt ends, or
+when its deadline passes (a crashed process cannot hold a slot for ever; the worker running the
+attempt pushes the deadline forward).
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ from broker.settings import Settings
 
 log = logging.getLogger("broker.admission")
 
-LIVE_SLOT_TTL_MS = 600_000
+# A slot counts until its attempt ends, or until its deadline: long enough to wait in a queue,
+# pushed forward while the attempt runs, and short enough that a lost slot comes back.
+QUEUED_SLOT_TTL_MS = 3_600_000
+RUNNING_SLOT_TTL_MS = 600_000
 ACTIVE_STATUSES = frozenset({"queued", "streaming"})
 
 
-def member(conversation_id: str, turn_id: str) -> str:
-    return f"{conversation_id} {turn_id}"
+def member(conversation_id: str, turn_id: str, attempt: int) -> str:
+    """A slot is one attempt's: freeing it can never free a newer attempt of the same turn."""
+    return f"{conversation_id} {turn_id} {attempt}"
 
 
 class Admission:
@@ -48,8 +53,8 @@ class Admission:
     def counts_streams(self) -> bool:
         return self._settings.max_streams_per_tenant > 0
 
-    async def admit(self, conversation_id: str, turn_id: str, *, new_turn: bool) -> None:
-        """Take a rate token (new turns only) and a live-stream slot, or raise 429."""
+    async def admit(self, conversation_id: str, turn_id: str, attempt: int) -> None:
+        """Take a rate token and a live-stream slot for one attempt, or raise 429."""
         settings = self._settings
         if settings.turn_rate_per_s <= 0 and not self.counts_streams:
             return
@@ -57,9 +62,9 @@ class Admission:
         reply = await self._scripts(
             "admit_turn",
             [self._keys.turn_rate(tenant), self._keys.live_streams(tenant)],
-            [settings.turn_rate_per_s, settings.turn_burst, 1 if new_turn else 0,
-             settings.max_streams_per_tenant, member(conversation_id, turn_id),
-             LIVE_SLOT_TTL_MS],
+            [settings.turn_rate_per_s, settings.turn_burst, 1,
+             settings.max_streams_per_tenant, member(conversation_id, turn_id, attempt),
+             QUEUED_SLOT_TTL_MS],
         )  # fmt: skip
         if int(reply[0]) == 1:
             return
@@ -69,7 +74,7 @@ class Admission:
         who = f"tenant {tenant!r}" if tenant else "this broker"
         if reason == "rate":
             raise TooManyRequests(
-                f"{who} starts turns faster than BROKER_TURN_RATE_PER_S="
+                f"{who} starts generations faster than BROKER_TURN_RATE_PER_S="
                 f"{settings.turn_rate_per_s:g} (burst {settings.turn_burst}); retry in "
                 f"{retry_after_s} s",
                 retry_after_s=retry_after_s, code="rate_limited",
@@ -80,29 +85,38 @@ class Admission:
             retry_after_s=retry_after_s, code="too_many_streams",
         )  # fmt: skip
 
-    async def release_if_at_rest(self, conversation_id: str, turn_id: str) -> None:
-        """Free the turn's slot unless it is queued or generating (a new attempt keeps it)."""
+    async def release(self, conversation_id: str, turn_id: str, attempt: int) -> None:
+        """Free one attempt's slot (it ended, or it never started)."""
         if not self.counts_streams:
             return
+        key = self._keys.live_streams(unscoped(conversation_id)[0])
         try:
-            status = await rc.hget(self._redis, self._keys.turn(conversation_id, turn_id), "status")
-            if status in ACTIVE_STATUSES:
-                return
-            tenant, _ = unscoped(conversation_id)
-            await self._redis.zrem(
-                self._keys.live_streams(tenant), member(conversation_id, turn_id)
-            )
+            await self._redis.zrem(key, member(conversation_id, turn_id, attempt))
         except (RedisError, OSError) as exc:  # the slot's deadline frees it later
             log.warning("could not free the stream slot of turn %s: %s", turn_id, exc)
 
-    async def refresh(self, conversation_id: str, turn_id: str) -> None:
-        """Push the live turn's deadline forward (called with each lease heartbeat)."""
+    async def release_if_done(self, conversation_id: str, turn_id: str, attempt: int) -> None:
+        """Free the attempt's slot unless that attempt is queued or generating right now."""
         if not self.counts_streams:
             return
-        tenant, _ = unscoped(conversation_id)
-        key = self._keys.live_streams(tenant)
-        deadline = int(time.time() * 1000) + LIVE_SLOT_TTL_MS
+        try:
+            status, current = await rc.hmget(
+                self._redis, self._keys.turn(conversation_id, turn_id), ["status", "attempt"]
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("could not free the stream slot of turn %s: %s", turn_id, exc)
+            return
+        if status in ACTIVE_STATUSES and current == str(attempt):
+            return
+        await self.release(conversation_id, turn_id, attempt)
+
+    async def refresh(self, conversation_id: str, turn_id: str, attempt: int) -> None:
+        """Push a running attempt's deadline forward (called now and then by its worker)."""
+        if not self.counts_streams:
+            return
+        key = self._keys.live_streams(unscoped(conversation_id)[0])
+        deadline = int(time.time() * 1000) + RUNNING_SLOT_TTL_MS
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(key, {member(conversation_id, turn_id): deadline})
-            pipe.pexpire(key, LIVE_SLOT_TTL_MS)
+            pipe.zadd(key, {member(conversation_id, turn_id, attempt): deadline})
+            pipe.pexpire(key, QUEUED_SLOT_TTL_MS)
             await pipe.execute()

@@ -38,6 +38,7 @@ from broker.api import (
     install_error_handlers,
     ops_router,
 )
+from broker.api.schemas import install_components
 from broker.auth import Authenticator
 from broker.connection import check_eviction_policy, client, connect, redact
 from broker.embedded_redis import EmbeddedRedis
@@ -82,6 +83,8 @@ class Runtime:
         self.hub = Hub(blocking_redis, metrics)
         self.streams = Streams(redis, self.keys, self.hub, settings, metrics)
         self.auth = Authenticator(settings, attach_secret or secrets.token_bytes(32))
+        if attach_secret is None:
+            log.warning("attach tokens are signed with a key of this process only")
         self.admission = Admission(redis, self.scripts, self.keys, settings, metrics)
         self.turns = Turns(
             redis, self.scripts, self.keys, settings, self.providers, metrics, self.admission
@@ -116,7 +119,8 @@ class Runtime:
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
             blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
             metrics = Metrics(providers={p.name: p.models for p in Providers(settings)})
-            attach_secret = await shared_attach_secret(redis, settings)
+            secured = Authenticator(settings, b"").enabled
+            attach_secret = await shared_attach_secret(redis, settings, secured)
             rt = cls(settings, redis, blocking, metrics, embedded, tools, attach_secret)
             if not rt.auth.enabled:
                 log.warning(
@@ -126,6 +130,11 @@ class Runtime:
                 )
             else:
                 log.info("authentication: %s", rt.auth.summary)
+                if not settings.metrics_token:
+                    log.warning(
+                        "/metrics is open (model names, traffic): set BROKER_METRICS_TOKEN to "
+                        "protect it, or keep the port private"
+                    )
             policy = await check_eviction_policy(redis)
             metrics.eviction_policy_safe.set(1 if policy == "noeviction" else 0)
             await rt.scripts.load()
@@ -170,13 +179,16 @@ class Runtime:
             self.embedded.stop()
 
 
-async def shared_attach_secret(redis: Redis, settings: Settings) -> bytes:
+async def shared_attach_secret(redis: Redis, settings: Settings, secured: bool) -> bytes:
     """The key that signs attach tokens: ``BROKER_ATTACH_SECRET``, else one random key kept in
     Redis and shared by every broker process (whoever reaches Redis can read the streams anyway).
+
+    An open broker and a secured one use different keys, so tokens that anyone could mint while
+    the broker ran open are worthless once credentials are turned on.
     """
     if settings.attach_secret:
         return settings.attach_secret.encode()
-    key = f"{settings.key_prefix}:attach-secret"
+    key = f"{settings.key_prefix}:attach-secret:{'secured' if secured else 'open'}"
     await redis.set(key, secrets.token_hex(32), nx=True)
     value = await rc.get(redis, key)
     if value is None:  # deleted between the two calls: try once more
@@ -209,6 +221,7 @@ def create_app(
         redoc_url=None,
     )
     install_error_handlers(app)
+    install_components(app)
     app.include_router(ops_router)
     if settings.runs_api:
         app.include_router(api_router)

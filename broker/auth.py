@@ -46,6 +46,7 @@ class Principal:
     stream_id: str | None = None  # attach tokens: the one stream they read
     token_id: str | None = None  # attach tokens: their id (the one-viewer lock's name)
     one_viewer: bool = False
+    expires_at: int | None = None  # JWTs: what they mint may not outlive them
 
     @property
     def may_act(self) -> bool:
@@ -65,16 +66,17 @@ class AttachToken:
 def parse_api_keys(text: str, source: str) -> dict[str, str]:
     """``{sha256(key): tenant}`` from ``tenant=key`` entries (commas or lines; ``#`` comments)."""
     table: dict[str, str] = {}
-    entries = [e.strip() for line in text.splitlines() for e in line.split(",")]
-    for entry in entries:
-        if not entry or entry.startswith("#"):
-            continue
+    lines = [line.strip() for line in text.splitlines()]
+    # A comment line is skipped whole, keys and all: a revoked key stays revoked.
+    entries = [e.strip() for line in lines if not line.startswith("#") for e in line.split(",")]
+    for number, entry in enumerate((e for e in entries if e), start=1):
         tenant, eq, key = entry.partition("=")
         tenant, key = tenant.strip(), key.strip()
         if not eq or not TENANT_PATTERN.match(tenant):
+            # Never echo the entry: it may be a key.
             raise SettingsError(
-                f"{source}: entries are tenant=key with a tenant of letters, digits, '.', '_' "
-                f"or '-' (at most 64); got {tenant[:40]!r}"
+                f"{source}: entry {number} is not tenant=key with a tenant name of letters, "
+                "digits and . _ @ | + : - (at most 128)"
             )
         if len(key) < MIN_KEY_CHARS:
             raise SettingsError(
@@ -192,11 +194,12 @@ class Authenticator:
     def _check_jwt(self, token: str) -> Principal:
         assert self._jwt_key is not None
         claim = self._settings.jwt_tenant_claim
+        audience = self._settings.jwt_audience
         try:
             claims = jwt.decode(
-                token, self._jwt_key, algorithms=[self._jwt_algorithm],
-                audience=self._settings.jwt_audience, issuer=self._settings.jwt_issuer,
-                leeway=JWT_LEEWAY_S, options={"require": ["exp", claim]},
+                token, self._jwt_key, algorithms=[self._jwt_algorithm], audience=audience,
+                issuer=self._settings.jwt_issuer, leeway=JWT_LEEWAY_S,
+                options={"require": ["exp", claim], "verify_aud": audience is not None},
             )  # fmt: skip
         except jwt.ExpiredSignatureError:
             raise Unauthorized("the token has expired", code="token_expired") from None
@@ -205,21 +208,32 @@ class Authenticator:
         tenant = claims.get(claim)
         if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
             raise Unauthorized(
-                f"the token's {claim!r} claim is not a tenant name (letters, digits, '.', '_', "
-                "'-'; at most 64)",
+                f"the token's {claim!r} claim is not a tenant name (letters, digits and "
+                ". _ @ | + : -, at most 128)",
                 code="bad_token",
             )
-        return Principal(kind="jwt", tenant=tenant)
+        expires = claims.get("exp")
+        return Principal(
+            kind="jwt", tenant=tenant, expires_at=int(expires) if isinstance(expires, int) else None
+        )
 
     def mint_attach(
-        self, tenant: str | None, stream_id: str, ttl_s: float | None, one_viewer: bool
+        self,
+        tenant: str | None,
+        stream_id: str,
+        ttl_s: float | None,
+        one_viewer: bool,
+        not_after: int | None = None,
     ) -> AttachToken:
-        """A read-only token for one stream, valid ``ttl_s`` (the default when None)."""
+        """A read-only token for one stream, valid ``ttl_s`` (the default when None), and never
+        past ``not_after`` (the expiry of the credential that mints it)."""
         settings = self._settings
         ttl = settings.attach_token_ttl if ttl_s is None else ttl_s
         ttl = max(1.0, min(ttl, settings.attach_token_max_ttl))
         now = int(time.time())
         expires_at = now + int(ttl)
+        if not_after is not None:
+            expires_at = min(expires_at, not_after)
         claims: dict[str, Any] = {
             "aud": ATTACH_AUDIENCE, "sid": stream_id, "ten": tenant or "", "iat": now,
             "exp": expires_at, "jti": secrets.token_hex(12),

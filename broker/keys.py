@@ -14,7 +14,7 @@ import re
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 STREAM_ID_PATTERN = re.compile(r"^st_[0-9a-f]{32}$")
 # Tenant names never hold "/", so "<tenant>/<id>" splits one way only (client ids hold no "/").
-TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@|+:-]{0,127}$")
 OPEN_TENANT = "-"  # the rate and stream limits' name for every caller of an open broker
 
 

@@ -22,7 +22,7 @@ class SettingsError(ValueError):
 class Settings:
     """The broker's configuration; build with :meth:`from_env` or directly in tests."""
 
-    redis_url: str | None = None
+    redis_url: str | None = dataclasses.field(default=None, repr=False)  # may hold a password
     redis_server: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -89,9 +89,10 @@ class Settings:
         if self.redis_url is not None and not self.redis_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):
+            shown = self.redis_url.partition("://")[0][:20] if "://" in self.redis_url else "?"
             raise SettingsError(
                 "BROKER_REDIS_URL must start with redis://, rediss:// or unix://, "
-                f"not {self.redis_url!r}"
+                f"not {shown}:// (the URL is not repeated: it may hold a password)"
             )
         positive = (
             "stream_ttl", "tombstone_ttl", "max_stream_events", "max_body_bytes",
@@ -127,6 +128,11 @@ class Settings:
             )
         if self.attach_secret is not None and len(self.attach_secret) < 32:
             raise SettingsError("BROKER_ATTACH_SECRET must be at least 32 characters")
+        if self.attach_secret is not None and self.attach_secret == self.jwt_secret:
+            raise SettingsError(
+                "BROKER_ATTACH_SECRET must differ from BROKER_JWT_SECRET: whoever issues JWTs "
+                "could otherwise forge attach tokens"
+            )
         if self.turn_rate_per_s < 0 or self.max_streams_per_tenant < 0:
             raise SettingsError(
                 "BROKER_TURN_RATE_PER_S and BROKER_MAX_STREAMS_PER_TENANT must be 0 (off) or more"

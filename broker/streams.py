@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from broker import redis_calls as rc
 from broker.errors import Gone, NotFound
-from broker.keys import STREAM_ID_PATTERN, Keys
+from broker.keys import STREAM_ID_PATTERN, Keys, unscoped
 from broker.lease import FINAL_STATUSES
 from broker.metrics import Metrics
 from broker.offsets import NOW, START, ZERO_ID, from_entry_id, id_key, to_entry_id
@@ -236,14 +236,17 @@ class Streams:
         self._settings = settings
         self._metrics = metrics
 
-    async def locate(self, stream_id: str) -> Location:
-        """The turn behind ``stream_id``; 404 when unknown, 410 when its data expired."""
+    async def locate(self, stream_id: str, tenant: str | None) -> Location:
+        """The turn behind ``stream_id``; 404 when unknown (or ``tenant``'s stream it is not),
+        410 when its data expired."""
         if not STREAM_ID_PATTERN.match(stream_id):
             raise NotFound(f"unknown stream {stream_id[:80]!r}")
         value = await rc.get(self._redis, self._keys.stream_index(stream_id))
         if value is None:
             raise NotFound(f"unknown stream {stream_id!r}")
         conversation_id, _, turn_id = value.partition(" ")
+        if unscoped(conversation_id)[0] != tenant:
+            raise NotFound(f"unknown stream {stream_id!r}")  # another tenant's: never found
         keys = self._keys
         if not await self._redis.exists(
             keys.events(conversation_id, turn_id), keys.turn(conversation_id, turn_id)

@@ -149,7 +149,7 @@ class Turns:
         # A repeated request for an existing turn is a lookup: it takes nothing from the limits.
         admitted = not await self._redis.exists(keys.turn(conversation_id, turn_id))
         if admitted:
-            await self._admission.admit(conversation_id, turn_id, new_turn=True)
+            await self._admission.admit(conversation_id, turn_id, 1)
         try:
             index = keys.turn_index(scoped(tenant, turn_id))
             claimed = await self._redis.set(index, conversation_id, nx=True, px=index_ttl_ms)
@@ -164,7 +164,7 @@ class Turns:
         finally:
             if admitted:
                 # Frees the slot unless the turn is live (created now, or by a twin request).
-                await self._admission.release_if_at_rest(conversation_id, turn_id)
+                await self._admission.release_if_done(conversation_id, turn_id, 1)
 
     async def _create(
         self,
@@ -278,9 +278,11 @@ class Turns:
         self, turn_id: str, request: AttemptRequest, tenant: str | None = None
     ) -> dict[str, Any]:
         """Continue or regenerate a turn at rest; 409 while one runs, 422 when not allowed."""
-        conversation_id, _ = await self._locate(turn_id, tenant)
+        conversation_id, meta = await self._locate(turn_id, tenant)
         keys = self._keys
-        await self._admission.admit(conversation_id, turn_id, new_turn=False)
+        # The attempt this will start, if it starts: its slot is taken first.
+        expected = int(meta["attempt"]) + 1
+        await self._admission.admit(conversation_id, turn_id, expected)
         try:
             reply = await self._scripts(
                 "start_attempt",
@@ -288,7 +290,7 @@ class Turns:
                 [request.strategy],
             )
         finally:
-            await self._admission.release_if_at_rest(conversation_id, turn_id)
+            await self._admission.release_if_done(conversation_id, turn_id, expected)
         if reply[0] == "busy":
             raise Conflict(f"turn {turn_id!r} is {reply[1]}: wait for it, or stop it first",
                            code="turn_busy")  # fmt: skip
@@ -316,7 +318,7 @@ class Turns:
         self._metrics.cancels.labels(reply[0]).inc()
         if reply[0] == "cancelled":
             self._metrics.turns_finished.labels("cancelled").inc()
-            await self._admission.release_if_at_rest(conversation_id, turn_id)
+            await self._admission.release_if_done(conversation_id, turn_id, int(reply[1]))
         if reply[0] == "signalled":
             await self._notify_stop(conversation_id, turn_id, int(reply[1]))
         log.info("turn %s: stop requested (%s)", turn_id, reply[0])

@@ -24,7 +24,7 @@ from broker import redis_calls as rc
 from broker.admission import Admission
 from broker.errors import FencedWrite
 from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, LeaseLost, Run
-from broker.keys import JOB_GROUP, Keys
+from broker.keys import JOB_GROUP, Keys, scoped, unscoped
 from broker.lease import TurnWriter
 from broker.ledger import Dispatcher
 from broker.metrics import Metrics
@@ -192,8 +192,10 @@ class Worker:
             self._metrics.redis_errors.inc()
             log.warning("turn %s attempt %d stopped on a Redis error: %s", turn_id, attempt, exc)
             return
+        finally:
+            # Whatever happened, an attempt that is no longer live frees its tenant's slot.
+            await self._admission.release_if_done(conversation_id, turn_id, attempt)
         if finished:
-            await self._admission.release_if_at_rest(conversation_id, turn_id)
             with contextlib.suppress(RedisError, OSError):
                 await self._done(job_id)
 
@@ -259,7 +261,7 @@ class Worker:
                     self._keys.jobs, JOB_GROUP, self.name, 0, [run.job_id], justid=True
                 )
                 if time.monotonic() - refreshed > SLOT_REFRESH_S:
-                    await self._admission.refresh(run.conversation_id, run.turn_id)
+                    await self._admission.refresh(run.conversation_id, run.turn_id, run.attempt)
                     refreshed = time.monotonic()
             except FencedWrite:
                 self._metrics.lease_expirations.inc()
@@ -301,7 +303,7 @@ class Worker:
         (stream_id,) = await rc.hmget(self._redis, turn_key, ["stream_id"])
         ttl_ms = int((settings.stream_ttl + settings.tombstone_ttl) * 1000)
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.pexpire(keys.turn_index(turn_id), ttl_ms)
+            pipe.pexpire(keys.turn_index(scoped(unscoped(conversation_id)[0], turn_id)), ttl_ms)
             if stream_id:
                 pipe.pexpire(keys.stream_index(stream_id), ttl_ms)
             await pipe.execute()

@@ -25,7 +25,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from tests.conftest import RunningBroker, start_broker
-from tests.helpers import bearer, read_sse, start_turn, text_of, wait_final
+from tests.helpers import bearer, read_sse, text_of, wait_final, wait_until
 
 KEY = "key-fuzz-0123456789abcdef"
 EXAMPLES = int(os.environ.get("BROKER_FUZZ_EXAMPLES", "50"))
@@ -39,9 +39,10 @@ def not_a_server_error(ctx: Any, response: Any, case: Any) -> bool:
 
 @pytest.fixture(scope="module")
 def fuzzed(redis_url: str) -> Iterator[RunningBroker]:
+    # Limits on and small, so that the fuzzer also meets 429s and the admission code.
     broker = start_broker(
-        redis_url, api_keys=f"fuzz={KEY}", max_body_bytes=65_536, turn_rate_per_s=0,
-        max_streams_per_tenant=0, simulate_max_tokens_per_s=0,
+        redis_url, api_keys=f"fuzz={KEY}", max_body_bytes=65_536, turn_rate_per_s=20,
+        turn_burst=20, max_streams_per_tenant=4, simulate_max_tokens_per_s=0,
     )  # fmt: skip
     try:
         yield broker
@@ -57,17 +58,24 @@ def operations(broker: RunningBroker) -> list[Any]:
     return found
 
 
-def fuzz(operation: Any, mode: GenerationMode, base_url: str, checked: dict[str, int]) -> None:
+def fuzz(
+    operation: Any,
+    mode: GenerationMode,
+    base_url: str,
+    checked: dict[str, int],
+    credential: str | None = KEY,
+    examples: int = EXAMPLES,
+) -> None:
     """Run the generated cases of one operation (valid ones, or invalid ones) against the broker."""
     label = f"{mode.value} {operation.method.upper()} {operation.path}"
 
     @settings(
-        max_examples=EXAMPLES, deadline=None, database=None,
+        max_examples=examples, deadline=None, database=None,
         suppress_health_check=list(HealthCheck),
     )  # fmt: skip
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: Any) -> None:
-        response = case.call(base_url=base_url, headers=bearer(KEY), timeout=15)
+        response = case.call(base_url=base_url, headers=bearer(credential), timeout=15)
         case.validate_response(
             response,
             checks=[not_a_server_error, status_code_conformance, content_type_conformance,
@@ -93,8 +101,31 @@ def test_no_generated_request_gets_a_5xx_or_an_undocumented_answer(
     assert len([label for label in checked if label.startswith("positive")]) >= 12, checked
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("credential", [None, "not-a-key", "e30.e30.e30"])
+def test_without_good_credentials_every_answer_is_documented_too(
+    fuzzed: RunningBroker, credential: str | None
+) -> None:
+    checked: dict[str, int] = {}
+    for operation in operations(fuzzed):
+        fuzz(operation, GenerationMode.POSITIVE, fuzzed.base_url, checked, credential, 10)
+    assert len(checked) >= 12, checked
+
+
+def _try_start(base_url: str) -> dict[str, Any] | None:
+    response = httpx.post(
+        f"{base_url}/v1/turns", headers=bearer(KEY), timeout=10,
+        json={"conversation_id": "after-fuzz", "turn_id": "after-fuzz-turn",
+              "messages": [{"role": "user", "content": "hello"}],
+              "params": {"simulate": {"tokens": 25, "seed": 4}}},
+    )  # fmt: skip
+    assert response.status_code in (200, 201, 429), response.text
+    return response.json() if response.status_code != 429 else None
+
+
 def test_after_the_fuzzing_a_normal_turn_is_served(fuzzed: RunningBroker) -> None:
-    turn = start_turn(fuzzed.base_url, "after-fuzz", auth=KEY, tokens=25, seed=4)
+    # The fuzzing may have used the tenant's stream slots: wait for them, then a normal turn.
+    turn = wait_until(lambda: _try_start(fuzzed.base_url), timeout=60, interval=0.2)
     assert wait_final(fuzzed.base_url, turn["turn_id"], auth=KEY)["status"] == "complete"
     read = read_sse(fuzzed.base_url, turn["stream_id"], auth=KEY)
     assert len([e for e in read.events if e.event == "delta"]) == 25

@@ -111,7 +111,8 @@ def test_unreachable_redis_url_fails_with_one_clear_line() -> None:
 
 
 def test_bad_settings_fail_with_one_clear_line() -> None:
-    env = {**os.environ, "BROKER_REDIS_URL": "http://example.invalid", "BROKER_PORT": "0"}
+    env = {**os.environ, "BROKER_REDIS_URL": "http://user:hunter2@example.invalid",
+           "BROKER_PORT": "0"}  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "broker", "serve"], env=env,
         capture_output=True, text=True, timeout=60, check=False,
@@ -119,8 +120,9 @@ def test_bad_settings_fail_with_one_clear_line() -> None:
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "broker: BROKER_REDIS_URL must start with redis://, rediss:// or unix://, "
-        "not 'http://example.invalid'"
+        "not http:// (the URL is not repeated: it may hold a password)"
     )
+    assert "hunter2" not in result.stderr
 
 
 def test_an_evicting_redis_gets_a_loud_warning(broker_processes: Spawn) -> None:

@@ -17,6 +17,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from broker.auth import parse_api_keys
 from broker.settings import Settings, SettingsError
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.helpers import (
@@ -138,6 +139,11 @@ def test_hs256_jwts_name_the_tenant_by_their_claim(broker_factory: BrokerFactory
     )  # fmt: skip
     assert call(broker, "GET", f"/v1/turns/{turn['turn_id']}", KEY_B).status_code == 404
 
+    # Any audience is fine while BROKER_JWT_AUDIENCE is unset; IdP-style subjects are tenants.
+    with_aud = user_jwt({"sub": "acme", "aud": "some-api"})
+    assert call(broker, "GET", f"/v1/turns/{turn['turn_id']}", with_aud).status_code == 200
+    idp = user_jwt({"sub": "auth0|5f3a@example.com"})
+    assert call(broker, "GET", f"/v1/turns/{turn['turn_id']}", idp).status_code == 404
     expired = user_jwt({"sub": "acme", "exp": int(time.time()) - 120})
     forged = user_jwt({"sub": "acme"}, key="another-secret-" + "x" * 32)
     no_claim = user_jwt({"name": "acme"})
@@ -225,7 +231,9 @@ def test_tenants_may_use_the_same_ids_without_meeting(broker_factory: BrokerFact
 # --- attach tokens --------------------------------------------------------------------------
 
 
-def mint(broker: RunningBroker, turn_id: str, auth: str = KEY_A, **body: Any) -> dict[str, Any]:
+def mint(
+    broker: RunningBroker, turn_id: str, auth: str | None = KEY_A, **body: Any
+) -> dict[str, Any]:
     response = call(broker, "POST", f"/v1/turns/{turn_id}/attach-tokens", auth, json=body)
     assert response.status_code == 201, response.text
     minted: dict[str, Any] = response.json()
@@ -373,9 +381,14 @@ def test_turn_creation_is_rate_limited_per_tenant_with_retry_after(
     # A repeated request for an existing turn is a lookup, not a new turn: it is not charged.
     again = start_turn(broker.base_url, "c", turn_id="ok-0", auth=KEY_A, tokens=2, expect=200)
     assert again["turn_id"] == "ok-0"
+    # A new attempt is a generation too: it is charged like a new turn.
+    wait_final(broker.base_url, "ok-0", auth=KEY_A)
+    retry = call(broker, "POST", "/v1/turns/ok-0/attempts", KEY_A, json={"strategy": "regenerate"})
+    assert retry.status_code == 429
+    assert error_code(retry) == "rate_limited"
     # Other tenants have buckets of their own.
     start_turn(broker.base_url, "c", turn_id="theirs", auth=KEY_B, tokens=2, expect=201)
-    assert broker.metric("broker_turns_refused_total", '{reason="rate"}') == 1
+    assert broker.metric("broker_turns_refused_total", '{reason="rate"}') == 2
     # The refused turn was not created.
     assert call(broker, "GET", "/v1/turns/late", KEY_A).status_code == 404
 
@@ -556,3 +569,53 @@ def test_conflicting_settings_are_refused() -> None:
     with pytest.raises(SettingsError, match="at least 32"):
         Settings(attach_secret="short")
     assert Settings.from_env({"BROKER_ATTACH_TOKEN_TTL": "5m"}).attach_token_ttl == 300
+
+
+def test_an_attach_token_never_outlives_the_jwt_that_minted_it(
+    broker_factory: BrokerFactory,
+) -> None:
+    broker = secured(broker_factory)
+    exp = int(time.time()) + 120
+    token = user_jwt({"sub": "acme", "exp": exp})
+    turn = start_turn(broker.base_url, "c", auth=token, tokens=2)
+    minted = mint(broker, turn["turn_id"], auth=token, ttl_s=3600)
+    assert minted["expires_at"] <= exp
+    claims = jwt.decode(minted["token"], ATTACH_SECRET, algorithms=["HS256"],
+                        audience="broker-attach")  # fmt: skip
+    assert claims["exp"] <= exp
+
+
+def test_another_tenants_expired_stream_is_404_not_410(broker_factory: BrokerFactory) -> None:
+    broker = secured(broker_factory, stream_ttl=0.5)
+    turn = start_turn(broker.base_url, "c", auth=KEY_A, tokens=2)
+    wait_final(broker.base_url, turn["turn_id"], auth=KEY_A)
+    path = f"/v1/streams/{turn['stream_id']}"
+    wait_until(lambda: call(broker, "GET", path, KEY_A).status_code == 410, timeout=10)
+    assert call(broker, "GET", path, KEY_B).status_code == 404
+
+
+def test_tokens_minted_while_open_are_refused_once_keys_are_on(
+    broker_factory: BrokerFactory,
+) -> None:
+    open_broker = broker_factory(key_prefix=f"upgrade-{time.monotonic_ns()}")
+    turn = start_turn(open_broker.base_url, "c", tokens=2)
+    token = mint(open_broker, turn["turn_id"], auth=None)["token"]
+    path = f"/v1/streams/{turn['stream_id']}"
+    assert call(open_broker, "GET", path, params={"token": token}).status_code == 200
+    open_broker.stop()
+    now_secured = broker_factory(key_prefix=open_broker.settings.key_prefix,
+                                 api_keys=f"acme={KEY_A}")  # fmt: skip
+    refused = call(now_secured, "GET", path, params={"token": token})
+    assert refused.status_code == 401
+    assert error_code(refused) == "bad_token"
+
+
+def test_commented_out_keys_stay_revoked_and_errors_never_echo_keys() -> None:
+    table = parse_api_keys(f"# revoked: acme={KEY_A}, globex={KEY_B}\nacme={KEY_B}\n", "f")
+    assert list(table.values()) == ["acme"]
+    with pytest.raises(SettingsError) as info:
+        parse_api_keys(f"acme={KEY_A},{KEY_B}", "BROKER_API_KEYS")
+    assert KEY_B not in str(info.value)
+    assert "entry 2" in str(info.value)
+    with pytest.raises(SettingsError, match="must differ"):
+        Settings(jwt_secret=JWT_SECRET, attach_secret=JWT_SECRET)

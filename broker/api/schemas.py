@@ -8,7 +8,38 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
+
+REF_TEMPLATE = "#/components/schemas/{model}"
+# Schemas that routes reference by hand (bodies we parse ourselves): added to the document.
+COMPONENTS: dict[str, Any] = {}
+
+
+def json_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s JSON schema, with its nested models registered as document components."""
+    schema = model.model_json_schema(ref_template=REF_TEMPLATE)
+    COMPONENTS.update(schema.pop("$defs", {}))
+    return schema
+
+
+def install_components(app: FastAPI) -> None:
+    """Make ``app``'s OpenAPI document include the components of :func:`json_schema`."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(
+                title=app.title, version=app.version, description=app.description,
+                routes=app.routes,
+            )  # fmt: skip
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in COMPONENTS.items():
+                schemas.setdefault(name, schema)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class ErrorDetail(BaseModel):
@@ -141,7 +172,7 @@ def stream_responses() -> dict[int | str, dict[str, Any]]:
             "description": "text/event-stream (default), or a catch-up page with format=json",
             "content": {
                 "text/event-stream": {"schema": {"type": "string"}},
-                "application/json": {"schema": StreamPage.model_json_schema()},
+                "application/json": {"schema": json_schema(StreamPage)},
             },
         },
         204: {"description": "the turn is at rest and nothing follows the resume point"},

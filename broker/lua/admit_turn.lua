@@ -1,17 +1,17 @@
--- admit_turn: let a tenant start a turn (or a new attempt) under its rate and stream limits, on
--- the Redis server clock. Both limits are checked before either is charged, so a refusal costs
--- nothing.
+-- admit_turn: let a tenant start a generation (a turn or a new attempt) under its rate and
+-- stream limits, on the Redis server clock. Both limits are checked before either is charged, so
+-- a refusal costs nothing.
 --
 -- KEYS[1]  rate           {t:<tenant>}:rate  (hash: tokens, ts = last refill in ms)
 -- KEYS[2]  live           {t:<tenant>}:live  (sorted set: member -> deadline in ms)
 -- ARGV[1]  rate_per_s     tokens added per second; 0 = no rate limit
 -- ARGV[2]  burst          the bucket's size
--- ARGV[3]  cost           tokens this call takes: 1 for a new turn, 0 for a new attempt
+-- ARGV[3]  cost           tokens this call takes (0: only the stream cap applies)
 -- ARGV[4]  max_live       turns queued or generating at once; 0 = no limit
--- ARGV[5]  member         "<conversation> <turn>": the live turn this admits
+-- ARGV[5]  member         "<conversation> <turn> <attempt>": the attempt this admits
 -- ARGV[6]  slot_ttl_ms    how long the member counts unless refreshed or released
 --
--- Returns  {1, 0, ""}                  admitted (the member is live until released or expired)
+-- Returns  {1, 0, ""}                  admitted (the member counts until released or expired)
 --          {0, retry_after_ms, reason} refused; reason is "rate" or "streams"
 -- Errors   none of its own.
 local now = redis.call('TIME')
