@@ -1,0 +1,198 @@
+"""Raw-Redis ceilings: what the server itself does on this machine, with no broker in the way.
+
+Commands are encoded once and replayed over plain asyncio connections, with hiredis parsing the
+replies, so the client costs as little as Python allows. Each connection keeps ``depth`` commands
+in flight (``depth`` 16 is a pipeline of 16, like ``redis-benchmark -P 16``); the figure is replies
+per second over a timed window after a short warm-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import time
+from typing import cast
+
+import hiredis
+import redis
+
+from broker.scripts import script_source
+
+# A typical delta as the broker stores it: a 30-byte data field.
+PAYLOAD = b'{"attempt":1,"text":" abcdef"}'
+assert len(PAYLOAD) == 30
+
+# The smallest fenced append: refuse unless the caller holds the lease's token, then XADD.
+FENCED_XADD = """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
+  return redis.error_reply('FENCED lease lost')
+end
+return redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'd', ARGV[3])
+"""
+TOKEN = "42"
+MANY_CLIENTS = 50
+
+
+def command(*parts: bytes | str | int) -> bytes:
+    """One command in RESP."""
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        data = part if isinstance(part, bytes) else str(part).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.replies = 0
+        self.errors = 0
+        self.stopping = False
+        self.first_error = ""
+
+
+class _Client(asyncio.Protocol):
+    """Replays one command with ``depth`` in flight until told to stop."""
+
+    def __init__(self, request: bytes, depth: int, counter: _Counter) -> None:
+        self._batch = request * depth
+        self._depth = depth
+        self._counter = counter
+        self._reader = hiredis.Reader()
+        self._pending = 0
+        self._transport: asyncio.Transport | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        self._send()
+
+    def _send(self) -> None:
+        assert self._transport is not None
+        self._pending = self._depth
+        self._transport.write(self._batch)
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        counter = self._counter
+        while (reply := self._reader.gets()) is not False:
+            self._pending -= 1
+            counter.replies += 1
+            if isinstance(reply, hiredis.ReplyError):
+                counter.errors += 1
+                counter.first_error = counter.first_error or str(reply)
+        if self._pending == 0:
+            if counter.stopping:
+                assert self._transport is not None
+                self._transport.close()
+            else:
+                self._send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+async def _measure(
+    port: int, requests: list[bytes], depth: int, warmup_s: float, duration_s: float
+) -> tuple[int, float, int, str]:
+    loop = asyncio.get_running_loop()
+    counter = _Counter()
+    clients: list[_Client] = []
+    for request in requests:
+        _, client = await loop.create_connection(
+            lambda request=request: _Client(request, depth, counter),  # type: ignore[misc]
+            "127.0.0.1",
+            port,
+        )
+        clients.append(client)
+    await asyncio.sleep(warmup_s)
+    began, before = time.perf_counter(), counter.replies
+    await asyncio.sleep(duration_s)
+    elapsed, done = time.perf_counter() - began, counter.replies - before
+    counter.stopping = True
+    await asyncio.wait_for(asyncio.gather(*(c.closed for c in clients)), 10)
+    return done, elapsed, counter.errors, counter.first_error
+
+
+def _measure_one(
+    port: int, request: bytes, depth: int, warmup_s: float, duration_s: float
+) -> float:
+    """One connection in a plain blocking loop: the cheapest client Python has."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reader = hiredis.Reader()
+        batch = request * depth
+        warm_until = time.perf_counter() + warmup_s
+        began = 0.0
+        replies = 0
+        while True:
+            sock.sendall(batch)
+            left = depth
+            while left:
+                reader.feed(sock.recv(1 << 16))
+                while (reply := reader.gets()) is not False:
+                    left -= 1
+                    if isinstance(reply, hiredis.ReplyError):
+                        raise RuntimeError(f"error reply: {reply}")
+            now = time.perf_counter()
+            if now < warm_until:
+                continue
+            if not began:
+                began = now  # the window opens at the end of a round trip
+                continue
+            replies += depth
+            if now - began >= duration_s:
+                return replies / (now - began)
+
+
+def throughput(port: int, requests: list[bytes], *, depth: int, duration_s: float) -> float:
+    """Replies per second of ``requests``, one connection each, ``depth`` in flight on each."""
+    warmup_s = min(0.5, duration_s / 4)
+    if len(requests) == 1:
+        return _measure_one(port, requests[0], depth, warmup_s, duration_s)
+    done, elapsed, errors, first = asyncio.run(
+        _measure(port, requests, depth, warmup_s, duration_s)
+    )
+    if errors:
+        raise RuntimeError(f"{errors} error replies, e.g. {first}")
+    return done / elapsed
+
+
+@dataclasses.dataclass(frozen=True)
+class CeilingSizes:
+    duration_s: float
+
+
+def run(client: redis.Redis, port: int, sizes: CeilingSizes) -> dict[str, float]:
+    """Every ceiling once; keys are cleaned up after each."""
+    out: dict[str, float] = {}
+    xadd = command("XADD", "ceiling:xadd", "*", "e", "delta", "d", PAYLOAD)
+    out["redis.xadd_1client"] = throughput(port, [xadd], depth=1, duration_s=sizes.duration_s)
+    client.delete("ceiling:xadd")
+    out["redis.xadd_pipelined16"] = throughput(port, [xadd], depth=16, duration_s=sizes.duration_s)
+    client.delete("ceiling:xadd")
+
+    fenced = str(client.script_load(FENCED_XADD))
+    append = str(client.script_load(script_source("append_events")))
+
+    def fenced_request(i: int) -> bytes:
+        client.hset(f"ceiling:{{{i}}}:lease", "token", TOKEN)
+        lease, events = f"ceiling:{{{i}}}:lease", f"ceiling:{{{i}}}:events"
+        return command("EVALSHA", fenced, 2, lease, events, TOKEN, "delta", PAYLOAD)
+
+    def append_request(i: int) -> bytes:
+        lease, events, turn = (f"ceiling:{{{i}}}:{k}" for k in ("lease", "events", "turn"))
+        client.hset(lease, "token", TOKEN)
+        client.hset(turn, "status", "streaming")
+        return command("EVALSHA", append, 3, lease, events, turn, TOKEN, 10**9, "delta", PAYLOAD)
+
+    for name, build in (("lua_fenced_xadd", fenced_request), ("append_script", append_request)):
+        for clients in (1, MANY_CLIENTS):
+            requests = [build(i) for i in range(clients)]
+            value = throughput(port, requests, depth=1, duration_s=sizes.duration_s)
+            out[f"redis.{name}_{clients}client{'s' if clients > 1 else ''}"] = value
+            keys = list(client.scan_iter("ceiling:*", count=1000))
+            if keys:
+                client.delete(*keys)
+    return out

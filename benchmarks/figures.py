@@ -1,0 +1,131 @@
+"""Every figure the suite reports: its unit, its target, and what bounds it.
+
+The targets are the issue's, for one broker process on 2 cores with Redis on loopback. A
+``reference`` is a figure quoted in the issue as measured on this kind of machine (raw Redis, or the
+``resumable-stream`` Node package), shown for comparison only: it is not measured by this suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Final, Literal
+
+Better = Literal["higher", "lower"]
+
+WORKLOADS: Final = ("redis", "one_stream", "many_streams", "fanout", "late_reader", "memory")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Figure:
+    """One reported number; ``target`` is met when the median is on the ``better`` side."""
+
+    name: str
+    unit: str
+    description: str
+    better: Better
+    target: float | None = None
+    ceiling: str | None = None  # the raw-Redis figure that bounds this one
+    reference: float | None = None
+    reference_note: str = ""
+
+    @property
+    def workload(self) -> str:
+        return self.name.split(".", 1)[0]
+
+    def meets(self, value: float) -> bool | None:
+        """Whether ``value`` meets the target; None when the figure has no target."""
+        if self.target is None:
+            return None
+        return value >= self.target if self.better == "higher" else value <= self.target
+
+
+FIGURES: Final = (
+    Figure("redis.xadd_1client", "ops/s", "XADD of a 30-byte delta, 1 client, 1 in flight",
+           "higher", reference=19_300, reference_note="raw Redis"),
+    Figure("redis.xadd_pipelined16", "ops/s", "XADD of a 30-byte delta, 1 client, pipelined x16",
+           "higher", reference=172_000, reference_note="raw Redis"),
+    Figure("redis.lua_fenced_xadd_1client", "ops/s",
+           "a Lua script checks a fencing token then XADDs, 1 client", "higher",
+           reference=17_500, reference_note="raw Redis"),
+    Figure("redis.lua_fenced_xadd_50clients", "ops/s",
+           "the same fenced XADD from 50 clients, one stream each", "higher",
+           reference=47_700, reference_note="raw Redis"),
+    Figure("redis.append_script_1client", "ops/s",
+           "the broker's own append_events.lua with one event, 1 client", "higher"),
+    Figure("redis.append_script_50clients", "ops/s",
+           "the broker's own append_events.lua with one event, 50 clients", "higher"),
+    Figure("one_stream.deltas_per_s", "deltas/s",
+           "1 turn at full speed read by 1 SSE reader: deltas / (last delta read - POST sent)",
+           "higher", target=6_500, ceiling="redis.append_script_1client",
+           reference=3_260, reference_note="resumable-stream"),
+    Figure("one_stream.writer_deltas_per_s", "deltas/s",
+           "the same turn as Redis saw it: deltas / (last - first delta entry id time)", "higher",
+           ceiling="redis.append_script_1client"),
+    Figure("many_streams.deltas_per_s", "deltas/s",
+           "100 turns at full speed, no readers: all deltas / span of their entry id times",
+           "higher", target=30_000, ceiling="redis.append_script_50clients"),
+    Figure("fanout.missing", "deltas",
+           "1 turn at 100 deltas/s, 1000 SSE viewers: deltas some viewer never got", "lower",
+           target=0),
+    Figure("fanout.lag_p50_ms", "ms",
+           "delivery lag (read time - XADD time), median over viewers x deltas", "lower"),
+    Figure("fanout.lag_p99_ms", "ms", "delivery lag, 99th percentile", "lower", target=100,
+           reference=4_765, reference_note="resumable-stream"),
+    Figure("fanout.redis_commands_per_delta", "cmds",
+           "INFO commandstats calls (scripts' inner calls included) per delta, steady state",
+           "lower", target=2, reference=1_004, reference_note="resumable-stream"),
+    Figure("fanout.redis_client_commands_per_delta", "cmds",
+           "commands clients sent (MONITOR, scripts' inner calls left out) per delta, steady state",
+           "lower"),
+    Figure("fanout.broker_rss_peak_mib", "MiB", "broker peak RSS (VmHWM) during the fan-out",
+           "lower", target=150),
+    Figure("fanout.append_rate_per_s", "deltas/s",
+           "the pace the writer kept: (deltas - 1) / (last - first delta's append time); 100 asked",
+           "higher",
+           target=95),
+    Figure("late_reader.first_event_ms", "ms",
+           "resume from the middle of a finished 10k-event stream: connect to first event, p50",
+           "lower", target=5, reference=4.2,
+           reference_note="resumable-stream, first byte"),
+    Figure("late_reader.catchup_events_per_s", "events/s",
+           "the same read: events / (end event - first event)", "higher", target=100_000),
+    Figure("memory.bytes_per_delta", "B",
+           "MEMORY USAGE of an events stream / entries, 4-character tokens", "lower", target=64),
+    Figure("memory.bytes_per_delta_simulated", "B",
+           "the same for a stream the broker wrote with the simulated provider's text", "lower"),
+)  # fmt: skip
+
+BY_NAME: Final = {figure.name: figure for figure in FIGURES}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Summary:
+    """The repeats of one figure."""
+
+    median: float
+    low: float
+    high: float
+    samples: tuple[float, ...]
+
+
+def summarize(samples: Sequence[float]) -> Summary | None:
+    if not samples:
+        return None
+    return Summary(statistics.median(samples), min(samples), max(samples), tuple(samples))
+
+
+def percentile(histogram: dict[int, int], q: float) -> float | None:
+    """Nearest-rank percentile of a histogram of integer buckets; None when it is empty."""
+    total = sum(histogram.values())
+    if total == 0:
+        return None
+    rank = min(total, max(1, math.ceil(q / 100 * total)))
+    seen = 0
+    for bucket in sorted(histogram):
+        seen += histogram[bucket]
+        if seen >= rank:
+            return float(bucket)
+    return float(max(histogram))

@@ -1,0 +1,289 @@
+"""The processes under test: a private Redis on a loopback port and a ``broker serve`` child.
+
+Both are children of the benchmark and get a parent-death signal, so a benchmark killed with
+SIGKILL leaves nothing running. Process figures (RSS, CPU time) come from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import redis
+
+from broker.embedded_redis import find_server_binary
+
+REPO = Path(__file__).resolve().parent.parent
+KEY_PREFIX = "bench"
+_PR_SET_PDEATHSIG = 1
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class ServerError(RuntimeError):
+    """A server under test did not start or died."""
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: the child gets SIGTERM when we die.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _stop(process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a live process (0 when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+
+
+def status_kib(pid: int, field: str) -> int:
+    """A ``kB`` field of ``/proc/<pid>/status`` (VmRSS, VmHWM), 0 when unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Reset the process's VmHWM to its current RSS (Linux >= 4.0); False when not allowed."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def system_busy_seconds() -> float:
+    """CPU time spent by the whole machine (all cores) outside idle and iowait."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = [int(v) for v in fields[:8]]
+    return (sum(values) - values[3] - values[4]) / _CLOCK_TICKS
+
+
+class RedisServer:
+    """A Redis-compatible server on ``127.0.0.1:<free port>``, no persistence, noeviction."""
+
+    def __init__(self, binary: str | None = None) -> None:
+        self.binary = find_server_binary(binary)
+        self.port = 0
+        self._dir: Path | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise ServerError("Redis is not running")
+        return self._process.pid
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
+
+    def start(self, timeout: float = 10.0) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="bench-redis-"))
+        self.port = free_port()
+        args = [
+            self.binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self._dir),
+            "--save", "",
+            "--appendonly", "no",
+            "--maxmemory-policy", "noeviction",
+            "--logfile", str(self._dir / "server.log"),
+        ]  # fmt: skip
+        self._process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        client = self.client()
+        try:
+            while True:
+                with contextlib.suppress(redis.ConnectionError):
+                    if client.ping():
+                        return
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    log = (self._dir / "server.log").read_text(errors="replace")[-500:]
+                    self.stop()
+                    raise ServerError(f"{self.binary} did not start: {log.strip()}")
+                time.sleep(0.01)
+        finally:
+            client.close()
+
+    def version(self) -> str:
+        """``<server name> <version>``, e.g. ``valkey 9.1.2`` or ``redis 7.0.15``."""
+        client = self.client()
+        try:
+            info = client.info("server")
+        finally:
+            client.close()
+        name = str(info.get("server_name", "redis"))
+        version = info.get(f"{name}_version", info.get("redis_version", "?"))
+        return f"{name} {version}"
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            _stop(process, 5)
+        directory, self._dir = self._dir, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+class Broker:
+    """``python -m broker serve`` against our Redis, on a free port, logging warnings only."""
+
+    def __init__(
+        self, redis_url: str, *, concurrency: int, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.redis_url = redis_url
+        self.concurrency = concurrency
+        self.extra_env = dict(env or {})
+        self.port = 0
+        self.lines: collections.deque[str] = collections.deque(maxlen=5000)
+        self._process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise ServerError("the broker is not running")
+        return self._process.pid
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.port = free_port()
+        # The broker must see only our settings, not those of whoever runs the benchmark.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
+        env.update({
+            "BROKER_REDIS_URL": self.redis_url,
+            "BROKER_HOST": "127.0.0.1",
+            "BROKER_PORT": str(self.port),
+            "BROKER_KEY_PREFIX": KEY_PREFIX,
+            "BROKER_LOG_LEVEL": "WARNING",
+            "BROKER_WORKER_CONCURRENCY": str(self.concurrency),
+            "BROKER_MAX_STREAM_EVENTS": "1000000",
+            "BROKER_DRAIN_TIMEOUT_S": "2",
+            # The data path is measured, not the admission limits: no rate limit on new turns,
+            # and a live-stream cap well above what any workload opens.
+            "BROKER_TURN_RATE_PER_S": "0",
+            "BROKER_MAX_STREAMS_PER_TENANT": "10000",
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        })  # fmt: skip
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "broker", "serve"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=env, cwd=REPO, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        started = threading.Event()
+        self._reader = threading.Thread(
+            target=self._drain, args=(self._process, started), name="broker-output", daemon=True
+        )
+        self._reader.start()
+        if not started.wait(timeout) or self._process.poll() is not None:
+            output = "\n".join(self.lines)
+            self.stop()
+            raise ServerError(f"the broker did not start:\n{output[-2000:]}")
+
+    def _drain(self, process: subprocess.Popen[str], started: threading.Event) -> None:
+        """Keep the pipe empty (a full pipe would stall the broker) and spot the start line."""
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.lines.append(line.rstrip())
+            if "serving on http://" in line:
+                started.set()
+        started.set()  # the process ended: let start() see it
+
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def rss_mib(self) -> float:
+        return status_kib(self.pid, "VmRSS") / 1024
+
+    def peak_rss_mib(self) -> float:
+        return status_kib(self.pid, "VmHWM") / 1024
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            _stop(process, 20)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+            self._reader = None
+
+
+class CpuMeter:
+    """CPU used by the broker, Redis, this process (and reaped children) and everything else."""
+
+    def __init__(
+        self, broker_pid: int | None, redis_pid: int, client_pids: Sequence[int] = ()
+    ) -> None:
+        self._broker_pid = broker_pid
+        self._redis_pid = redis_pid
+        self._client_pids = list(client_pids)
+        self._start = self._read()
+
+    def _read(self) -> tuple[float, float, float, float, float]:
+        times = os.times()
+        own = times.user + times.system + times.children_user + times.children_system
+        own += sum(cpu_seconds(pid) for pid in self._client_pids)
+        broker = cpu_seconds(self._broker_pid) if self._broker_pid is not None else 0.0
+        return time.monotonic(), system_busy_seconds(), broker, cpu_seconds(self._redis_pid), own
+
+    def cores(self) -> dict[str, float]:
+        """Cores busy since the meter started: broker, redis, client, other (foreign load)."""
+        end = self._read()
+        elapsed = max(1e-9, end[0] - self._start[0])
+        system, broker, redis_cpu, client = (end[i] - self._start[i] for i in range(1, 5))
+        other = max(0.0, system - broker - redis_cpu - client)
+        return {
+            "broker": round(broker / elapsed, 3),
+            "redis": round(redis_cpu / elapsed, 3),
+            "client": round(client / elapsed, 3),
+            "other": round(other / elapsed, 3),
+        }

@@ -1,0 +1,67 @@
+"""The benchmark suite runs end to end and reports every figure (never how fast anything is)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.figures import FIGURES, WORKLOADS
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The figures the issue sets targets for: the catalogue must keep them.
+ISSUE_FIGURES = {
+    "one_stream.deltas_per_s",
+    "many_streams.deltas_per_s",
+    "fanout.missing",
+    "fanout.lag_p99_ms",
+    "fanout.redis_commands_per_delta",
+    "fanout.broker_rss_peak_mib",
+    "late_reader.first_event_ms",
+    "late_reader.catchup_events_per_s",
+    "memory.bytes_per_delta",
+    "redis.xadd_1client",
+    "redis.xadd_pipelined16",
+    "redis.lua_fenced_xadd_1client",
+    "redis.lua_fenced_xadd_50clients",
+}
+
+
+def test_the_catalogue_has_every_figure_the_issue_asks_for() -> None:
+    names = {figure.name for figure in FIGURES}
+    assert names >= ISSUE_FIGURES
+    assert {figure.workload for figure in FIGURES} == set(WORKLOADS)
+
+
+@pytest.mark.timeout(240)
+def test_a_smoke_run_reports_a_number_for_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    command = [sys.executable, "-m", "benchmarks", "--smoke", "--repeat", "1", "--json", str(out)]
+    server = os.environ.get("BROKER_TEST_REDIS_SERVER")
+    if server:  # CI's second pass: the same against Debian's redis-server
+        command += ["--redis-server", server]
+    run = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=220, check=False
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results: dict[str, Any] = json.loads(out.read_text())
+    assert results["profile"] == "smoke"
+    for section in ("machine", "software", "sizes", "workloads"):
+        assert results[section], section
+    assert results["software"]["commit"]
+    for name in (figure.name for figure in FIGURES):
+        entry = results["figures"][name]
+        assert isinstance(entry["median"], int | float), name
+        assert math.isfinite(entry["median"]), name
+        assert entry["min"] <= entry["median"] <= entry["max"], name
+    assert all(not workload["error"] for workload in results["workloads"].values())
+    # The table names every figure too.
+    for name in (figure.name for figure in FIGURES):
+        assert name in run.stdout
