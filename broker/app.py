@@ -80,7 +80,7 @@ class Runtime:
         self.keys = Keys(settings.key_prefix)
         self.scripts = Scripts(redis)
         self.providers = Providers(settings)
-        self.hub = Hub(blocking_redis, metrics)
+        self.hub = Hub(blocking_redis, metrics, redis)
         self.streams = Streams(redis, self.keys, self.hub, settings, metrics)
         self.auth = Authenticator(settings, attach_secret or secrets.token_bytes(32))
         if attach_secret is None:

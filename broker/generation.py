@@ -84,6 +84,10 @@ class _ToolFailure(Exception):
         self.error = error
 
 
+# Deltas queued behind an append in flight before the model has to wait for Redis.
+MAX_QUEUED_DELTAS = 512
+
+
 class _Retry(Exception):
     def __init__(
         self, reason: str, error: dict[str, Any], retry_after_s: float | None = None
@@ -131,6 +135,11 @@ class Generation:
         self._usage: dict[str, int] | None = None
         self._stream_id: str | None = None
         self.started = False
+        # Deltas waiting for their append, and the one task appending them (a group commit).
+        self._queued: list[tuple[str, dict[str, Any]]] = []
+        self._queued_text: list[str] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._flush_error: BaseException | None = None
 
     @property
     def _text(self) -> str:
@@ -143,6 +152,9 @@ class Generation:
             await self._run_guarded()
         except FencedWrite as exc:  # also from the handlers' own last writes
             raise LeaseLost() from exc
+        finally:
+            if self._flusher is not None and not self._flusher.done():
+                self._flusher.cancel()  # the attempt ended without its last writes
 
     async def end_unstarted(self, stop: str) -> None:
         """End an attempt whose task was stopped before it ran a single step."""
@@ -159,7 +171,7 @@ class Generation:
         try:
             await self._load()
             await self._run_attempt()
-        except LeaseLost:
+        except (LeaseLost, FencedWrite):
             raise
         except StopRequested:
             await self._finish("cancelled", "cancelled")
@@ -309,8 +321,7 @@ class Generation:
                         self._metrics.upstream_first_token_seconds.labels(provider.name).observe(
                             time.monotonic() - began
                         )
-                    await self._append([("delta", {"attempt": self._n, "text": event.text})])
-                    self._parts.append(event.text)
+                    await self._queue_delta(event.text)
                 elif isinstance(event, ToolCallChunk):
                     call = open_calls.setdefault(
                         event.index, {"id": "", "name": "", "arguments": ""}
@@ -326,8 +337,9 @@ class Generation:
                         "attempt": self._n, "input_tokens": event.input_tokens,
                         "output_tokens": event.output_tokens,
                     })  # fmt: skip
-                    if self._output:
-                        await self._append([usage])
+                    flushing = self._flusher is not None and not self._flusher.done()
+                    if self._output or self._queued or flushing:
+                        await self._append([usage])  # after the deltas it follows
                     else:
                         # Held back until the first output: a usage event alone would make
                         # the attempt visible before a silent retry.
@@ -337,6 +349,7 @@ class Generation:
                         await self._run_tool(open_calls.pop(index), calls, results)
                     finished = True
                     break
+            await self._drain()
             if not finished:
                 raise UpstreamError(
                     "upstream_incomplete",
@@ -344,6 +357,7 @@ class Generation:
                     retryable=True,
                 )
         except UpstreamError as exc:
+            await self._drain()  # what was read before the failure counts as delivered
             delivered = self._output
             await self._abandon(open_calls, show=delivered)
             error = {"code": exc.code, "message": exc.message, "retryable": exc.retryable}
@@ -453,7 +467,45 @@ class Generation:
         """Whether anything of this attempt reached readers (text or tool events)."""
         return bool(self._parts) or self._tool_output
 
+    async def _queue_delta(self, text: str) -> None:
+        """Append a delta soon: deltas that arrive while an append is in flight go together in
+        the next one. Readers see the same events either way; each is in Redis before any
+        reader can see it, and the attempt's text only counts what was appended."""
+        if self._flush_error is not None:
+            await self._drain()  # raises it
+        self._queued.append(("delta", {"attempt": self._n, "text": text}))
+        self._queued_text.append(text)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush(), name="append deltas")
+        elif len(self._queued) >= MAX_QUEUED_DELTAS:
+            await self._drain()  # Redis is slower than the model: wait for it
+
+    async def _flush(self) -> None:
+        try:
+            while self._queued:
+                events, texts = self._queued, self._queued_text
+                self._queued, self._queued_text = [], []
+                await self._write(events)
+                self._parts.extend(texts)
+        except Exception as exc:  # handed to the generation at its next step
+            self._flush_error = exc
+            self._queued, self._queued_text = [], []
+
+    async def _drain(self) -> None:
+        """Wait until every queued delta is appended; raise what stopped an append."""
+        flusher = self._flusher
+        if flusher is not None and not flusher.done():
+            # asyncio.wait: a cancelled caller must not cancel the append it waits for.
+            await asyncio.wait([flusher])
+        error, self._flush_error = self._flush_error, None
+        if error is not None:
+            raise error
+
     async def _append(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        await self._drain()  # queued deltas go first: the stream keeps its order
+        await self._write(events)
+
+    async def _write(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         if self._pending_usage is not None:
             events = [self._pending_usage, *events]
             self._pending_usage = None
@@ -475,6 +527,9 @@ class Generation:
     async def _finish(
         self, status: str, reason: str | None, *, error: dict[str, Any] | None = None
     ) -> None:
+        # The end comes after every delta; deltas a stop or a full stream refused stay out.
+        with contextlib.suppress(StopRequested, StreamFull):
+            await self._drain()
         before: list[tuple[str, dict[str, Any]]] = []
         if not self._has_attempt_event:
             before.append(self._attempt_event())

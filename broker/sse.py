@@ -85,10 +85,9 @@ class EventStreamResponse(Response):
     async def _send_all(self, send: Send) -> None:
         async for chunk in self._source:
             try:
-                await asyncio.wait_for(
-                    send({"type": "http.response.body", "body": chunk, "more_body": True}),
-                    self._send_timeout_s,
-                )
+                # asyncio.timeout, not wait_for: no task per write (a write per event per reader).
+                async with asyncio.timeout(self._send_timeout_s):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except TimeoutError:
                 log.info(
                     "closing a stream whose client did not read for %s s", self._send_timeout_s

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
 
 import orjson
@@ -35,6 +35,7 @@ from broker.settings import Settings
 log = logging.getLogger("broker.streams")
 
 QUEUE_LIMIT: Final = 256
+FIRST_PAGE: Final = 64  # a resuming reader's first page: its first event comes sooner
 FEED_BLOCK_MS: Final = 5_000
 FEED_MAX_FAILURES: Final = 3
 
@@ -52,11 +53,13 @@ class Entry:
 
     @classmethod
     def from_redis(cls, entry_id: str, fields: dict[str, str]) -> Entry:
-        offset = from_entry_id(entry_id)
+        ms, _, seq = entry_id.partition("-")
+        sort_key = (int(ms), int(seq))
+        offset = f"{sort_key[0]:016d}-{sort_key[1]:010d}"
         kind = fields.get("e", "message")
         data = fields.get("d", "{}")
         frame = f"id: {offset}\nevent: {kind}\ndata: {data}\n\n".encode()
-        return cls(entry_id, id_key(entry_id), offset, kind, data, frame)
+        return cls(entry_id, sort_key, offset, kind, data, frame)
 
     def attempt(self) -> int:
         value = orjson.loads(self.data).get("attempt", 0)
@@ -80,9 +83,32 @@ class Location:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Chunk:
+    """Consecutive events of one stream, with their SSE frames joined: one write to a client."""
+
+    entries: Sequence[Entry]
+    data: bytes
+
+    @classmethod
+    def of(cls, entries: Sequence[Entry]) -> Chunk:
+        return cls(entries, b"".join(e.frame for e in entries))
+
+
+@dataclasses.dataclass(slots=True)
 class _Batch:
     after: str  # the entry id this batch follows
     entries: list[Entry]
+    # The turn's (status, attempt) as the feed read it right after a batch holding an `end`:
+    # one look for all the readers of the stream, instead of one each.
+    rest: tuple[str | None, str | None] | None = None
+    _chunk: Chunk | None = None
+
+    @property
+    def chunk(self) -> Chunk:
+        """The whole batch as one chunk, built once and shared by every reader."""
+        if self._chunk is None:
+            self._chunk = Chunk.of(self.entries)
+        return self._chunk
 
 
 class _Closed(Exception):
@@ -129,9 +155,10 @@ class _Subscription:
 class _Feed:
     """One blocking XREAD loop for one stream, shared by every subscription in this process."""
 
-    def __init__(self, hub: Hub, key: str, start: str | None) -> None:
+    def __init__(self, hub: Hub, key: str, start: str | None, turn_key: str | None) -> None:
         self.hub = hub
         self.key = key
+        self.turn_key = turn_key
         self.start = start  # the first subscriber's position; None: the stream's tail
         self.subscriptions: set[_Subscription] = set()
         self.task: asyncio.Task[None] | None = None
@@ -164,6 +191,16 @@ class _Feed:
                 entries = [Entry.from_redis(i, f) for i, f in reply]
                 batch = _Batch(after, entries)
                 after = entries[-1].entry_id
+                if self.turn_key is not None and any(e.kind == "end" for e in entries):
+                    status, attempt = await rc.hmget(
+                        self.hub.redis, self.turn_key, ["status", "attempt"]
+                    )
+                    batch.rest = (status, attempt)
+                # The lag from the append to this hand-over, once per event (not per reader).
+                now_ms = time.time() * 1000
+                observe = self.hub.metrics.delivery_lag_seconds.observe
+                for entry in entries:
+                    observe(max(0.0, now_ms - entry.sort_key[0]) / 1000)
                 for subscription in self.subscriptions:
                     subscription.put(batch)
         finally:
@@ -173,18 +210,25 @@ class _Feed:
 class Hub:
     """All feeds of one process."""
 
-    def __init__(self, blocking_redis: Redis, metrics: Metrics) -> None:
+    def __init__(self, blocking_redis: Redis, metrics: Metrics, redis: Redis | None = None) -> None:
         self.blocking_redis = blocking_redis
+        self.redis = redis if redis is not None else blocking_redis  # for short calls
         self.metrics = metrics
         self._feeds: dict[str, _Feed] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # including cancelled ones still unwinding
         self._closed = False
 
-    def subscribe(self, key: str, start: str | None = None) -> _Subscription:
-        """Join (or start, reading after ``start``) the feed of one stream."""
+    def subscribe(
+        self, key: str, start: str | None = None, turn_key: str | None = None
+    ) -> _Subscription:
+        """Join (or start, reading after ``start``) the feed of one stream.
+
+        With ``turn_key``, the feed looks up the turn's state after each batch holding an
+        ``end`` event, for all its readers at once.
+        """
         feed = self._feeds.get(key)
         if feed is None or feed.task is None or feed.task.done():
-            feed = _Feed(self, key, start)
+            feed = _Feed(self, key, start, turn_key)
             self._feeds[key] = feed
             self.metrics.live_streams.set(len(self._feeds))
         subscription = _Subscription(feed)
@@ -286,20 +330,49 @@ class Streams:
         last = await rc.last_entry_id(self._redis, key)
         return last is None or id_key(last) <= id_key(after)
 
-    async def _range(self, key: str, after: str, until: str = "+") -> AsyncIterator[Entry]:
+    async def _pages(
+        self, key: str, after: str, until: str = "+", first: int | None = None
+    ) -> AsyncIterator[list[Entry]]:
+        """The stored events after ``after`` (up to ``until``), a page at a time; the first page
+        may be smaller, so that a reader resuming in a long stream gets its first event soon."""
         size = self._settings.json_page_size
+        count = min(first or size, size)
         start = "(" + after
         while True:
-            page = await rc.xrange(self._redis, key, start, until, size)
-            for entry_id, fields in page:
-                yield Entry.from_redis(entry_id, fields)
-            if len(page) < size:
+            page = await rc.xrange(self._redis, key, start, until, count)
+            if page:
+                yield [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
+            if len(page) < count:
                 return
             start = "(" + page[-1][0]
+            count = size
+
+    async def _range(self, key: str, after: str, until: str = "+") -> list[Entry]:
+        return [entry async for page in self._pages(key, after, until) for entry in page]
 
     async def follow(self, location: Location, after: str) -> AsyncIterator[Entry | Heartbeat]:
         """Every event after entry id ``after``, live, until the turn's final ``end``."""
+        async for item in self.follow_chunks(location, after):
+            if isinstance(item, Heartbeat):
+                yield item
+            else:
+                for entry in item.entries:
+                    yield entry
+
+    async def _ending(self, location: Location, entries: Sequence[Entry]) -> int | None:
+        """The length of ``entries`` up to an ``end`` that ends the read (the turn is at rest
+        on that attempt), or None when the read goes on."""
+        for index, entry in enumerate(entries):
+            if entry.kind == "end" and await self._at_rest(location, entry.attempt()):
+                return index + 1
+        return None
+
+    async def follow_chunks(
+        self, location: Location, after: str
+    ) -> AsyncIterator[Chunk | Heartbeat]:
+        """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk)."""
         key = self._keys.events(location.conversation_id, location.turn_id)
+        turn_key = self._keys.turn(location.conversation_id, location.turn_id)
         position = id_key(after)
         heartbeat_s = self._settings.sse_heartbeat_s
         subscription: _Subscription | None = None
@@ -309,51 +382,68 @@ class Streams:
             # already passed is in Redis by now, so no event waits for a later one to surface.
             for phase in ("replay", "catch-up"):
                 if phase == "catch-up":
-                    subscription = self._hub.subscribe(key, after)
-                async for entry in self._range(key, after):
-                    yield entry
-                    position, after = entry.sort_key, entry.entry_id
-                    if entry.kind == "end" and await self._at_rest(location, entry.attempt()):
+                    subscription = self._hub.subscribe(key, after, turn_key)
+                async for page in self._pages(key, after, first=FIRST_PAGE):
+                    ending = await self._ending(location, page)
+                    page = page if ending is None else page[:ending]
+                    yield Chunk.of(page)
+                    position, after = page[-1].sort_key, page[-1].entry_id
+                    if ending is not None:
                         return
             assert subscription is not None
             if await self._at_rest(location):
                 # Final before we looked: anything after our position ends with the `end` event.
-                async for entry in self._range(key, after):
-                    yield entry
+                async for page in self._pages(key, after):
+                    yield Chunk.of(page)
                 return
             while True:
                 batch = await subscription.get(heartbeat_s)
                 if batch is None and subscription.overflowed:
                     # Too slow for the live queue: catch up from Redis, which has everything.
                     subscription.overflowed = False
-                    batch = _Batch(after, [e async for e in self._range(key, after)])
+                    batch = _Batch(after, await self._range(key, after))
                 elif batch is None:
                     yield HEARTBEAT
                     if await self._at_rest(location):
-                        async for entry in self._range(key, after):
-                            yield entry
+                        async for page in self._pages(key, after):
+                            yield Chunk.of(page)
                         return
                     continue
-                entries = batch.entries
-                if id_key(batch.after) > position:
-                    gap = [e async for e in self._range(key, after, batch.after)]
-                    entries = gap + entries
-                now_ms = time.time() * 1000
-                for entry in entries:
-                    if entry.sort_key <= position:
-                        continue
-                    self._metrics.delivery_lag_seconds.observe(
-                        max(0.0, now_ms - entry.sort_key[0]) / 1000
-                    )
-                    yield entry
-                    position, after = entry.sort_key, entry.entry_id
-                    if entry.kind == "end" and await self._at_rest(location, entry.attempt()):
-                        return
+                if id_key(batch.after) == position:
+                    chunk = batch.chunk  # the usual case: exactly what follows, shared
+                else:
+                    entries = batch.entries
+                    if id_key(batch.after) > position:
+                        entries = await self._range(key, after, batch.after) + entries
+                    chunk = Chunk.of([e for e in entries if e.sort_key > position])
+                if not chunk.entries:
+                    continue
+                ending = await self._batch_ending(location, batch, chunk.entries)
+                if ending is not None:
+                    chunk = Chunk.of(chunk.entries[:ending])
+                yield chunk
+                position, after = chunk.entries[-1].sort_key, chunk.entries[-1].entry_id
+                if ending is not None:
+                    return
         except _Closed:
             return
         finally:
             if subscription is not None:
                 self._hub.unsubscribe(subscription)
+
+    async def _batch_ending(
+        self, location: Location, batch: _Batch, entries: Sequence[Entry]
+    ) -> int | None:
+        """:meth:`_ending` for a live batch, answered from the feed's own look when it has one."""
+        if batch.rest is None:
+            return await self._ending(location, entries)
+        status, attempt = batch.rest
+        for index, entry in enumerate(entries):
+            if entry.kind != "end":
+                continue
+            if status is None or (status in FINAL_STATUSES and attempt == str(entry.attempt())):
+                return index + 1
+        return None
 
     async def page(self, location: Location, offset: str) -> dict[str, Any]:
         """A catch-up page for polling clients."""

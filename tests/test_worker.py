@@ -102,7 +102,8 @@ def test_a_redis_blip_mid_turn_leaves_the_job_for_a_takeover(
 
     monkeypatch.setattr(TurnWriter, "append", flaky)
     broker = broker_factory(lease_ttl_ms=200, job_reclaim_idle_ms=400)
-    turn = start_turn(broker.base_url, turn_id="blip", tokens=10, tokens_per_s=0)
+    # Paced, so that each delta is its own append (deltas arriving together share one).
+    turn = start_turn(broker.base_url, turn_id="blip", tokens=10, tokens_per_s=100)
     final = wait_final(broker.base_url, "blip", timeout=15)
     assert final["status"] == "interrupted"
     assert final["attempts"][0]["reason"] == "worker_lost"

@@ -334,10 +334,10 @@ async def _frames(
     keeper = asyncio.create_task(viewer.keep()) if viewer is not None else None
     try:
         yield opening_frame(rt.settings.sse_retry_ms, announce)
-        async for item in rt.streams.follow(location, after):
+        async for item in rt.streams.follow_chunks(location, after):
             if viewer is not None and viewer.lost:
                 return
-            yield PING if isinstance(item, Heartbeat) else item.frame
+            yield PING if isinstance(item, Heartbeat) else item.data
     finally:
         viewers.dec()
         if keeper is not None and viewer is not None:
