@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError, ResponseError
 
 log = logging.getLogger("broker.connection")
@@ -24,25 +25,36 @@ def redact(url: str) -> str:
     return f"{scheme}{sep}{user}:***@{host}" if user else f"{scheme}{sep}***@{host}"
 
 
-def client(url: str, *, max_connections: int = 512, socket_timeout: float = 10.0) -> Redis:
+def client(
+    url: str,
+    *,
+    max_connections: int = 512,
+    socket_timeout: float = 10.0,
+    wait_s: float | None = None,
+) -> Redis:
     """A client for ``url`` that answers strings.
 
     ``socket_timeout`` bounds every reply; a client used for blocking reads must be given more
-    than its longest BLOCK, or a quiet stream reads as a dead server.
+    than its longest BLOCK, or a quiet stream reads as a dead server. With ``wait_s``, a call
+    that finds all ``max_connections`` busy waits that long for one instead of failing at once.
     """
-    return Redis.from_url(
-        url,
-        decode_responses=True,
-        max_connections=max_connections,
-        socket_connect_timeout=5,
-        socket_timeout=socket_timeout,
-        health_check_interval=30,
-    )
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "max_connections": max_connections,
+        "socket_connect_timeout": 5,
+        "socket_timeout": socket_timeout,
+        "health_check_interval": 30,
+    }
+    if wait_s is None:
+        return Redis.from_url(url, **options)
+    pool = BlockingConnectionPool.from_url(url, timeout=wait_s, **options)
+    return Redis(connection_pool=pool)
 
 
 async def connect(url: str) -> Redis:
     """Connect and ping; raise ``RedisConnectError`` with one line saying what failed."""
-    redis = client(url)
+    # A burst of short calls (a thousand readers at once) waits for a connection, never fails.
+    redis = client(url, wait_s=5.0)
     try:
         await redis.ping()
     except (RedisError, OSError) as exc:

@@ -56,17 +56,19 @@ class EventStreamResponse(Response):
         self._source = source
         self._send_timeout_s = send_timeout_s
         self._raw_headers = HEADERS + (extra_headers or [])
+        self._sending_since: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self._raw_headers})
         pump = asyncio.create_task(self._pump(send))
         watch = asyncio.create_task(_wait_for_disconnect(receive))
+        stuck = asyncio.create_task(self._watch_sends())
         try:
-            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({pump, watch, stuck}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (pump, watch):
+            for task in (pump, watch, stuck):
                 task.cancel()
-            for task in (pump, watch):
+            for task in (pump, watch, stuck):
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
             await _close(self._source)
@@ -83,17 +85,26 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send_all(self, send: Send) -> None:
+        loop = asyncio.get_running_loop()
         async for chunk in self._source:
-            try:
-                # asyncio.timeout, not wait_for: no task per write (a write per event per reader).
-                async with asyncio.timeout(self._send_timeout_s):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except TimeoutError:
-                log.info(
-                    "closing a stream whose client did not read for %s s", self._send_timeout_s
-                )
-                return
+            # A write that blocks (the client stopped reading) is ended by _watch_sends: one
+            # timer per response instead of one per write.
+            self._sending_since = loop.time()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._sending_since = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _watch_sends(self) -> None:
+        """End the response when one write has waited ``send_timeout_s`` for the client."""
+        loop = asyncio.get_running_loop()
+        timeout = self._send_timeout_s
+        while True:
+            since = self._sending_since
+            if since is not None and loop.time() - since >= timeout:
+                log.info("closing a stream whose client did not read for %s s", timeout)
+                return
+            wait = timeout if since is None else since + timeout - loop.time()
+            await asyncio.sleep(max(wait, 0.01))
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -93,6 +93,11 @@ class Chunk:
     def of(cls, entries: Sequence[Entry]) -> Chunk:
         return cls(entries, b"".join(e.frame for e in entries))
 
+    @classmethod
+    def join(cls, chunks: Sequence[Chunk]) -> Chunk:
+        entries = [entry for chunk in chunks for entry in chunk.entries]
+        return cls(entries, b"".join(chunk.data for chunk in chunks))
+
 
 @dataclasses.dataclass(slots=True)
 class _Batch:
@@ -139,17 +144,39 @@ class _Subscription:
 
     async def get(self, timeout: float) -> _Batch | None:
         """The next batch, None after ``timeout`` seconds of quiet; raises _Closed."""
-        while not self.queue:
+        batches = await self.get_all(timeout)
+        if batches is None:
+            return None
+        self.queue.extendleft(reversed(batches[1:]))
+        return batches[0]
+
+    async def get_all(self, timeout: float) -> list[_Batch] | None:
+        """Every batch waiting (at least one), None after ``timeout`` seconds of quiet.
+
+        A reader that falls behind takes several batches at once and writes them to its client
+        in one go: under load, readers make fewer, larger writes instead of falling further
+        behind.
+        """
+        if not self.queue:
             if self.closed:
                 raise _Closed()
             if self.overflowed:
                 return None
             self.wake.clear()
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout)
+                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                    while not self.queue:
+                        if self.closed:
+                            raise _Closed()
+                        if self.overflowed:
+                            return None
+                        await self.wake.wait()
+                        self.wake.clear()
             except TimeoutError:
                 return None
-        return self.queue.popleft()
+        batches = list(self.queue)
+        self.queue.clear()
+        return batches
 
 
 class _Feed:
@@ -384,11 +411,11 @@ class Streams:
                 if phase == "catch-up":
                     subscription = self._hub.subscribe(key, after, turn_key)
                 async for page in self._pages(key, after, first=FIRST_PAGE):
-                    ending = await self._ending(location, page)
-                    page = page if ending is None else page[:ending]
+                    stop = await self._ending(location, page)
+                    page = page if stop is None else page[:stop]
                     yield Chunk.of(page)
                     position, after = page[-1].sort_key, page[-1].entry_id
-                    if ending is not None:
+                    if stop is not None:
                         return
             assert subscription is not None
             if await self._at_rest(location):
@@ -397,32 +424,39 @@ class Streams:
                     yield Chunk.of(page)
                 return
             while True:
-                batch = await subscription.get(heartbeat_s)
-                if batch is None and subscription.overflowed:
+                batches = await subscription.get_all(heartbeat_s)
+                if batches is None and subscription.overflowed:
                     # Too slow for the live queue: catch up from Redis, which has everything.
                     subscription.overflowed = False
-                    batch = _Batch(after, await self._range(key, after))
-                elif batch is None:
+                    batches = [_Batch(after, await self._range(key, after))]
+                elif batches is None:
                     yield HEARTBEAT
                     if await self._at_rest(location):
                         async for page in self._pages(key, after):
                             yield Chunk.of(page)
                         return
                     continue
-                if id_key(batch.after) == position:
-                    chunk = batch.chunk  # the usual case: exactly what follows, shared
-                else:
-                    entries = batch.entries
-                    if id_key(batch.after) > position:
-                        entries = await self._range(key, after, batch.after) + entries
-                    chunk = Chunk.of([e for e in entries if e.sort_key > position])
-                if not chunk.entries:
-                    continue
-                ending = await self._batch_ending(location, batch, chunk.entries)
-                if ending is not None:
-                    chunk = Chunk.of(chunk.entries[:ending])
-                yield chunk
-                position, after = chunk.entries[-1].sort_key, chunk.entries[-1].entry_id
+                parts: list[Chunk] = []
+                ending = None
+                for batch in batches:
+                    if id_key(batch.after) == position:
+                        chunk = batch.chunk  # the usual case: exactly what follows, shared
+                    else:
+                        entries = batch.entries
+                        if id_key(batch.after) > position:
+                            entries = await self._range(key, after, batch.after) + entries
+                        chunk = Chunk.of([e for e in entries if e.sort_key > position])
+                    if not chunk.entries:
+                        continue
+                    ending = await self._batch_ending(location, batch, chunk.entries)
+                    if ending is not None:
+                        chunk = Chunk.of(chunk.entries[:ending])
+                    parts.append(chunk)
+                    position, after = chunk.entries[-1].sort_key, chunk.entries[-1].entry_id
+                    if ending is not None:
+                        break
+                if parts:
+                    yield parts[0] if len(parts) == 1 else Chunk.join(parts)
                 if ending is not None:
                     return
         except _Closed:

@@ -40,10 +40,8 @@ def test_a_stop_during_grouped_appends_keeps_text_and_stream_in_step(
     broker = broker_factory()
     for n in range(5):
         turn = start_turn(broker.base_url, f"c{n}", tokens=50_000, tokens_per_s=0, seed=n)
-        wait_until(
-            lambda t=turn: read_sse(broker.base_url, t["stream_id"], stop_after=20).events,
-            timeout=10,
-        )  # fmt: skip
+        stream_id = turn["stream_id"]
+        assert read_sse(broker.base_url, stream_id, stop_after=20, timeout=10).events
         response = httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
         assert response.status_code == 200
         final = wait_final(broker.base_url, turn["turn_id"])
@@ -53,3 +51,30 @@ def test_a_stop_during_grouped_appends_keeps_text_and_stream_in_step(
         assert events[-1].data["status"] == "cancelled"
         # The stored answer is exactly what readers got: no queued delta counted unwritten.
         assert final["canonical"]["text"] == text_of(events)
+
+
+def test_a_reader_that_stops_reading_is_let_go_after_the_send_timeout(
+    broker_factory: BrokerFactory,
+) -> None:
+    import socket
+    from urllib.parse import urlparse
+
+    broker = broker_factory(sse_send_timeout_s=0.5, max_stream_events=200_000)
+    turn = start_turn(broker.base_url, "c", tokens=100_000, tokens_per_s=0)
+    url = urlparse(broker.base_url)
+    sock = socket.create_connection((url.hostname, url.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        request = f"GET /v1/streams/{turn['stream_id']} HTTP/1.1\r\nHost: x\r\n\r\n"
+        sock.sendall(request.encode())
+
+        def viewers() -> float:
+            return broker.metric("broker_stream_viewers", '{mode="sse"}')
+
+        wait_until(lambda: viewers() == 1, timeout=10)
+        # Never read: the broker's writes back up (8 MB is more than the socket buffers
+        # hold), and after 0.5 s of that it lets go, long before the answer could be sent.
+        wait_until(lambda: viewers() == 0, timeout=30, interval=0.1)
+    finally:
+        sock.close()
+        httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)

@@ -16,7 +16,7 @@ from redis.typing import EncodableT, FieldT
 from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.settings import Settings
-from broker.streams import Entry, Hub, Location, Streams, _Batch, _Feed
+from broker.streams import Chunk, Entry, Hub, Location, Streams, _Batch, _Feed
 
 _n = itertools.count()
 
@@ -173,3 +173,26 @@ async def test_events_between_replay_and_joining_the_feed_arrive_without_a_heart
 
 async def collect(follow: AsyncIterator[Any]) -> list[Any]:
     return [item async for item in follow]
+
+
+@pytest.mark.usefixtures("manual_feeds")
+async def test_a_reader_behind_takes_every_waiting_batch_in_one_write(aredis: Redis) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    first = await add(aredis, key, "attempt", {"strategy": "initial"})
+    chunks = streams.follow_chunks(location, "0-0")
+    replayed = await asyncio.wait_for(anext(chunks), 5)
+    assert [e.entry_id for e in replayed.entries] == [first.entry_id]  # type: ignore[union-attr]
+    wait = asyncio.ensure_future(anext(chunks))
+    await asyncio.sleep(0)
+    (subscription,) = hub._feeds[key].subscriptions
+    later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(6)]
+    # Three batches arrive before the reader runs again: one chunk, one write, in order.
+    subscription.put(_Batch(first.entry_id, later[0:2]))
+    subscription.put(_Batch(later[1].entry_id, later[2:5]))
+    subscription.put(_Batch(later[4].entry_id, later[5:6]))
+    chunk = await asyncio.wait_for(wait, 5)
+    assert isinstance(chunk, Chunk)
+    assert [e.entry_id for e in chunk.entries] == [e.entry_id for e in later]
+    assert chunk.data == b"".join(e.frame for e in later)
+    await chunks.aclose()  # type: ignore[attr-defined]

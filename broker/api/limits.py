@@ -41,7 +41,9 @@ class BodySizeLimit:
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            # No route reads a body here: no counting, and nothing wrapped around the
+            # response (a stream's every write would pass through the wrapper).
             await self.app(scope, receive, send)
             return
         for name, value in scope["headers"]:
