@@ -83,7 +83,8 @@ class Metrics:
                 self.attempts.labels(strategy, attempt_outcome)
         self.delivery_lag_seconds = Histogram(
             "broker_delivery_lag_seconds",
-            "Time from an event's append to its hand-over to a live reader.",
+            "Time from an event's append to its hand-over to this process's live readers "
+            "(once per event and process, whatever the number of readers).",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
