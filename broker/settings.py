@@ -42,6 +42,7 @@ class Settings:
     sse_send_timeout_s: float = 30.0
     drain_timeout_s: float = 10.0
     json_page_size: int = 1_000
+    sse_replay_page: int = 4_096  # events per read (and per write) when an SSE reader replays
     simulate_max_tokens_per_s: float = 0.0
     max_attempts_per_turn: int = 2
     session_retry_budget: int = 20
@@ -98,7 +99,8 @@ class Settings:
             "stream_ttl", "tombstone_ttl", "max_stream_events", "max_body_bytes",
             "max_messages", "max_message_chars", "lease_ttl_ms", "job_reclaim_idle_ms",
             "worker_concurrency", "sse_heartbeat_s", "sse_retry_ms", "sse_send_timeout_s",
-            "drain_timeout_s", "json_page_size", "max_attempts_per_turn", "session_retry_window",
+            "drain_timeout_s", "json_page_size", "sse_replay_page", "max_attempts_per_turn",
+            "session_retry_window",
             "upstream_idle_timeout_s", "anthropic_max_tokens", "max_tool_steps", "tool_lease_ms",
             "tool_in_flight_wait_s", "attach_token_ttl", "attach_token_max_ttl",
             "max_header_bytes",

@@ -34,7 +34,9 @@ def manual_feeds(monkeypatch: pytest.MonkeyPatch) -> None:
 async def setup(aredis: Redis) -> tuple[Streams, Hub, Keys, Location]:
     prefix = f"handover{os.getpid()}-{next(_n)}"
     keys = Keys(prefix)
-    settings = Settings(redis_url="unix:///unused", key_prefix=prefix, json_page_size=3)
+    settings = Settings(
+        redis_url="unix:///unused", key_prefix=prefix, json_page_size=3, sse_replay_page=3
+    )
     metrics = Metrics()
     hub = Hub(aredis, metrics)
     location = Location("st_" + "0" * 32, "c", "t")
