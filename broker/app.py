@@ -70,7 +70,7 @@ class Runtime:
         metrics: Metrics,
         embedded: EmbeddedRedis | None,
         tools: ToolRegistry,
-        attach_secret: bytes | None = None,
+        auth: Authenticator | None = None,
     ) -> None:
         self.settings = settings
         self.redis = redis
@@ -82,8 +82,8 @@ class Runtime:
         self.providers = Providers(settings)
         self.hub = Hub(blocking_redis, metrics, redis)
         self.streams = Streams(redis, self.keys, self.hub, settings, metrics)
-        self.auth = Authenticator(settings, attach_secret or secrets.token_bytes(32))
-        if attach_secret is None:
+        self.auth = auth or Authenticator(settings, secrets.token_bytes(32))
+        if auth is None:
             log.warning("attach tokens are signed with a key of this process only")
         self.admission = Admission(redis, self.scripts, self.keys, settings, metrics)
         self.turns = Turns(
@@ -119,9 +119,9 @@ class Runtime:
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
             blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
             metrics = Metrics(providers={p.name: p.models for p in Providers(settings)})
-            secured = Authenticator(settings, b"").enabled
-            attach_secret = await shared_attach_secret(redis, settings, secured)
-            rt = cls(settings, redis, blocking, metrics, embedded, tools, attach_secret)
+            auth = Authenticator(settings, b"")
+            auth.attach_secret = await shared_attach_secret(redis, settings, auth.enabled)
+            rt = cls(settings, redis, blocking, metrics, embedded, tools, auth)
             if not rt.auth.enabled:
                 log.warning(
                     "AUTHENTICATION IS OFF: anyone who can reach this broker can start, read and "

@@ -103,7 +103,7 @@ class Authenticator:
 
     def __init__(self, settings: Settings, attach_secret: bytes) -> None:
         self._settings = settings
-        self._attach_secret = attach_secret
+        self.attach_secret = attach_secret  # signs attach tokens; set once, at start
         self._keys: dict[str, str] = {}
         if settings.api_keys:
             self._keys.update(parse_api_keys(settings.api_keys, "BROKER_API_KEYS"))
@@ -240,14 +240,14 @@ class Authenticator:
         }  # fmt: skip
         if one_viewer:
             claims["one"] = 1
-        token = jwt.encode(claims, self._attach_secret, algorithm=ATTACH_ALGORITHM)
+        token = jwt.encode(claims, self.attach_secret, algorithm=ATTACH_ALGORITHM)
         return AttachToken(token, expires_at)
 
     def check_attach(self, token: str) -> Principal:
         """The principal of an attach token; 401 when forged, expired or malformed."""
         try:
             claims = jwt.decode(
-                token, self._attach_secret, algorithms=[ATTACH_ALGORITHM],
+                token, self.attach_secret, algorithms=[ATTACH_ALGORITHM],
                 audience=ATTACH_AUDIENCE, options={"require": ["exp", "sid", "jti"]},
             )  # fmt: skip
         except jwt.ExpiredSignatureError:

@@ -141,14 +141,6 @@ class _Subscription:
         self.closed = True
         self.wake.set()
 
-    async def get(self, timeout: float) -> _Batch | None:
-        """The next batch, None after ``timeout`` seconds of quiet; raises _Closed."""
-        batches = await self.get_all(timeout)
-        if batches is None:
-            return None
-        self.queue.extendleft(reversed(batches[1:]))
-        return batches[0]
-
     async def get_all(self, timeout: float) -> list[_Batch] | None:
         """Every batch waiting (at least one), None after ``timeout`` seconds of quiet.
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from email.utils import formatdate
@@ -35,62 +34,9 @@ from broker_client import (
 )
 from broker_client.__main__ import main
 from broker_client.errors import parse_retry_after
+from tests.client.scripted import BASE, FAST, Broker, drop, eid, error, frame, sse
 
-BASE = "http://broker.test"
 KEY = "key-acme-0123456789abcdef"
-FAST = AttachPolicy(max_retries=3, base_delay=0.0001, max_delay=0.001)
-
-Reply = httpx.Response | Exception | Callable[[httpx.Request], httpx.Response]
-
-
-class Broker:
-    """Serves scripted replies in order and records every request."""
-
-    def __init__(self, *replies: Reply) -> None:
-        self.replies: deque[Reply] = deque(replies)
-        self.requests: list[httpx.Request] = []
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        if not self.replies:
-            raise AssertionError(f"unexpected request {request.method} {request.url}")
-        reply = self.replies.popleft()
-        if isinstance(reply, Exception):
-            raise reply
-        if isinstance(reply, httpx.Response):
-            return reply
-        return reply(request)
-
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handle)
-
-
-def eid(n: int) -> str:
-    return f"{1764512345678 + n:016d}-0000000000"
-
-
-def frame(n: int, type: str, **data: Any) -> str:
-    return f"id: {eid(n)}\nevent: {type}\ndata: {json.dumps({'attempt': 1, **data})}\n\n"
-
-
-def sse(*chunks: str, fail: Exception | None = None) -> httpx.Response:
-    async def body() -> AsyncIterator[bytes]:
-        for chunk in chunks:
-            yield chunk.encode()
-        if fail is not None:
-            raise fail
-
-    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
-
-
-def error(status: int, code: str, headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.Response(
-        status, json={"error": {"code": code, "message": f"says {code}"}}, headers=headers
-    )
-
-
-def drop() -> httpx.ReadError:
-    return httpx.ReadError("connection reset by peer")
 
 
 @asynccontextmanager
@@ -235,7 +181,7 @@ async def test_refused_credentials_on_a_reconnect_end_attach_at_once(
 ) -> None:
     broker = Broker(
         sse(frame(1, "delta", text="a"), fail=drop()),
-        error(status, code, {"www-authenticate": "Bearer"} if status == 401 else None),
+        error(status, code, headers={"www-authenticate": "Bearer"} if status == 401 else None),
     )
     with pytest.raises(exc_type) as info:
         await collect(broker, token="t.o.k")
@@ -245,7 +191,7 @@ async def test_refused_credentials_on_a_reconnect_end_attach_at_once(
 
 
 async def test_429_on_start_turn_is_rate_limited_with_its_retry_after() -> None:
-    broker = Broker(error(429, "too_many_streams", {"retry-after": "7"}))
+    broker = Broker(error(429, "too_many_streams", headers={"retry-after": "7"}))
     async with connect(broker) as client:
         with pytest.raises(RateLimited) as info:
             await client.start_turn("c", [])
@@ -272,7 +218,7 @@ def test_retry_after_is_read_as_seconds_or_as_a_date() -> None:
 
 async def test_attach_waits_out_retry_after_on_429() -> None:
     broker = Broker(
-        error(429, "rate_limited", {"retry-after": "1"}),
+        error(429, "rate_limited", headers={"retry-after": "1"}),
         sse(frame(1, "end", status="complete")),
     )
     reconnects: list[ReconnectInfo] = []
@@ -299,7 +245,7 @@ async def test_429_without_retry_after_waits_at_least_the_base() -> None:
 
 async def test_503_retry_after_is_honoured_too() -> None:
     broker = Broker(
-        error(503, "redis_unavailable", {"retry-after": "1"}),
+        error(503, "redis_unavailable", headers={"retry-after": "1"}),
         sse(frame(1, "end", status="complete")),
     )
     reconnects: list[ReconnectInfo] = []
@@ -310,7 +256,7 @@ async def test_503_retry_after_is_honoured_too() -> None:
 
 async def test_a_retry_after_beyond_the_policy_ends_attach_with_the_429() -> None:
     policy = AttachPolicy(max_retries=3, base_delay=0.0001, max_delay=0.001, max_retry_after=5)
-    broker = Broker(error(429, "rate_limited", {"retry-after": "3600"}))
+    broker = Broker(error(429, "rate_limited", headers={"retry-after": "3600"}))
     with pytest.raises(RateLimited) as info:
         await collect(broker, policy=policy)
     assert info.value.retry_after == 3600.0
@@ -382,7 +328,7 @@ def test_cli_sends_the_api_key_from_the_flag_or_the_environment(
 def test_cli_refused_key_exits_2_with_the_code_and_without_the_key(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    broker = Broker(error(401, "bad_credentials", {"www-authenticate": "Bearer"}))
+    broker = Broker(error(401, "bad_credentials", headers={"www-authenticate": "Bearer"}))
     argv = ["tail", "st_1", "--url", BASE, "--api-key", KEY]
     assert main(argv, transport=broker.transport()) == 2
     out, err = capsys.readouterr()
