@@ -64,26 +64,29 @@ class _Viewer:
     def __init__(self, group: _Group) -> None:
         self.group = group
         self.deltas = 0
-        self.last_id = ""
+        self.last_id = b""
         self.ended = False
 
-    def on_event(self, event_id: str | None, event: str, data: bytes, now: float) -> bool:
+    def on_events(self, events: list[tuple[bytes, bytes, bytes]], now: float) -> bool:
         group = self.group
-        if event_id is not None:
-            if event_id <= self.last_id:
+        last_id = self.last_id
+        now_ms = now * 1000
+        for event_id, event, _ in events:
+            if event_id <= last_id:
                 group.out_of_order += 1
-                return False
-            self.last_id = event_id
-        if event == "delta" and event_id is not None:
-            group.index.append(self.deltas)
-            self.deltas += 1
-            sent_ms = entry_ms(event_id)
-            group.sent_ms.append(sent_ms)
-            group.lag_ms.append(now * 1000 - sent_ms)
-        elif event == "end":
-            self.ended = True
-            return True
-        return False
+                continue
+            last_id = event_id
+            if event == b"delta":
+                sent_ms = entry_ms(event_id)
+                group.index.append(self.deltas)
+                self.deltas += 1
+                group.sent_ms.append(sent_ms)
+                group.lag_ms.append(now_ms - sent_ms)
+            elif event == b"end":
+                self.ended = True
+                break
+        self.last_id = last_id
+        return self.ended
 
 
 class _Group:
@@ -127,7 +130,8 @@ async def _view(
         reader: SSEReader | None = None
         try:
             async with slots:
-                reader = await open_sse(base_url, path, viewer.on_event, viewer.last_id or None)
+                resume = viewer.last_id.decode() or None
+                reader = await open_sse(base_url, path, viewer.on_events, resume)
                 status = await asyncio.wait_for(
                     asyncio.shield(reader.opened), deadline - time.monotonic()
                 )

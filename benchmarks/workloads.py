@@ -58,24 +58,29 @@ class Reading:
     end_status: str | None = None
     end_at: float | None = None
 
-    def on_event(self, event_id: str | None, event: str, data: bytes, now: float) -> bool:
-        self.events += 1
+    def on_events(self, events: list[tuple[bytes, bytes, bytes]], now: float) -> bool:
+        self.events += len(events)
         if self.first_at is None:
             self.first_at = now
-        if event_id is not None:
-            if event_id <= self.last_id:
-                self.out_of_order += 1
-            self.last_id = event_id
-        if event == "delta":
-            self.deltas += 1
-            self.last_delta_at = now
-            self.last_delta_id = event_id
-            if self.first_delta_at is None:
-                self.first_delta_at, self.first_delta_id = now, event_id
-        elif event == "end":
-            self.end_status = str(orjson.loads(data).get("status"))
-            self.end_at = now
-            return True
+        last_id = self.last_id
+        for raw_id, event, data in events:
+            if raw_id:
+                event_id = raw_id.decode()
+                if event_id <= last_id:
+                    self.out_of_order += 1
+                last_id = event_id
+            if event == b"delta":
+                self.deltas += 1
+                self.last_delta_at = now
+                self.last_delta_id = last_id
+                if self.first_delta_at is None:
+                    self.first_delta_at, self.first_delta_id = now, last_id
+            elif event == b"end":
+                self.end_status = str(orjson.loads(data).get("status"))
+                self.end_at = now
+                self.last_id = last_id
+                return True
+        self.last_id = last_id
         return False
 
 
@@ -85,7 +90,7 @@ async def read_to_end(
     """Read a stream to its ``end`` event; also returns when the request was sent."""
     reading = Reading()
     sent = time.time()
-    reader = await open_sse(base_url, f"/v1/streams/{stream_id}", reading.on_event, last_event_id)
+    reader = await open_sse(base_url, f"/v1/streams/{stream_id}", reading.on_events, last_event_id)
     try:
         await asyncio.wait_for(asyncio.shield(reader.done), timeout)
     finally:
@@ -303,7 +308,7 @@ class LateReader:
         reading = Reading()
         sent = time.time()
         reader = await open_sse(
-            ctx.broker.base_url, f"/v1/streams/{self.stream_id}", reading.on_event, self.middle
+            ctx.broker.base_url, f"/v1/streams/{self.stream_id}", reading.on_events, self.middle
         )
         try:
             await asyncio.wait_for(asyncio.shield(reader.done), 60)
