@@ -48,6 +48,7 @@ from broker.metrics import Metrics
 from broker.providers import Providers
 from broker.scripts import Scripts
 from broker.settings import Settings
+from broker.sse import RawSend
 from broker.streams import FEED_BLOCK_MS, Hub, Streams
 from broker.tools import ToolRegistry
 from broker.turns import Turns
@@ -240,6 +241,7 @@ def create_app(
             expose_headers=["Retry-After", "WWW-Authenticate"],
             max_age=600,
         )
+    app.add_middleware(RawSend)  # outermost: event streams write their bodies past the rest
     return app
 
 

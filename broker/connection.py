@@ -10,6 +10,15 @@ from redis.exceptions import RedisError, ResponseError
 
 log = logging.getLogger("broker.connection")
 
+# Stream reads on the broker's clients answer Redis's own shape, [id, [field, value, ...]],
+# instead of a dict per entry: building those dicts was the largest cost of a replay.
+# ``redis_calls`` accepts both shapes.
+RAW_STREAM_REPLIES = ("XRANGE", "XREVRANGE", "XREAD")
+
+
+def _as_sent(response: Any, **options: Any) -> Any:
+    return response
+
 
 class RedisConnectError(RuntimeError):
     """Redis could not be reached at start."""
@@ -46,9 +55,13 @@ def client(
         "health_check_interval": 30,
     }
     if wait_s is None:
-        return Redis.from_url(url, **options)
-    pool = BlockingConnectionPool.from_url(url, timeout=wait_s, **options)
-    return Redis(connection_pool=pool)
+        redis = Redis.from_url(url, **options)
+    else:
+        pool = BlockingConnectionPool.from_url(url, timeout=wait_s, **options)
+        redis = Redis(connection_pool=pool)
+    for command in RAW_STREAM_REPLIES:
+        redis.set_response_callback(command, _as_sent)
+    return redis
 
 
 async def connect(url: str) -> Redis:

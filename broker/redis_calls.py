@@ -12,6 +12,15 @@ from typing import Any, cast
 from redis.asyncio import Redis
 
 Entries = list[tuple[str, dict[str, str]]]
+# A stream entry's fields as a broker client answers them (``connection.RAW_STREAM_REPLIES``):
+# Redis's own flat list, field, value, field, value... A client with redis-py's usual parsing
+# answers a dict; both are accepted everywhere.
+Fields = list[str] | dict[str, str]
+RawEntries = list[tuple[str, Fields]]
+
+
+def fields_dict(fields: Fields) -> dict[str, str]:
+    return fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=True))
 
 
 async def get(redis: Redis, key: str) -> str | None:
@@ -40,7 +49,14 @@ async def zrange_all(redis: Redis, key: str) -> list[str]:
 
 
 async def xrange(redis: Redis, key: str, start: str, end: str = "+", count: int = 1000) -> Entries:
-    return cast(Entries, await redis.xrange(key, min=start, max=end, count=count))
+    return [(i, fields_dict(f)) for i, f in await xrange_raw(redis, key, start, end, count)]
+
+
+async def xrange_raw(
+    redis: Redis, key: str, start: str, end: str = "+", count: int = 1000
+) -> RawEntries:
+    """:func:`xrange` without a dict per entry: for replays, where those dicts cost the most."""
+    return cast(RawEntries, await redis.xrange(key, min=start, max=end, count=count))
 
 
 async def last_entry_id(redis: Redis, key: str) -> str | None:
@@ -48,9 +64,13 @@ async def last_entry_id(redis: Redis, key: str) -> str | None:
     return reply[0][0] if reply else None
 
 
-async def xread(redis: Redis, key: str, after: str, count: int, block_ms: int) -> Entries:
-    reply = cast(list[Any] | None, await redis.xread({key: after}, count=count, block=block_ms))
-    return cast(Entries, reply[0][1]) if reply else []
+async def xread(redis: Redis, key: str, after: str, count: int, block_ms: int) -> RawEntries:
+    reply = await redis.xread({key: after}, count=count, block=block_ms)
+    if not reply:
+        return []
+    if isinstance(reply, dict):  # RESP3: {key: entries}
+        return cast(RawEntries, reply[key])
+    return cast(RawEntries, reply[0][1])  # RESP2: [[key, entries]]
 
 
 async def xreadgroup(

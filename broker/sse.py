@@ -4,6 +4,9 @@ The response races three things: the event source, the client's disconnect, and 
 timeout. Whichever ends first ends the response, and the source is always closed, so a reader's
 subscription is released the moment its client goes away. Heartbeats are SSE comments, so
 ``EventSource`` ignores them while proxies and clients see a live connection.
+
+While the source waits, a live feed may write a chunk for it (:meth:`EventStreamResponse.
+write_now`): one write, in order with the source's own, without waking the reader's task.
 """
 
 from __future__ import annotations
@@ -11,14 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Generator
+from typing import Any, Final
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("broker.sse")
 
 PING = b": ping\n\n"
+RAW_SEND: Final = "broker.raw_send"  # the scope key of the server's own send (see RawSend)
+
+# Writes a chunk at once, or returns False: see EventStreamResponse.write_now.
+DirectWrite = Callable[[bytes], bool]
 
 HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -40,59 +48,138 @@ def opening_frame(retry_ms: int, resume_offset: str | None) -> bytes:
     return f"retry: {retry_ms}\nid: {resume_offset}\n\n".encode()
 
 
+class RawSend:
+    """Outermost middleware: keeps the server's own ``send`` in the scope (``RAW_SEND``).
+
+    An event stream's body chunks go straight to it: the middleware between only looks at a
+    response's start (its headers), and on a live stream with a thousand readers each layer
+    is paid a thousand times per batch. Bodies that another middleware must see (compression,
+    say) would need to go through it; event streams are never compressed.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await self.app(scope, receive, send)
+
+
 class EventStreamResponse(Response):
-    """Streams ``source`` chunks as ``text/event-stream`` until it ends or the client leaves."""
+    """Streams chunks as ``text/event-stream`` until the source ends or the client leaves.
+
+    ``source`` is called with the response's :meth:`write_now`, which a live feed may call to
+    write a chunk while the source is waiting for one, and returns the chunks to write.
+    """
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
-        source: AsyncIterator[bytes],
+        source: Callable[[DirectWrite], AsyncIterator[bytes]],
         *,
         send_timeout_s: float,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(status_code=200)
-        self._source = source
+        self._source = source(self.write_now)
         self._send_timeout_s = send_timeout_s
         self._raw_headers = HEADERS + (extra_headers or [])
         self._sending_since: float | None = None
+        self._send_body: Send | None = None  # set once the response has started
+        self._finishing: asyncio.Task[None] | None = None  # a direct write the client holds up
+        self._over = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self._raw_headers})
-        pump = asyncio.create_task(self._pump(send))
+        self._send_body = scope.get(RAW_SEND, send)
+        pump = asyncio.create_task(self._pump())
         watch = asyncio.create_task(_wait_for_disconnect(receive))
         stuck = asyncio.create_task(self._watch_sends())
         try:
             await asyncio.wait({pump, watch, stuck}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (pump, watch, stuck):
+            self._over = True
+            tasks = [pump, watch, stuck]
+            if self._finishing is not None:
+                tasks.append(self._finishing)
+            for task in tasks:
                 task.cancel()
-            for task in (pump, watch, stuck):
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
             await _close(self._source)
 
-    async def _pump(self, send: Send) -> None:
+    def write_now(self, chunk: bytes) -> bool:
+        """Write ``chunk`` now, without waiting; False when that cannot be done (another write
+        is under way, or the response is over): the caller hands the chunk to the source instead.
+
+        The server's send returns at once unless the client is slow to read (the connection's
+        buffer is full); such a write is finished by a task, and later chunks wait for it.
+        """
+        send = self._send_body
+        busy = self._sending_since is not None or self._finishing is not None
+        if send is None or busy or self._over:
+            return False
+        message = {"type": "http.response.body", "body": chunk, "more_body": True}
+        steps = send(message).__await__()
         try:
-            await self._send_all(send)
+            waiting_on = steps.send(None)
+        except StopIteration:
+            return True
+        except Exception:  # the connection broke: the source's next write ends the response
+            return False
+        loop = asyncio.get_running_loop()
+        self._sending_since = loop.time()
+        self._finishing = loop.create_task(self._finish(steps, waiting_on))
+        return True
+
+    async def _finish(self, steps: Generator[Any, None, None], waiting_on: object) -> None:
+        """Drive a send that :meth:`write_now` started by hand, and that had to wait, to its end.
+
+        It waits on a future (or yielded bare, to let others run): wait for it to settle,
+        then resume the send, as a task would.
+        """
+        try:
+            while True:
+                if isinstance(waiting_on, asyncio.Future):
+                    await asyncio.wait([waiting_on])
+                else:
+                    await asyncio.sleep(0)
+                waiting_on = steps.send(None)
+        except StopIteration:
+            self._sending_since = None
+            self._finishing = None
+        finally:
+            steps.close()
+
+    async def _pump(self) -> None:
+        try:
+            await self._send_all()
         except (asyncio.CancelledError, OSError):
             raise
         except Exception as exc:
             # Redis went away mid-read (or a bug): end the response; the client resumes, and
             # meets a 503 until Redis is back. Never leave the socket hanging.
             log.warning("ending a stream early: %s: %s", type(exc).__name__, exc)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send(b"", more=False)
 
-    async def _send_all(self, send: Send) -> None:
-        loop = asyncio.get_running_loop()
+    async def _send_all(self) -> None:
         async for chunk in self._source:
-            # A write that blocks (the client stopped reading) is ended by _watch_sends: one
-            # timer per response instead of one per write.
-            self._sending_since = loop.time()
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            self._sending_since = None
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send(chunk)
+        await self._send(b"", more=False)
+
+    async def _send(self, chunk: bytes, *, more: bool = True) -> None:
+        finishing, self._finishing = self._finishing, None
+        if finishing is not None:
+            await finishing  # a direct write goes first: it was accepted before this chunk
+        assert self._send_body is not None
+        # A write that blocks (the client stopped reading) is ended by _watch_sends: one
+        # timer per response instead of one per write.
+        self._sending_since = asyncio.get_running_loop().time()
+        await self._send_body({"type": "http.response.body", "body": chunk, "more_body": more})
+        self._sending_since = None
 
     async def _watch_sends(self) -> None:
         """End the response when one write has waited ``send_timeout_s`` for the client."""

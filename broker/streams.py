@@ -1,23 +1,22 @@
 """The reading side: replay from an offset, hand over to live without gap or duplicate, fan out.
 
 A process that serves many readers of one stream issues one blocking ``XREAD`` for that stream
-(a *feed*), and hands each batch to every reader of the stream (a *subscription*). A reader first
+(a *feed*), and shares each batch with every reader of the stream (a *subscription*). A reader first
 replays from Redis with ``XRANGE`` up to where the feed stands, then takes live batches. Each batch
 says which entry id it follows, so a reader that sees a batch beginning past its position fills
 the gap from Redis before going on: the hand-over never loses or repeats an event, whatever the
-timing. A reader too slow to keep up drops its queue and catches up from Redis, which holds
-everything anyway; a slow client costs memory only up to ``QUEUE_LIMIT`` batches.
+timing. A reader too slow to keep up loses its place on the feed and catches up from Redis, which
+holds everything anyway; a slow client holds a feed's memory only up to ``QUEUE_LIMIT`` batches.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, Final
 
 import orjson
@@ -31,10 +30,13 @@ from broker.lease import FINAL_STATUSES
 from broker.metrics import Metrics
 from broker.offsets import NOW, START, ZERO_ID, from_entry_id, id_key, to_entry_id
 from broker.settings import Settings
+from broker.sse import DirectWrite
 
 log = logging.getLogger("broker.streams")
 
-QUEUE_LIMIT: Final = 256
+QUEUE_LIMIT: Final = 256  # batches a reader may be behind its feed before it reads Redis instead
+TICK_MAX_S: Final = 1.0  # the heartbeat ticker's period: a quarter of the heartbeat, within these
+TICK_MIN_S: Final = 0.01
 FIRST_PAGE: Final = 64  # a resuming reader's first page: its first event comes sooner
 FEED_BLOCK_MS: Final = 5_000
 FEED_MAX_FAILURES: Final = 3
@@ -52,11 +54,14 @@ class Entry:
     frame: bytes
 
     @classmethod
-    def from_redis(cls, entry_id: str, fields: dict[str, str]) -> Entry:
+    def from_redis(cls, entry_id: str, fields: rc.Fields) -> Entry:
         ms, _, seq = entry_id.partition("-")
         offset = f"{ms.zfill(16)}-{seq.zfill(10)}"  # as offsets.from_entry_id, without int()
-        kind = fields.get("e", "message")
-        data = fields.get("d", "{}")
+        if type(fields) is list and len(fields) == 4 and fields[0] == "e" and fields[2] == "d":
+            kind, data = fields[1], fields[3]  # the usual raw reply: type, then data
+        else:
+            named = rc.fields_dict(fields)
+            kind, data = named.get("e", "message"), named.get("d", "{}")
         frame = f"id: {offset}\nevent: {kind}\ndata: {data}\n\n".encode()
         return cls(entry_id, (int(ms), int(seq)), offset, kind, data, frame)
 
@@ -81,31 +86,53 @@ class Location:
     turn_id: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Chunk:
     """Consecutive events of one stream, with their SSE frames joined: one write to a client."""
 
-    entries: Sequence[Entry]
-    data: bytes
+    __slots__ = ("_entries", "_parts", "data", "last")
+
+    def __init__(self, parts: Sequence[Sequence[Entry]], data: bytes) -> None:
+        self._parts = parts
+        self._entries: Sequence[Entry] | None = parts[0] if len(parts) == 1 else None
+        self.data = data
+        self.last: Entry | None = next((part[-1] for part in reversed(parts) if part), None)
 
     @classmethod
     def of(cls, entries: Sequence[Entry]) -> Chunk:
-        return cls(entries, b"".join(e.frame for e in entries))
+        return cls([entries], b"".join(e.frame for e in entries))
 
     @classmethod
     def join(cls, chunks: Sequence[Chunk]) -> Chunk:
-        entries = [entry for chunk in chunks for entry in chunk.entries]
-        return cls(entries, b"".join(chunk.data for chunk in chunks))
+        """One chunk of several: their bytes joined, their entries listed only when asked for."""
+        parts = [part for chunk in chunks for part in chunk._parts]
+        return cls(parts, b"".join(chunk.data for chunk in chunks))
+
+    @property
+    def entries(self) -> Sequence[Entry]:
+        if self._entries is None:
+            self._entries = [entry for part in self._parts for entry in part]
+        return self._entries
 
 
-@dataclasses.dataclass(slots=True)
 class _Batch:
-    after: str  # the entry id this batch follows
-    entries: list[Entry]
-    # The turn's (status, attempt) as the feed read it right after a batch holding an `end`:
-    # one look for all the readers of the stream, instead of one each.
-    rest: tuple[str | None, str | None] | None = None
-    _chunk: Chunk | None = None
+    """What one read of a feed returned, shared by all the feed's readers."""
+
+    __slots__ = ("_chunk", "after", "after_key", "ends", "entries", "rest")
+
+    def __init__(
+        self,
+        after: str,
+        entries: list[Entry],
+        rest: tuple[str | None, str | None] | None = None,
+    ) -> None:
+        self.after = after  # the entry id this batch follows
+        self.after_key = id_key(after)
+        self.entries = entries
+        self.ends = any(entry.kind == "end" for entry in entries)
+        # The turn's (status, attempt) as the feed read it right after a batch holding an
+        # `end`: one look for all the readers of the stream, instead of one each.
+        self.rest = rest
+        self._chunk: Chunk | None = None
 
     @property
     def chunk(self) -> Chunk:
@@ -120,58 +147,87 @@ class _Closed(Exception):
 
 
 class _Subscription:
-    __slots__ = ("closed", "feed", "overflowed", "queue", "wake")
+    """One reader's place on its feed's tape."""
+
+    __slots__ = (
+        "after", "closed", "deadline", "feed", "index", "overflowed", "position", "ticked",
+        "timeout", "waiter", "write_now",
+    )  # fmt: skip
 
     def __init__(self, feed: _Feed) -> None:
         self.feed = feed
-        self.queue: collections.deque[_Batch] = collections.deque()
-        self.wake = asyncio.Event()
+        self.index = feed.end  # the next batch this reader takes; it starts with the next one
+        self.waiter: asyncio.Future[None] | None = None
+        self.timeout = 0.0
+        self.deadline = 0.0  # when a parked reader gets a heartbeat instead
         self.overflowed = False
+        self.ticked = False
         self.closed = False
+        # While parked, a reader with ``write_now`` standing at ``position`` (entry id
+        # ``after``) is written to by the feed itself: see _Feed.publish.
+        self.write_now: DirectWrite | None = None
+        self.position = (0, 0)
+        self.after = ZERO_ID
 
-    def put(self, batch: _Batch) -> None:
-        if len(self.queue) >= QUEUE_LIMIT:
-            self.queue.clear()
-            self.overflowed = True
-        else:
-            self.queue.append(batch)
-        self.wake.set()
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def close(self) -> None:
         self.closed = True
-        self.wake.set()
+        self.wake()
 
     async def get_all(self, timeout: float) -> list[_Batch] | None:
-        """Every batch waiting (at least one), None after ``timeout`` seconds of quiet.
+        """Every batch this reader has not taken yet (at least one); None after ``timeout``
+        seconds of quiet, or when it fell so far behind that it must catch up from Redis
+        (``overflowed``).
 
         A reader that falls behind takes several batches at once and writes them to its client
         in one go: under load, readers make fewer, larger writes instead of falling further
-        behind.
+        behind. Taking them costs the same whatever their number.
         """
-        if not self.queue:
+        feed = self.feed
+        while True:
             if self.closed:
                 raise _Closed()
+            start = self.index - feed.base
+            tape = feed.tape
+            if start < 0:
+                # The feed dropped batches this reader had not taken: Redis has them.
+                self.overflowed = True
+                self.index = feed.end
+                return None
+            if start < len(tape):
+                batches = tape[start:]
+                self.index += len(batches)
+                self.ticked = False
+                return batches
             if self.overflowed:
                 return None
-            self.wake.clear()
-            try:
-                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
-                    while not self.queue:
-                        if self.closed:
-                            raise _Closed()
-                        if self.overflowed:
-                            return None
-                        await self.wake.wait()
-                        self.wake.clear()
-            except TimeoutError:
+            if self.ticked:
+                self.ticked = False
                 return None
-        batches = list(self.queue)
-        self.queue.clear()
-        return batches
+            loop = asyncio.get_running_loop()
+            self.waiter = waiter = loop.create_future()
+            self.timeout = timeout
+            self.deadline = loop.time() + timeout
+            feed.parked.append(self)
+            feed.hub.heartbeat_within(timeout)
+            try:
+                await waiter
+            finally:
+                self.waiter = None
 
 
 class _Feed:
-    """One blocking XREAD loop for one stream, shared by every subscription in this process."""
+    """One blocking XREAD loop for one stream, shared by every subscription in this process.
+
+    The feed keeps the batches it read on a *tape*; each reader holds its place on it. A new
+    batch wakes the readers waiting for one (each at most once, whatever it missed), and a reader
+    takes everything after its place at once. The tape keeps what some reader has not taken, up
+    to ``QUEUE_LIMIT`` batches behind the newest: a reader further behind catches up from Redis.
+    """
 
     def __init__(self, hub: Hub, key: str, start: str | None, turn_key: str | None) -> None:
         self.hub = hub
@@ -180,6 +236,63 @@ class _Feed:
         self.start = start  # the first subscriber's position; None: the stream's tail
         self.subscriptions: set[_Subscription] = set()
         self.task: asyncio.Task[None] | None = None
+        self.tape: list[_Batch] = []
+        self.base = 0  # the number of batches dropped from the front of the tape
+        self.parked: list[_Subscription] = []  # readers waiting for the next batch
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.tape)
+
+    def publish(self, batch: _Batch) -> None:
+        """Put ``batch`` on the tape, and hand it to the readers waiting for one.
+
+        A waiting reader that stands right before the batch, and can be written to at once,
+        gets the batch's frames from here and goes on waiting: no task switch, no copy, one
+        write. The others (behind, or with a write under way), and every reader of a batch
+        holding an ``end`` (whose reader decides whether the read is over), are woken and take
+        it from the tape themselves.
+        """
+        index = self.end
+        self.tape.append(batch)
+        if len(self.tape) >= 2 * QUEUE_LIMIT:
+            self._trim()
+        parked, self.parked = self.parked, []
+        last = batch.entries[-1] if batch.entries else None
+        if batch.ends or last is None:
+            for subscription in parked:
+                subscription.wake()
+            return
+        data = batch.chunk.data
+        after_key = batch.after_key
+        now = asyncio.get_running_loop().time()
+        for subscription in parked:
+            write_now = subscription.write_now
+            if (
+                write_now is not None
+                and subscription.index == index
+                and subscription.position == after_key
+                and subscription.waiter is not None
+                and not subscription.waiter.done()
+                and write_now(data)
+            ):
+                subscription.index = index + 1
+                subscription.position, subscription.after = last.sort_key, last.entry_id
+                subscription.deadline = now + subscription.timeout
+                self.parked.append(subscription)
+            else:
+                subscription.wake()
+
+    def _trim(self) -> None:
+        end = self.end
+        oldest = min((s.index for s in self.subscriptions), default=end)
+        keep_from = max(oldest, end - QUEUE_LIMIT)
+        del self.tape[: keep_from - self.base]
+        self.base = keep_from
+
+    def unpark(self, subscription: _Subscription) -> None:
+        with contextlib.suppress(ValueError):
+            self.parked.remove(subscription)
 
     async def run(self) -> None:
         redis = self.hub.blocking_redis
@@ -209,7 +322,7 @@ class _Feed:
                 entries = [Entry.from_redis(i, f) for i, f in reply]
                 batch = _Batch(after, entries)
                 after = entries[-1].entry_id
-                if self.turn_key is not None and any(e.kind == "end" for e in entries):
+                if self.turn_key is not None and batch.ends:
                     status, attempt = await rc.hmget(
                         self.hub.redis, self.turn_key, ["status", "attempt"]
                     )
@@ -219,8 +332,13 @@ class _Feed:
                 observe = self.hub.metrics.delivery_lag_seconds.observe
                 for entry in entries:
                     observe(max(0.0, now_ms - entry.sort_key[0]) / 1000)
-                for subscription in self.subscriptions:
-                    subscription.put(batch)
+                self.publish(batch)
+        except Exception:
+            # Not Redis (a bug): end the reads, whose clients resume, rather than leave them
+            # waiting for a feed that is gone.
+            log.exception("stream feed %s failed", self.key)
+            for subscription in self.subscriptions:
+                subscription.close()
         finally:
             self.hub.forget(self)
 
@@ -235,6 +353,43 @@ class Hub:
         self._feeds: dict[str, _Feed] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # including cancelled ones still unwinding
         self._closed = False
+        self._tick_s = TICK_MAX_S
+        self._ticker: asyncio.Task[None] | None = None
+
+    def heartbeat_within(self, timeout: float) -> None:
+        """Make sure a reader parked now gets a heartbeat about ``timeout`` seconds from now.
+
+        One ticker per process looks at the parked readers a few times per heartbeat period,
+        instead of one timer per wait: readers wait often and almost never time out.
+        """
+        period = min(TICK_MAX_S, max(TICK_MIN_S, timeout / 4))
+        if period < self._tick_s:
+            self._tick_s = period
+        if self._ticker is None and not self._closed:
+            self._ticker = self._start(self._tick(), "feed heartbeats")
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._tick_s)
+            now = loop.time()
+            for feed in list(self._feeds.values()):
+                if not any(s.deadline <= now for s in feed.parked):
+                    continue
+                waiting = []
+                for subscription in feed.parked:
+                    if subscription.deadline <= now:
+                        subscription.ticked = True
+                        subscription.wake()
+                    else:
+                        waiting.append(subscription)
+                feed.parked = waiting
+
+    def _start(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def subscribe(
         self, key: str, start: str | None = None, turn_key: str | None = None
@@ -254,14 +409,13 @@ class Hub:
             subscription.close()
         feed.subscriptions.add(subscription)
         if feed.task is None:
-            feed.task = asyncio.create_task(feed.run(), name=f"feed {key}")
-            self._tasks.add(feed.task)
-            feed.task.add_done_callback(self._tasks.discard)
+            feed.task = self._start(feed.run(), f"feed {key}")
         return subscription
 
     def unsubscribe(self, subscription: _Subscription) -> None:
         feed = subscription.feed
         feed.subscriptions.discard(subscription)
+        feed.unpark(subscription)
         if not feed.subscriptions and feed.task is not None:
             feed.task.cancel()
             # A reader arriving before the cancelled task has unwound must get a fresh feed.
@@ -362,7 +516,7 @@ class Streams:
         count = min(first or size, size)
         start = "(" + after
         while True:
-            page = await rc.xrange(self._redis, key, start, until, count)
+            page = await rc.xrange_raw(self._redis, key, start, until, count)
             if page:
                 yield [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
             if len(page) < count:
@@ -391,9 +545,13 @@ class Streams:
         return None
 
     async def follow_chunks(
-        self, location: Location, after: str
+        self, location: Location, after: str, write_now: DirectWrite | None = None
     ) -> AsyncIterator[Chunk | Heartbeat]:
-        """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk)."""
+        """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk).
+
+        With ``write_now`` (the response's), live batches that follow this reader's position
+        while it waits may be written by the stream's feed directly: they are not yielded.
+        """
         key = self._keys.events(location.conversation_id, location.turn_id)
         turn_key = self._keys.turn(location.conversation_id, location.turn_id)
         position = id_key(after)
@@ -419,10 +577,13 @@ class Streams:
                 async for page in self._pages(key, after):
                     yield Chunk.of(page)
                 return
+            subscription.write_now = write_now
             while True:
+                subscription.position, subscription.after = position, after
                 batches = await subscription.get_all(heartbeat_s)
+                position, after = subscription.position, subscription.after  # after direct writes
                 if batches is None and subscription.overflowed:
-                    # Too slow for the live queue: catch up from Redis, which has everything.
+                    # Too slow for the live tape: catch up from Redis, which has everything.
                     subscription.overflowed = False
                     batches = [_Batch(after, await self._range(key, after))]
                 elif batches is None:
@@ -432,19 +593,32 @@ class Streams:
                             yield Chunk.of(page)
                         return
                     continue
+                if batches[0].after_key == position and not any(b.ends for b in batches):
+                    # The usual case: exactly what follows this reader's position, no `end`
+                    # among it, and the frames already joined for every reader of the batch.
+                    chunk = (
+                        batches[0].chunk
+                        if len(batches) == 1
+                        else Chunk.join([b.chunk for b in batches])
+                    )
+                    if chunk.last is not None:
+                        position, after = chunk.last.sort_key, chunk.last.entry_id
+                        yield chunk
+                    continue
                 parts: list[Chunk] = []
                 ending = None
                 for batch in batches:
-                    if id_key(batch.after) == position:
-                        chunk = batch.chunk  # the usual case: exactly what follows, shared
+                    if batch.after_key == position:
+                        chunk = batch.chunk
                     else:
                         entries = batch.entries
-                        if id_key(batch.after) > position:
+                        if batch.after_key > position:
                             entries = await self._range(key, after, batch.after) + entries
                         chunk = Chunk.of([e for e in entries if e.sort_key > position])
-                    if not chunk.entries:
+                    if chunk.last is None:
                         continue
-                    ending = await self._batch_ending(location, batch, chunk.entries)
+                    if any(entry.kind == "end" for entry in chunk.entries):
+                        ending = await self._batch_ending(location, batch, chunk.entries)
                     if ending is not None:
                         chunk = Chunk.of(chunk.entries[:ending])
                     parts.append(chunk)
@@ -482,7 +656,7 @@ class Streams:
         # Look at the status first: if it is final now, the page below reaches the `end` event.
         at_rest = await self._at_rest(location)
         size = self._settings.json_page_size
-        page = await rc.xrange(self._redis, key, "(" + after, "+", size)
+        page = await rc.xrange_raw(self._redis, key, "(" + after, "+", size)
         entries = [Entry.from_redis(i, f) for i, f in page]
         if entries:
             next_offset = entries[-1].offset

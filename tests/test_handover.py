@@ -13,10 +13,12 @@ import pytest
 from redis.asyncio import Redis
 from redis.typing import EncodableT, FieldT
 
+from broker import redis_calls as rc
+from broker.connection import client
 from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.settings import Settings
-from broker.streams import Chunk, Entry, Hub, Location, Streams, _Batch, _Feed
+from broker.streams import QUEUE_LIMIT, Chunk, Entry, Hub, Location, Streams, _Batch, _Feed
 
 _n = itertools.count()
 
@@ -73,17 +75,17 @@ async def test_overlapping_batches_are_deduplicated_and_gaps_filled(aredis: Redi
     (subscription,) = hub._feeds[key].subscriptions
     stored += [await add(aredis, key, "delta", {"text": str(i)}) for i in range(5, 9)]
     # A batch overlapping what replay delivered: only the new entry may come out.
-    subscription.put(_Batch(stored[2].entry_id, stored[3:6]))
+    subscription.feed.publish(_Batch(stored[2].entry_id, stored[3:6]))
     first_live = await asyncio.wait_for(wait, 5)
     assert isinstance(first_live, Entry)
     assert first_live.entry_id == stored[5].entry_id
     # A batch that starts past the reader's position: the gap is read from Redis first.
-    subscription.put(_Batch(stored[7].entry_id, stored[8:9]))
+    subscription.feed.publish(_Batch(stored[7].entry_id, stored[8:9]))
     assert [e.entry_id for e in await take(follow, 3)] == [e.entry_id for e in stored[6:9]]
     # The terminal event of a turn at rest ends the read.
     end = await add(aredis, key, "end", {"status": "complete", "reason": None})
     await aredis.hset(keys.turn("c", "t"), "status", "complete")
-    subscription.put(_Batch(stored[8].entry_id, [end]))
+    subscription.feed.publish(_Batch(stored[8].entry_id, [end]))
     assert (await take(follow, 1))[0].kind == "end"
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(anext(follow), 5)
@@ -91,7 +93,7 @@ async def test_overlapping_batches_are_deduplicated_and_gaps_filled(aredis: Redi
 
 
 @pytest.mark.usefixtures("manual_feeds")
-async def test_a_reader_that_overflows_its_queue_catches_up_from_redis(aredis: Redis) -> None:
+async def test_a_reader_that_falls_off_the_tape_catches_up_from_redis(aredis: Redis) -> None:
     streams, hub, keys, location = await setup(aredis)
     key = keys.events("c", "t")
     first = await add(aredis, key, "attempt", {"strategy": "initial"})
@@ -101,9 +103,9 @@ async def test_a_reader_that_overflows_its_queue_catches_up_from_redis(aredis: R
     await asyncio.sleep(0)
     (subscription,) = hub._feeds[key].subscriptions
     later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(6)]
-    for _ in range(300):  # more batches than the queue holds, all of them bogus
-        subscription.put(_Batch(first.entry_id, []))
-    assert subscription.overflowed
+    for _ in range(2 * QUEUE_LIMIT):  # more batches than the feed keeps, all of them bogus
+        subscription.feed.publish(_Batch(first.entry_id, []))
+    assert subscription.feed.base > subscription.index  # its place fell off the tape
     got = [await asyncio.wait_for(wait, 5), *await take(follow, 5)]
     assert [e.entry_id for e in got if isinstance(e, Entry)] == [e.entry_id for e in later]
     assert len(got) == len(later)
@@ -190,11 +192,142 @@ async def test_a_reader_behind_takes_every_waiting_batch_in_one_write(aredis: Re
     (subscription,) = hub._feeds[key].subscriptions
     later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(6)]
     # Three batches arrive before the reader runs again: one chunk, one write, in order.
-    subscription.put(_Batch(first.entry_id, later[0:2]))
-    subscription.put(_Batch(later[1].entry_id, later[2:5]))
-    subscription.put(_Batch(later[4].entry_id, later[5:6]))
+    subscription.feed.publish(_Batch(first.entry_id, later[0:2]))
+    subscription.feed.publish(_Batch(later[1].entry_id, later[2:5]))
+    subscription.feed.publish(_Batch(later[4].entry_id, later[5:6]))
     chunk = await asyncio.wait_for(wait, 5)
     assert isinstance(chunk, Chunk)
     assert [e.entry_id for e in chunk.entries] == [e.entry_id for e in later]
     assert chunk.data == b"".join(e.frame for e in later)
     await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def live_reader(
+    streams: Streams, hub: Hub, key: str, location: Location, written: list[bytes], accept: bool
+) -> tuple[AsyncIterator[Any], asyncio.Future[Any], Any]:
+    """A reader past its replay, waiting on the feed, whose response accepts direct writes
+    (into ``written``) while ``accept`` says so."""
+    state = {"accept": accept}
+
+    def write_now(chunk: bytes) -> bool:
+        if state["accept"]:
+            written.append(chunk)
+        return state["accept"]
+
+    chunks = streams.follow_chunks(location, "0-0", write_now)
+    await asyncio.wait_for(anext(chunks), 5)  # the replay
+    wait = asyncio.ensure_future(anext(chunks))
+    subscription = await parked(hub, key)
+    return chunks, wait, (subscription, state)
+
+
+async def parked(hub: Hub, key: str) -> Any:
+    """The feed's one subscription, once its reader waits on it (past replay and catch-up)."""
+    async with asyncio.timeout(5):
+        while True:
+            feed = hub._feeds.get(key)
+            if feed is not None and feed.parked:
+                (subscription,) = feed.parked
+                return subscription
+            await asyncio.sleep(0.001)
+
+
+@pytest.mark.usefixtures("manual_feeds")
+async def test_the_feed_writes_to_a_waiting_reader_that_stands_right_before_a_batch(
+    aredis: Redis,
+) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    first = await add(aredis, key, "attempt", {"strategy": "initial"})
+    written: list[bytes] = []
+    chunks, wait, (subscription, state) = await live_reader(
+        streams, hub, key, location, written, accept=True
+    )
+    later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(3)]
+    feed = subscription.feed
+    feed.publish(_Batch(first.entry_id, later[0:2]))
+    feed.publish(_Batch(later[1].entry_id, later[2:3]))
+    # Written by the feed itself, one write per batch; the reader still waits, at the new place.
+    assert written == [b"".join(e.frame for e in later[0:2]), later[2].frame]
+    assert not wait.done()
+    assert subscription.position == later[2].sort_key
+    # A response that cannot take a write now: the reader is woken and writes it itself.
+    state["accept"] = False
+    more = await add(aredis, key, "delta", {"text": "3"})
+    feed.publish(_Batch(later[2].entry_id, [more]))
+    chunk = await asyncio.wait_for(wait, 5)
+    assert [e.entry_id for e in chunk.entries] == [more.entry_id]
+    # An `end` is never written by the feed: the reader decides whether its read is over.
+    state["accept"] = True
+    wait = asyncio.ensure_future(anext(chunks))
+    await parked(hub, key)
+    end = await add(aredis, key, "end", {"status": "complete", "reason": None})
+    await aredis.hset(keys.turn("c", "t"), "status", "complete")
+    feed.publish(_Batch(more.entry_id, [end], rest=("complete", "1")))
+    chunk = await asyncio.wait_for(wait, 5)
+    assert [e.kind for e in chunk.entries] == ["end"]
+    assert len(written) == 2
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(chunks), 5)
+
+
+@pytest.mark.usefixtures("manual_feeds")
+async def test_a_reader_not_right_before_a_batch_is_woken_instead_of_written_to(
+    aredis: Redis,
+) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    await add(aredis, key, "attempt", {"strategy": "initial"})
+    written: list[bytes] = []
+    _chunks, wait, (subscription, _) = await live_reader(
+        streams, hub, key, location, written, accept=True
+    )
+    later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(3)]
+    # The batch begins past the reader's place: the gap must come from Redis first.
+    subscription.feed.publish(_Batch(later[0].entry_id, later[1:3]))
+    chunk = await asyncio.wait_for(wait, 5)
+    assert written == []
+    assert [e.entry_id for e in chunk.entries] == [e.entry_id for e in later]
+
+
+async def test_a_feed_that_fails_ends_its_reads(
+    aredis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    await add(aredis, key, "attempt", {"strategy": "initial"})
+
+    async def broken(*args: object, **kwargs: object) -> object:
+        raise KeyError("an unexpected reply")
+
+    monkeypatch.setattr("broker.redis_calls.xread", broken)
+    follow = streams.follow(location, "0-0")
+    await take(follow, 1)
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(follow), 5)  # ended, not left waiting
+    await hub.close()
+
+
+async def test_stream_reads_accept_both_reply_shapes(aredis: Redis, redis_url: str) -> None:
+    # The broker's clients answer stream reads as Redis sends them (a flat field list); a client
+    # with redis-py's own parsing answers dicts. Events come out the same from both.
+    _streams, _hub, keys, _location = await setup(aredis)
+    key = keys.events("c", "t")
+    await aredis.xadd(key, {"e": "delta", "d": '{"text": "a"}'})
+    await aredis.xadd(key, {"d": '{"text": "b"}', "e": "delta", "x": "1"})  # unusual order
+    broker_client = client(redis_url)
+    try:
+        raw = await rc.xrange_raw(broker_client, key, "-")
+        parsed = await rc.xrange_raw(aredis, key, "-")
+        assert isinstance(raw[0][1], list)
+        assert isinstance(parsed[0][1], dict)
+        from_raw = [Entry.from_redis(i, f) for i, f in raw]
+        assert from_raw == [Entry.from_redis(i, f) for i, f in parsed]
+        assert [(e.kind, e.data) for e in from_raw] == [
+            ("delta", '{"text": "a"}'), ("delta", '{"text": "b"}'),
+        ]  # fmt: skip
+        assert await rc.xrange(broker_client, key, "-") == await rc.xrange(aredis, key, "-")
+        fed = await rc.xread(broker_client, key, "0-0", 10, 10)
+        assert [Entry.from_redis(i, f) for i, f in fed] == from_raw
+    finally:
+        await broker_client.aclose()

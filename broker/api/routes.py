@@ -33,7 +33,7 @@ from broker.auth import Principal, require_actor
 from broker.errors import BadRequest, BrokerError, Conflict, Forbidden, Unauthorized
 from broker.metrics import AUTH_FAILURES
 from broker.offsets import NOW, START, ZERO_ID, from_entry_id, to_entry_id
-from broker.sse import PING, EventStreamResponse, opening_frame
+from broker.sse import PING, DirectWrite, EventStreamResponse, opening_frame
 from broker.streams import Heartbeat, Location
 from broker.turns import AttemptRequest, CanonicalRequest, TurnRequest
 
@@ -283,7 +283,7 @@ async def read_stream(
     announce = from_entry_id(after) if after != ZERO_ID or resume == NOW else None
     viewer = await _hold_viewer(rt, principal, location) if principal.one_viewer else None
     return EventStreamResponse(
-        _frames(rt, location, after, announce, viewer),
+        lambda write_now: _frames(rt, location, after, announce, viewer, write_now),
         send_timeout_s=rt.settings.sse_send_timeout_s,
     )
 
@@ -327,14 +327,26 @@ async def _hold_viewer(rt: Runtime, principal: Principal, location: Location) ->
 
 
 async def _frames(
-    rt: Runtime, location: Location, after: str, announce: str | None, viewer: ViewerLock | None
+    rt: Runtime,
+    location: Location,
+    after: str,
+    announce: str | None,
+    viewer: ViewerLock | None,
+    write_now: DirectWrite,
 ) -> AsyncIterator[bytes]:
     viewers = rt.metrics.viewers.labels("sse")
     viewers.inc()
     keeper = asyncio.create_task(viewer.keep()) if viewer is not None else None
+    if viewer is not None:
+        # A lost lock stops direct writes: the next chunk comes here, and ends the stream.
+        write = write_now
+
+        def write_now(chunk: bytes) -> bool:
+            return not viewer.lost and write(chunk)
+
     try:
         yield opening_frame(rt.settings.sse_retry_ms, announce)
-        async for item in rt.streams.follow_chunks(location, after):
+        async for item in rt.streams.follow_chunks(location, after, write_now):
             if viewer is not None and viewer.lost:
                 return
             yield PING if isinstance(item, Heartbeat) else item.data

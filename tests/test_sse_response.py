@@ -1,0 +1,130 @@
+"""The event-stream response's direct writes, against a scripted ASGI server.
+
+A live feed writes to a waiting reader's response itself (``write_now``). These tests drive the
+response with a ``send`` that can be made to wait, as a server's does when its client reads
+slowly, and check that every chunk arrives once, in order, and that a write the client holds
+up is let go after the send timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from starlette.types import Message
+
+from broker.sse import RAW_SEND, DirectWrite, EventStreamResponse
+
+
+class ScriptedServer:
+    """An ASGI server's side of one response: records body chunks; can hold writes up."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.started = asyncio.Event()
+        self.ended = asyncio.Event()
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.disconnect = asyncio.Event()
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started.set()
+            return
+        await self.writable.wait()  # as a server waits for its buffer to drain
+        if message.get("body"):
+            self.chunks.append(message["body"])
+        if not message.get("more_body", False):
+            self.ended.set()
+
+    async def receive(self) -> Message:
+        await self.disconnect.wait()
+        return {"type": "http.disconnect"}
+
+
+class Source:
+    """A reader: yields what the test puts in, after handing the response's writer out."""
+
+    def __init__(self) -> None:
+        self.write_now: DirectWrite | None = None
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.waiting = asyncio.Event()
+
+    def __call__(self, write_now: DirectWrite) -> AsyncIterator[bytes]:
+        self.write_now = write_now
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            self.waiting.set()
+            chunk = await self.queue.get()
+            self.waiting.clear()
+            if chunk is None:
+                return
+            yield chunk
+
+
+async def start(
+    source: Source, server: ScriptedServer, timeout_s: float = 5.0
+) -> asyncio.Task[None]:
+    response = EventStreamResponse(source, send_timeout_s=timeout_s)
+    scope = {"type": "http", RAW_SEND: server.send}
+    task = asyncio.create_task(response(scope, server.receive, server.send))
+    await asyncio.wait_for(server.started.wait(), 5)
+    await asyncio.wait_for(source.waiting.wait(), 5)
+    return task
+
+
+async def test_direct_writes_and_the_readers_own_arrive_once_in_order() -> None:
+    server, source = ScriptedServer(), Source()
+    task = await start(source, server)
+    assert source.write_now is not None
+    assert source.write_now(b"a")
+    assert source.write_now(b"b")
+    assert server.chunks == [b"a", b"b"]  # written at once, without a task switch
+    await source.queue.put(b"c")
+    await source.queue.put(None)
+    await asyncio.wait_for(server.ended.wait(), 5)
+    assert server.chunks == [b"a", b"b", b"c"]
+    await asyncio.wait_for(task, 5)
+    assert not source.write_now(b"late")  # the response is over
+
+
+async def test_a_held_up_direct_write_finishes_before_the_next_chunk() -> None:
+    server, source = ScriptedServer(), Source()
+    task = await start(source, server)
+    assert source.write_now is not None
+    server.writable.clear()  # the client stops reading
+    assert source.write_now(b"first")  # accepted: it will be written, by a task
+    assert not source.write_now(b"second")  # one write at a time: the reader takes this one
+    await source.queue.put(b"second")
+    await asyncio.sleep(0.05)
+    assert server.chunks == []
+    server.writable.set()
+    await source.queue.put(None)
+    await asyncio.wait_for(server.ended.wait(), 5)
+    assert server.chunks == [b"first", b"second"]
+    await asyncio.wait_for(task, 5)
+
+
+async def test_a_client_that_holds_up_a_direct_write_is_let_go() -> None:
+    server, source = ScriptedServer(), Source()
+    task = await start(source, server, timeout_s=0.2)
+    assert source.write_now is not None
+    server.writable.clear()
+    assert source.write_now(b"stuck")
+    # The watchdog ends the response; the source is closed and nothing more is written.
+    await asyncio.wait_for(task, 5)
+    assert server.chunks == []
+    assert not source.write_now(b"after")
+
+
+async def test_a_client_that_leaves_ends_the_response() -> None:
+    server, source = ScriptedServer(), Source()
+    task = await start(source, server)
+    assert source.write_now is not None
+    assert source.write_now(b"x")
+    server.disconnect.set()
+    await asyncio.wait_for(task, 5)
+    assert not source.write_now(b"y")
+    assert server.chunks == [b"x"]
