@@ -53,8 +53,9 @@ class RawSend:
 
     An event stream's body chunks go straight to it: the middleware between only looks at a
     response's start (its headers), and on a live stream with a thousand readers each layer
-    is paid a thousand times per batch. Bodies that another middleware must see (compression,
-    say) would need to go through it; event streams are never compressed.
+    is paid a thousand times per batch. This holds only while every middleware passes the start
+    on before the body (none buffers or compresses a response): one that held the start back
+    would let body chunks reach the server first. Event streams are never compressed.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -107,8 +108,8 @@ class EventStreamResponse(Response):
             for task in tasks:
                 task.cancel()
             for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await task
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task  # (what failed was logged where it failed)
             await _close(self._source)
 
     def write_now(self, chunk: bytes) -> bool:
@@ -151,6 +152,9 @@ class EventStreamResponse(Response):
         except StopIteration:
             self._sending_since = None
             self._finishing = None
+        except Exception as exc:  # the next chunk's send re-raises it and ends the response
+            log.info("a write the client held up failed: %s: %s", type(exc).__name__, exc)
+            raise
         finally:
             steps.close()
 

@@ -37,6 +37,7 @@ log = logging.getLogger("broker.streams")
 QUEUE_LIMIT: Final = 256  # batches a reader may be behind its feed before it reads Redis instead
 TICK_MAX_S: Final = 1.0  # the heartbeat ticker's period: a quarter of the heartbeat, within these
 TICK_MIN_S: Final = 0.01
+TRIM_EVERY: Final = 64  # batches between two looks for what every reader has taken
 FIRST_PAGE: Final = 64  # a resuming reader's first page: its first event comes sooner
 FEED_BLOCK_MS: Final = 5_000
 FEED_MAX_FAILURES: Final = 3
@@ -203,8 +204,6 @@ class _Subscription:
                 self.index += len(batches)
                 self.ticked = False
                 return batches
-            if self.overflowed:
-                return None
             if self.ticked:
                 self.ticked = False
                 return None
@@ -225,8 +224,10 @@ class _Feed:
 
     The feed keeps the batches it read on a *tape*; each reader holds its place on it. A new
     batch wakes the readers waiting for one (each at most once, whatever it missed), and a reader
-    takes everything after its place at once. The tape keeps what some reader has not taken, up
-    to ``QUEUE_LIMIT`` batches behind the newest: a reader further behind catches up from Redis.
+    takes everything after its place at once. The tape is emptied when a batch went to every
+    reader at once, and trimmed every ``TRIM_EVERY`` batches to what some reader has not taken,
+    at most ``QUEUE_LIMIT`` batches behind the newest: a reader further behind catches up from
+    Redis.
     """
 
     def __init__(self, hub: Hub, key: str, start: str | None, turn_key: str | None) -> None:
@@ -239,6 +240,7 @@ class _Feed:
         self.tape: list[_Batch] = []
         self.base = 0  # the number of batches dropped from the front of the tape
         self.parked: list[_Subscription] = []  # readers waiting for the next batch
+        self._published = 0
 
     @property
     def end(self) -> int:
@@ -255,35 +257,51 @@ class _Feed:
         """
         index = self.end
         self.tape.append(batch)
-        if len(self.tape) >= 2 * QUEUE_LIMIT:
-            self._trim()
+        self._published += 1
         parked, self.parked = self.parked, []
+        written = 0
         last = batch.entries[-1] if batch.entries else None
         if batch.ends or last is None:
             for subscription in parked:
                 subscription.wake()
-            return
-        data = batch.chunk.data
-        after_key = batch.after_key
-        now = asyncio.get_running_loop().time()
-        for subscription in parked:
-            write_now = subscription.write_now
-            if (
-                write_now is not None
-                and subscription.index == index
-                and subscription.position == after_key
-                and subscription.waiter is not None
-                and not subscription.waiter.done()
-                and write_now(data)
-            ):
-                subscription.index = index + 1
-                subscription.position, subscription.after = last.sort_key, last.entry_id
-                subscription.deadline = now + subscription.timeout
-                self.parked.append(subscription)
-            else:
-                subscription.wake()
+        else:
+            data = batch.chunk.data
+            after_key = batch.after_key
+            now = asyncio.get_running_loop().time()
+            for subscription in parked:
+                if self._write(subscription, index, after_key, data):
+                    subscription.index = index + 1
+                    subscription.position, subscription.after = last.sort_key, last.entry_id
+                    subscription.deadline = now + subscription.timeout
+                    self.parked.append(subscription)
+                    written += 1
+                else:
+                    subscription.wake()
+        if written == len(self.subscriptions):
+            self.tape.clear()  # every reader has it: nothing to keep
+            self.base = index + 1
+        elif len(self.tape) >= 2 * QUEUE_LIMIT or self._published % TRIM_EVERY == 0:
+            self._trim()
+
+    @staticmethod
+    def _write(
+        subscription: _Subscription, index: int, after_key: tuple[int, int], data: bytes
+    ) -> bool:
+        """Whether ``data`` was written to a waiting reader standing right before it."""
+        write_now, waiter = subscription.write_now, subscription.waiter
+        if write_now is None or waiter is None or waiter.done():
+            return False
+        if subscription.index != index or subscription.position != after_key:
+            return False
+        try:
+            return write_now(data)
+        except Exception:  # one response's failure must not stop the stream's other readers
+            log.exception("writing to a stream's reader failed")
+            return False
 
     def _trim(self) -> None:
+        """Drop the batches every reader has taken, and those more than ``QUEUE_LIMIT`` behind
+        the newest (whose readers then catch up from Redis)."""
         end = self.end
         oldest = min((s.index for s in self.subscriptions), default=end)
         keep_from = max(oldest, end - QUEUE_LIMIT)
@@ -334,12 +352,12 @@ class _Feed:
                     observe(max(0.0, now_ms - entry.sort_key[0]) / 1000)
                 self.publish(batch)
         except Exception:
-            # Not Redis (a bug): end the reads, whose clients resume, rather than leave them
-            # waiting for a feed that is gone.
             log.exception("stream feed %s failed", self.key)
+        finally:
+            # However it ended (a bug, not Redis; a shutdown), no reader is left waiting for a
+            # feed that is gone: their clients resume.
             for subscription in self.subscriptions:
                 subscription.close()
-        finally:
             self.hub.forget(self)
 
 
@@ -367,6 +385,12 @@ class Hub:
             self._tick_s = period
         if self._ticker is None and not self._closed:
             self._ticker = self._start(self._tick(), "feed heartbeats")
+            self._ticker.add_done_callback(self._ticker_ended)
+
+    def _ticker_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the heartbeat ticker failed; starting another", exc_info=task.exception())
+        self._ticker = None  # the next reader to wait starts another (unless closed)
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()

@@ -18,7 +18,17 @@ from broker.connection import client
 from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.settings import Settings
-from broker.streams import QUEUE_LIMIT, Chunk, Entry, Hub, Location, Streams, _Batch, _Feed
+from broker.streams import (
+    QUEUE_LIMIT,
+    TRIM_EVERY,
+    Chunk,
+    Entry,
+    Hub,
+    Location,
+    Streams,
+    _Batch,
+    _Feed,
+)
 
 _n = itertools.count()
 
@@ -249,8 +259,10 @@ async def test_the_feed_writes_to_a_waiting_reader_that_stands_right_before_a_ba
     feed.publish(_Batch(later[1].entry_id, later[2:3]))
     # Written by the feed itself, one write per batch; the reader still waits, at the new place.
     assert written == [b"".join(e.frame for e in later[0:2]), later[2].frame]
+    await asyncio.sleep(0.05)
     assert not wait.done()
     assert subscription.position == later[2].sort_key
+    assert feed.tape == []  # its only reader took both: the feed keeps nothing
     # A response that cannot take a write now: the reader is woken and writes it itself.
     state["accept"] = False
     more = await add(aredis, key, "delta", {"text": "3"})
@@ -308,14 +320,17 @@ async def test_a_feed_that_fails_ends_its_reads(
     await hub.close()
 
 
-async def test_stream_reads_accept_both_reply_shapes(aredis: Redis, redis_url: str) -> None:
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_stream_reads_accept_both_reply_shapes(
+    aredis: Redis, redis_url: str, protocol: int
+) -> None:
     # The broker's clients answer stream reads as Redis sends them (a flat field list); a client
     # with redis-py's own parsing answers dicts. Events come out the same from both.
     _streams, _hub, keys, _location = await setup(aredis)
     key = keys.events("c", "t")
     await aredis.xadd(key, {"e": "delta", "d": '{"text": "a"}'})
     await aredis.xadd(key, {"d": '{"text": "b"}', "e": "delta", "x": "1"})  # unusual order
-    broker_client = client(redis_url)
+    broker_client = client(f"{redis_url}{'&' if '?' in redis_url else '?'}protocol={protocol}")
     try:
         raw = await rc.xrange_raw(broker_client, key, "-")
         parsed = await rc.xrange_raw(aredis, key, "-")
@@ -331,3 +346,54 @@ async def test_stream_reads_accept_both_reply_shapes(aredis: Redis, redis_url: s
         assert [Entry.from_redis(i, f) for i, f in fed] == from_raw
     finally:
         await broker_client.aclose()
+
+
+@pytest.mark.usefixtures("manual_feeds")
+async def test_the_tape_keeps_what_the_slowest_reader_has_not_taken(aredis: Redis) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    first = await add(aredis, key, "attempt", {"strategy": "initial"})
+    written: list[bytes] = []
+    _fast_chunks, fast_wait, (fast, _) = await live_reader(
+        streams, hub, key, location, written, accept=True
+    )
+    feed = fast.feed
+    slow = hub.subscribe(key)  # joined, never takes anything: pins the tape
+    entries = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(TRIM_EVERY)]
+    after = first.entry_id
+    for entry in entries:
+        feed.publish(_Batch(after, [entry]))
+        after = entry.entry_id
+    assert len(written) == TRIM_EVERY  # the fast reader got every batch directly
+    assert feed.end - feed.base == len(feed.tape) == TRIM_EVERY  # all kept for the slow one
+    hub.unsubscribe(slow)
+    more = await add(aredis, key, "delta", {"text": "x"})
+    feed.publish(_Batch(after, [more]))
+    assert feed.tape == []  # the one reader left has everything
+    await hub.close()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(fast_wait, 5)  # a closed hub ends the read
+
+
+@pytest.mark.usefixtures("manual_feeds")
+async def test_a_response_that_fails_a_direct_write_leaves_the_others_alone(
+    aredis: Redis,
+) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    first = await add(aredis, key, "attempt", {"strategy": "initial"})
+    written: list[bytes] = []
+    _chunks, wait, (subscription, _) = await live_reader(
+        streams, hub, key, location, written, accept=True
+    )
+
+    def broken(chunk: bytes) -> bool:
+        raise RuntimeError("a broken response")
+
+    subscription.write_now = broken
+    entry = await add(aredis, key, "delta", {"text": "a"})
+    subscription.feed.publish(_Batch(first.entry_id, [entry]))
+    # The failing response's reader is woken and writes the batch itself; the feed goes on.
+    chunk = await asyncio.wait_for(wait, 5)
+    assert [e.entry_id for e in chunk.entries] == [entry.entry_id]
+    assert not subscription.feed.task.done()

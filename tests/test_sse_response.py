@@ -26,12 +26,15 @@ class ScriptedServer:
         self.writable = asyncio.Event()
         self.writable.set()
         self.disconnect = asyncio.Event()
+        self.broken = False
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started.set()
             return
         await self.writable.wait()  # as a server waits for its buffer to drain
+        if self.broken:
+            raise RuntimeError("the connection broke")
         if message.get("body"):
             self.chunks.append(message["body"])
         if not message.get("more_body", False):
@@ -49,19 +52,23 @@ class Source:
         self.write_now: DirectWrite | None = None
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.waiting = asyncio.Event()
+        self.closed = False
 
     def __call__(self, write_now: DirectWrite) -> AsyncIterator[bytes]:
         self.write_now = write_now
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[bytes]:
-        while True:
-            self.waiting.set()
-            chunk = await self.queue.get()
-            self.waiting.clear()
-            if chunk is None:
-                return
-            yield chunk
+        try:
+            while True:
+                self.waiting.set()
+                chunk = await self.queue.get()
+                self.waiting.clear()
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            self.closed = True
 
 
 async def start(
@@ -128,3 +135,17 @@ async def test_a_client_that_leaves_ends_the_response() -> None:
     await asyncio.wait_for(task, 5)
     assert not source.write_now(b"y")
     assert server.chunks == [b"x"]
+
+
+async def test_a_held_up_direct_write_that_fails_ends_the_response_cleanly() -> None:
+    server, source = ScriptedServer(), Source()
+    task = await start(source, server)
+    assert source.write_now is not None
+    server.writable.clear()
+    assert source.write_now(b"held")
+    server.broken = True
+    server.writable.set()  # the held-up write resumes, and fails
+    await source.queue.put(b"next")  # whose send waits for it, and ends the response
+    await asyncio.wait_for(task, 5)  # no exception escapes the response
+    assert source.closed
+    assert server.chunks == []
