@@ -135,6 +135,7 @@ class Generation:
         self._usage: dict[str, int] | None = None
         self._stream_id: str | None = None
         self.started = False
+        self.handed_back = False  # stopped by a shutdown before any output: see _hand_back
         # Deltas waiting for their append, and the one task appending them (a group commit).
         self._queued: list[tuple[str, dict[str, Any]]] = []
         self._queued_text: list[str] = []
@@ -162,7 +163,7 @@ class Generation:
             await self._load()
             if stop == STOP:
                 await self._finish("cancelled", "cancelled")
-            elif stop == SHUTDOWN:
+            elif stop == SHUTDOWN and not await self._hand_back():
                 await self._interrupt("shutdown")
         except FencedWrite as exc:
             raise LeaseLost() from exc
@@ -179,7 +180,7 @@ class Generation:
             if self._run.stop == STOP:
                 await self._finish("cancelled", "cancelled")
                 return  # the stop is handled: the attempt ended as the user asked
-            if self._run.stop == SHUTDOWN:
+            if self._run.stop == SHUTDOWN and not await self._hand_back():
                 await self._interrupt("shutdown")
             raise
         except StreamFull:
@@ -195,6 +196,27 @@ class Generation:
             await self._finish("failed", "internal", error={
                 "code": "internal", "retryable": False, "message": "the broker failed this attempt",
             })  # fmt: skip
+
+    async def _hand_back(self) -> bool:
+        """At shutdown, give back an attempt of which nothing reached a reader yet.
+
+        Its lease is released and its job stays pending: the next worker takes the turn over
+        and retries it silently (within the retry limits), as after a crash before the first
+        delta, instead of the user finding an empty interrupted answer. False when something
+        was delivered (the attempt is interrupted) or the lease is no longer this worker's.
+        """
+        if self._flusher is not None and not self._flusher.done():
+            self._flusher.cancel()  # what it had not appended was never delivered
+            await asyncio.wait([self._flusher])
+        _, delivered, tool_output = await self._delivered()
+        if delivered or tool_output or not await self._writer.release():
+            return False
+        self.handed_back = True
+        log.info(
+            "turn %s attempt %d: nothing delivered yet; handed back for another worker to retry",
+            self._run.turn_id, self._n,
+        )  # fmt: skip
+        return True
 
     async def _load(self) -> None:
         raw_request, raw_record, session, stream_id = await rc.hmget(

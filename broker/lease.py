@@ -82,6 +82,10 @@ class TurnWriter:
         )
         return int(reply) == 2
 
+    async def release(self) -> bool:
+        """Give the lease up now; False when it was no longer this writer's."""
+        return int(await self._scripts("release_lease", [self._lease], [self.token])) == 1
+
     async def append(self, events: list[tuple[str, dict[str, Any]]]) -> list[str]:
         """Append events in order; returns their entry ids.
 

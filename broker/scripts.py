@@ -20,6 +20,7 @@ NAMES = (
     "create_turn", "claim_lease", "renew_lease", "append_events", "finish_attempt",
     "promote_attempt", "start_attempt", "cancel_turn", "take_retry_budget",
     "claim_tool", "renew_tool", "finish_tool", "admit_turn", "renew_viewer", "release_viewer",
+    "release_lease",
 )  # fmt: skip
 
 

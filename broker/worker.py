@@ -165,6 +165,15 @@ class Worker:
         for job_id in deleted:
             await self._done(job_id)  # deleted entries still pending: nothing to run
 
+    async def _hand_back(self, job_id: str) -> None:
+        """Make a handed-back job look abandoned at once, so that the next reclaim pass (of any
+        worker, or of this one's successor, which reclaims as it starts) takes it."""
+        with contextlib.suppress(RedisError, OSError):  # else it is reclaimed when it idles
+            await self._redis.xclaim(
+                self._keys.jobs, JOB_GROUP, self.name, 0, [job_id],
+                idle=self._settings.job_reclaim_idle_ms, justid=True,
+            )  # fmt: skip
+
     def _spawn(self, job_id: str, fields: dict[str, str]) -> None:
         task = asyncio.create_task(self._handle(job_id, fields), name=f"job-{job_id}")
         self._tasks.add(task)
@@ -245,6 +254,8 @@ class Worker:
                 del self._runs[(conversation_id, turn_id)]
             heartbeat.cancel()
             await asyncio.wait([heartbeat])
+            if generation.handed_back:
+                await self._hand_back(job_id)
         await self._refresh_index_ttl(conversation_id, turn_id)
         return True
 

@@ -113,6 +113,9 @@ async def test_the_turn_scripts_run_on_a_cluster(cluster: Redis) -> None:
     writer = TurnWriter(scripts, keys, Metrics(), conversation, turn, max_events=100,
                         lease_ttl_ms=10_000, retention_ms=60_000, tombstone_ms=60_000)  # fmt: skip
     assert (await writer.claim("w1", 1)).result == "claimed"
+    assert await writer.release() is True  # handed back: claimed again at once, new token
+    assert await writer.release() is False
+    assert (await writer.claim("w1", 1)).result == "claimed"
     assert await writer.renew() is False
     ids = await writer.append([("attempt", {"attempt": 1}), ("delta", {"attempt": 1, "text": "a"})])
     assert len(ids) == 2

@@ -15,7 +15,7 @@ import httpx
 
 from broker.embedded_redis import EmbeddedRedis
 from tests.conftest import BrokerProcess
-from tests.helpers import read_sse, start_turn, wait_until
+from tests.helpers import get_turn, read_sse, start_turn, text_of, wait_until
 
 Spawn = Callable[[dict[str, str]], BrokerProcess]
 
@@ -161,6 +161,34 @@ def test_sigterm_drains_then_interrupts_running_generations(
     long_events = read_sse(after, long["stream_id"]).events
     assert long_events[: len(seen)] == seen
     assert long_events[-1].data == {"attempt": 1, "status": "interrupted", "reason": "shutdown"}
+
+
+def test_sigterm_hands_back_a_generation_that_delivered_nothing_yet(
+    broker_processes: Spawn, redis_url: str
+) -> None:
+    # A generation stopped by a shutdown before its first delta is not ended: the next worker
+    # takes it over and retries it silently, as after a crash before the first delta.
+    env = {
+        "BROKER_REDIS_URL": redis_url,
+        "BROKER_KEY_PREFIX": f"handback{os.getpid()}",
+        "BROKER_DRAIN_TIMEOUT_S": "0.2",
+        "BROKER_JOB_RECLAIM_IDLE_MS": "60000",  # the hand-back, not idling, makes it reclaimable
+    }
+    first = broker_processes(env)
+    turn = start_turn(
+        first.base_url, turn_id="slow-start", tokens=12, tokens_per_s=0,
+        first_delta_after_ms=60_000,
+    )  # fmt: skip
+    wait_until(lambda: get_turn(first.base_url, "slow-start")["status"] == "streaming", 10)
+    assert first.stop(signal.SIGTERM) == 0
+    assert any("handed back" in line for line in first.lines)
+    second = broker_processes(env)  # reclaims as it starts
+    events = read_sse(second.base_url, turn["stream_id"]).events
+    assert [e.event for e in events].count("end") == 1
+    assert events[-1].data == {"attempt": 1, "status": "complete", "reason": None}
+    whole = read_sse(second.base_url, turn["stream_id"], offset="-1").events
+    assert text_of(whole) == get_turn(second.base_url, "slow-start")["canonical"]["text"]
+    assert len([e for e in whole if e.event == "delta"]) == 12
 
 
 def spawn_reader(env: dict[str, str], spawn: Spawn) -> str:

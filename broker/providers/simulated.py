@@ -41,6 +41,8 @@ KNOBS = {
     "fail_before_first": "the first K upstream calls of the turn fail before any delta",
     "fail_after_deltas": "the first attempt's upstream call breaks after N deltas",
     "stall_after_deltas": "the first attempt's upstream call goes silent after N deltas",
+    "first_delta_after_ms": "the turn's first upstream call waits this long before its first "
+    "delta (a slow time to first token)",
     "error": "'retryable' (default) or 'fatal': the kind of the injected failures",
     "tool_calls": "a script of tool calls: [{name, args, after}], one per step, `after` deltas in",
     "fail_after_tool_calls": "the first attempt's call breaks right after its Nth tool call ran",
@@ -98,6 +100,7 @@ class SimulatedProvider:
         _int_knob(knobs, "fail_before_first", 0, 1000)
         _int_knob(knobs, "fail_after_deltas", 0, MAX_TOKENS)
         _int_knob(knobs, "stall_after_deltas", 0, MAX_TOKENS)
+        _int_knob(knobs, "first_delta_after_ms", 0, 600_000)
         pace = knobs.get("tokens_per_s")
         if pace is not None and (
             isinstance(pace, bool) or not isinstance(pace, int | float) or not 0 <= pace <= 1e6
@@ -139,6 +142,9 @@ class SimulatedProvider:
             if delivered != prefill:
                 start = 0  # not our own text: answer from the beginning
         first_attempt = request.attempt == 1
+        wait_ms = int(knobs.get("first_delta_after_ms", 0))
+        if wait_ms and first_attempt and request.upstream_call == 0:
+            await asyncio.sleep(wait_ms / 1000)
         break_after = knobs.get("fail_after_deltas") if first_attempt else None
         stall_after = knobs.get("stall_after_deltas") if first_attempt else None
         # Each scripted tool call is one step: the text up to its position, then the call.
