@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
 from typing import Any, Final
 
 import orjson
@@ -570,7 +570,7 @@ class Streams:
 
     async def follow_chunks(
         self, location: Location, after: str, write_now: DirectWrite | None = None
-    ) -> AsyncIterator[Chunk | Heartbeat]:
+    ) -> AsyncGenerator[Chunk | Heartbeat, None]:
         """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk).
 
         With ``write_now`` (the response's), live batches that follow this reader's position

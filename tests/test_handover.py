@@ -209,7 +209,7 @@ async def test_a_reader_behind_takes_every_waiting_batch_in_one_write(aredis: Re
     assert isinstance(chunk, Chunk)
     assert [e.entry_id for e in chunk.entries] == [e.entry_id for e in later]
     assert chunk.data == b"".join(e.frame for e in later)
-    await chunks.aclose()  # type: ignore[attr-defined]
+    await chunks.aclose()
 
 
 async def live_reader(
@@ -397,3 +397,20 @@ async def test_a_response_that_fails_a_direct_write_leaves_the_others_alone(
     chunk = await asyncio.wait_for(wait, 5)
     assert [e.entry_id for e in chunk.entries] == [entry.entry_id]
     assert not subscription.feed.task.done()
+
+
+@pytest.mark.usefixtures("manual_feeds")
+async def test_a_closed_hub_ends_reads_the_feed_writes_to(aredis: Redis) -> None:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    first = await add(aredis, key, "attempt", {"strategy": "initial"})
+    written: list[bytes] = []
+    _chunks, wait, (subscription, _) = await live_reader(
+        streams, hub, key, location, written, accept=True
+    )
+    entry = await add(aredis, key, "delta", {"text": "a"})
+    subscription.feed.publish(_Batch(first.entry_id, [entry]))
+    assert written == [entry.frame]
+    await hub.close()  # shutdown: the reader, still waiting, ends; its client resumes elsewhere
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(wait, 5)

@@ -349,6 +349,33 @@ def test_a_one_viewer_token_admits_one_connection_at_a_time(
     call(broker, "POST", f"/v1/turns/{turn['turn_id']}/cancel", KEY_A)
 
 
+def test_a_viewer_whose_lock_changed_hands_is_let_go(
+    broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch, raw_redis: Any
+) -> None:
+    monkeypatch.setattr("broker.api.routes.VIEWER_LEASE_MS", 600)  # renewed every 0.2 s
+    broker = secured(broker_factory)
+    turn = start_turn(broker.base_url, "c", auth=KEY_A, tokens=3000, tokens_per_s=50)
+    token = mint(broker, turn["turn_id"], one_viewer=True)["token"]
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    deltas = 0
+    with httpx.stream("GET", url, params={"token": token}, timeout=20) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        while deltas < 3:
+            deltas += next(lines) == "event: delta"
+        # The lock is someone else's now (its lease ran out behind this connection, say):
+        # the connection is ended at its next frame, long before the answer's own end.
+        (key,) = raw_redis.scan_iter(match=f"{broker.settings.key_prefix}:*:viewer:*")
+        raw_redis.set(key, "another-holder", px=60_000)
+        deadline = time.monotonic() + 10
+        rest = []
+        for line in lines:
+            rest.append(line)
+            assert time.monotonic() < deadline, "the stream went on after its lock was lost"
+    assert "event: end" not in rest
+    call(broker, "POST", f"/v1/turns/{turn['turn_id']}/cancel", KEY_A)
+
+
 def test_attach_tokens_work_on_an_open_broker_too(broker: RunningBroker) -> None:
     turn = start_turn(broker.base_url, "c", tokens=5, seed=2)
     minted = mint(broker, turn["turn_id"], auth="anything")

@@ -346,10 +346,15 @@ async def _frames(
 
     try:
         yield opening_frame(rt.settings.sse_retry_ms, announce)
-        async for item in rt.streams.follow_chunks(location, after, write_now):
-            if viewer is not None and viewer.lost:
-                return
-            yield PING if isinstance(item, Heartbeat) else item.data
+        # Closed on every way out, so that the reader leaves its feed at once, not when the
+        # generator is collected.
+        async with contextlib.aclosing(
+            rt.streams.follow_chunks(location, after, write_now)
+        ) as items:
+            async for item in items:
+                if viewer is not None and viewer.lost:
+                    return
+                yield PING if isinstance(item, Heartbeat) else item.data
     finally:
         viewers.dec()
         if keeper is not None and viewer is not None:
