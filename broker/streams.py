@@ -398,8 +398,6 @@ class Hub:
             await asyncio.sleep(self._tick_s)
             now = loop.time()
             for feed in list(self._feeds.values()):
-                if not any(s.deadline <= now for s in feed.parked):
-                    continue
                 waiting = []
                 for subscription in feed.parked:
                     if subscription.deadline <= now:
@@ -617,36 +615,27 @@ class Streams:
                             yield Chunk.of(page)
                         return
                     continue
-                if batches[0].after_key == position and not any(b.ends for b in batches):
-                    # The usual case: exactly what follows this reader's position, no `end`
-                    # among it, and the frames already joined for every reader of the batch.
-                    chunk = (
-                        batches[0].chunk
-                        if len(batches) == 1
-                        else Chunk.join([b.chunk for b in batches])
-                    )
-                    if chunk.last is not None:
-                        position, after = chunk.last.sort_key, chunk.last.entry_id
-                        yield chunk
-                    continue
                 parts: list[Chunk] = []
                 ending = None
                 for batch in batches:
                     if batch.after_key == position:
-                        chunk = batch.chunk
+                        # The usual case: exactly what follows, its frames joined once for all.
+                        chunk, ends = batch.chunk, batch.ends
                     else:
                         entries = batch.entries
                         if batch.after_key > position:
                             entries = await self._range(key, after, batch.after) + entries
                         chunk = Chunk.of([e for e in entries if e.sort_key > position])
+                        ends = any(entry.kind == "end" for entry in chunk.entries)
                     if chunk.last is None:
                         continue
-                    if any(entry.kind == "end" for entry in chunk.entries):
+                    if ends:
                         ending = await self._batch_ending(location, batch, chunk.entries)
-                    if ending is not None:
-                        chunk = Chunk.of(chunk.entries[:ending])
+                        if ending is not None:
+                            chunk = Chunk.of(chunk.entries[:ending])
                     parts.append(chunk)
-                    position, after = chunk.entries[-1].sort_key, chunk.entries[-1].entry_id
+                    assert chunk.last is not None
+                    position, after = chunk.last.sort_key, chunk.last.entry_id
                     if ending is not None:
                         break
                 if parts:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import orjson
@@ -23,6 +24,7 @@ from broker.streams import (
     TRIM_EVERY,
     Chunk,
     Entry,
+    Heartbeat,
     Hub,
     Location,
     Streams,
@@ -212,23 +214,45 @@ async def test_a_reader_behind_takes_every_waiting_batch_in_one_write(aredis: Re
     await chunks.aclose()
 
 
-async def live_reader(
-    streams: Streams, hub: Hub, key: str, location: Location, written: list[bytes], accept: bool
-) -> tuple[AsyncIterator[Any], asyncio.Future[Any], Any]:
-    """A reader past its replay, waiting on the feed, whose response accepts direct writes
-    (into ``written``) while ``accept`` says so."""
-    state = {"accept": accept}
+@dataclasses.dataclass
+class Live:
+    """A reader past its replay of one ``attempt`` event (``first``), waiting on the feed,
+    whose response takes direct writes (into ``written``) while ``accept`` says so."""
+
+    streams: Streams
+    hub: Hub
+    keys: Keys
+    key: str
+    first: Entry
+    chunks: AsyncGenerator[Chunk | Heartbeat, None]
+    wait: asyncio.Future[Any]  # the reader's next chunk
+    subscription: Any
+    written: list[bytes] = dataclasses.field(default_factory=list)
+    accept: bool = True
+
+    @property
+    def feed(self) -> _Feed:
+        feed: _Feed = self.subscription.feed
+        return feed
+
+
+async def live_reader(aredis: Redis) -> Live:
+    streams, hub, keys, location = await setup(aredis)
+    key = keys.events("c", "t")
+    first = await add(aredis, key, "attempt", {"strategy": "initial"})
+    live: Live | None = None
 
     def write_now(chunk: bytes) -> bool:
-        if state["accept"]:
-            written.append(chunk)
-        return state["accept"]
+        assert live is not None
+        if live.accept:
+            live.written.append(chunk)
+        return live.accept
 
     chunks = streams.follow_chunks(location, "0-0", write_now)
     await asyncio.wait_for(anext(chunks), 5)  # the replay
     wait = asyncio.ensure_future(anext(chunks))
-    subscription = await parked(hub, key)
-    return chunks, wait, (subscription, state)
+    live = Live(streams, hub, keys, key, first, chunks, wait, await parked(hub, key))
+    return live
 
 
 async def parked(hub: Hub, key: str) -> Any:
@@ -246,59 +270,47 @@ async def parked(hub: Hub, key: str) -> Any:
 async def test_the_feed_writes_to_a_waiting_reader_that_stands_right_before_a_batch(
     aredis: Redis,
 ) -> None:
-    streams, hub, keys, location = await setup(aredis)
-    key = keys.events("c", "t")
-    first = await add(aredis, key, "attempt", {"strategy": "initial"})
-    written: list[bytes] = []
-    chunks, wait, (subscription, state) = await live_reader(
-        streams, hub, key, location, written, accept=True
-    )
-    later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(3)]
-    feed = subscription.feed
-    feed.publish(_Batch(first.entry_id, later[0:2]))
+    live = await live_reader(aredis)
+    later = [await add(aredis, live.key, "delta", {"text": str(i)}) for i in range(3)]
+    feed = live.feed
+    feed.publish(_Batch(live.first.entry_id, later[0:2]))
     feed.publish(_Batch(later[1].entry_id, later[2:3]))
     # Written by the feed itself, one write per batch; the reader still waits, at the new place.
-    assert written == [b"".join(e.frame for e in later[0:2]), later[2].frame]
+    assert live.written == [b"".join(e.frame for e in later[0:2]), later[2].frame]
     await asyncio.sleep(0.05)
-    assert not wait.done()
-    assert subscription.position == later[2].sort_key
+    assert not live.wait.done()
+    assert live.subscription.position == later[2].sort_key
     assert feed.tape == []  # its only reader took both: the feed keeps nothing
     # A response that cannot take a write now: the reader is woken and writes it itself.
-    state["accept"] = False
-    more = await add(aredis, key, "delta", {"text": "3"})
+    live.accept = False
+    more = await add(aredis, live.key, "delta", {"text": "3"})
     feed.publish(_Batch(later[2].entry_id, [more]))
-    chunk = await asyncio.wait_for(wait, 5)
+    chunk = await asyncio.wait_for(live.wait, 5)
     assert [e.entry_id for e in chunk.entries] == [more.entry_id]
     # An `end` is never written by the feed: the reader decides whether its read is over.
-    state["accept"] = True
-    wait = asyncio.ensure_future(anext(chunks))
-    await parked(hub, key)
-    end = await add(aredis, key, "end", {"status": "complete", "reason": None})
-    await aredis.hset(keys.turn("c", "t"), "status", "complete")
+    live.accept = True
+    wait = asyncio.ensure_future(anext(live.chunks))
+    await parked(live.hub, live.key)
+    end = await add(aredis, live.key, "end", {"status": "complete", "reason": None})
+    await aredis.hset(live.keys.turn("c", "t"), "status", "complete")
     feed.publish(_Batch(more.entry_id, [end], rest=("complete", "1")))
     chunk = await asyncio.wait_for(wait, 5)
     assert [e.kind for e in chunk.entries] == ["end"]
-    assert len(written) == 2
+    assert len(live.written) == 2
     with pytest.raises(StopAsyncIteration):
-        await asyncio.wait_for(anext(chunks), 5)
+        await asyncio.wait_for(anext(live.chunks), 5)
 
 
 @pytest.mark.usefixtures("manual_feeds")
 async def test_a_reader_not_right_before_a_batch_is_woken_instead_of_written_to(
     aredis: Redis,
 ) -> None:
-    streams, hub, keys, location = await setup(aredis)
-    key = keys.events("c", "t")
-    await add(aredis, key, "attempt", {"strategy": "initial"})
-    written: list[bytes] = []
-    _chunks, wait, (subscription, _) = await live_reader(
-        streams, hub, key, location, written, accept=True
-    )
-    later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(3)]
+    live = await live_reader(aredis)
+    later = [await add(aredis, live.key, "delta", {"text": str(i)}) for i in range(3)]
     # The batch begins past the reader's place: the gap must come from Redis first.
-    subscription.feed.publish(_Batch(later[0].entry_id, later[1:3]))
-    chunk = await asyncio.wait_for(wait, 5)
-    assert written == []
+    live.feed.publish(_Batch(later[0].entry_id, later[1:3]))
+    chunk = await asyncio.wait_for(live.wait, 5)
+    assert live.written == []
     assert [e.entry_id for e in chunk.entries] == [e.entry_id for e in later]
 
 
@@ -350,67 +362,50 @@ async def test_stream_reads_accept_both_reply_shapes(
 
 @pytest.mark.usefixtures("manual_feeds")
 async def test_the_tape_keeps_what_the_slowest_reader_has_not_taken(aredis: Redis) -> None:
-    streams, hub, keys, location = await setup(aredis)
-    key = keys.events("c", "t")
-    first = await add(aredis, key, "attempt", {"strategy": "initial"})
-    written: list[bytes] = []
-    _fast_chunks, fast_wait, (fast, _) = await live_reader(
-        streams, hub, key, location, written, accept=True
-    )
-    feed = fast.feed
-    slow = hub.subscribe(key)  # joined, never takes anything: pins the tape
-    entries = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(TRIM_EVERY)]
-    after = first.entry_id
+    live = await live_reader(aredis)
+    feed, hub = live.feed, live.hub
+    slow = hub.subscribe(live.key)  # joined, never takes anything: pins the tape
+    entries = [await add(aredis, live.key, "delta", {"text": str(i)}) for i in range(TRIM_EVERY)]
+    after = live.first.entry_id
     for entry in entries:
         feed.publish(_Batch(after, [entry]))
         after = entry.entry_id
-    assert len(written) == TRIM_EVERY  # the fast reader got every batch directly
+    assert len(live.written) == TRIM_EVERY  # the fast reader got every batch directly
     assert feed.end - feed.base == len(feed.tape) == TRIM_EVERY  # all kept for the slow one
     hub.unsubscribe(slow)
-    more = await add(aredis, key, "delta", {"text": "x"})
+    more = await add(aredis, live.key, "delta", {"text": "x"})
     feed.publish(_Batch(after, [more]))
     assert feed.tape == []  # the one reader left has everything
     await hub.close()
     with pytest.raises(StopAsyncIteration):
-        await asyncio.wait_for(fast_wait, 5)  # a closed hub ends the read
+        await asyncio.wait_for(live.wait, 5)  # a closed hub ends the read
 
 
 @pytest.mark.usefixtures("manual_feeds")
 async def test_a_response_that_fails_a_direct_write_leaves_the_others_alone(
     aredis: Redis,
 ) -> None:
-    streams, hub, keys, location = await setup(aredis)
-    key = keys.events("c", "t")
-    first = await add(aredis, key, "attempt", {"strategy": "initial"})
-    written: list[bytes] = []
-    _chunks, wait, (subscription, _) = await live_reader(
-        streams, hub, key, location, written, accept=True
-    )
+    live = await live_reader(aredis)
 
     def broken(chunk: bytes) -> bool:
         raise RuntimeError("a broken response")
 
-    subscription.write_now = broken
-    entry = await add(aredis, key, "delta", {"text": "a"})
-    subscription.feed.publish(_Batch(first.entry_id, [entry]))
+    live.subscription.write_now = broken
+    entry = await add(aredis, live.key, "delta", {"text": "a"})
+    live.feed.publish(_Batch(live.first.entry_id, [entry]))
     # The failing response's reader is woken and writes the batch itself; the feed goes on.
-    chunk = await asyncio.wait_for(wait, 5)
+    chunk = await asyncio.wait_for(live.wait, 5)
     assert [e.entry_id for e in chunk.entries] == [entry.entry_id]
-    assert not subscription.feed.task.done()
+    assert live.feed.task is not None
+    assert not live.feed.task.done()
 
 
 @pytest.mark.usefixtures("manual_feeds")
 async def test_a_closed_hub_ends_reads_the_feed_writes_to(aredis: Redis) -> None:
-    streams, hub, keys, location = await setup(aredis)
-    key = keys.events("c", "t")
-    first = await add(aredis, key, "attempt", {"strategy": "initial"})
-    written: list[bytes] = []
-    _chunks, wait, (subscription, _) = await live_reader(
-        streams, hub, key, location, written, accept=True
-    )
-    entry = await add(aredis, key, "delta", {"text": "a"})
-    subscription.feed.publish(_Batch(first.entry_id, [entry]))
-    assert written == [entry.frame]
-    await hub.close()  # shutdown: the reader, still waiting, ends; its client resumes elsewhere
+    live = await live_reader(aredis)
+    entry = await add(aredis, live.key, "delta", {"text": "a"})
+    live.feed.publish(_Batch(live.first.entry_id, [entry]))
+    assert live.written == [entry.frame]
+    await live.hub.close()  # shutdown: the reader, still waiting, ends; its client resumes
     with pytest.raises(StopAsyncIteration):
-        await asyncio.wait_for(wait, 5)
+        await asyncio.wait_for(live.wait, 5)
