@@ -1,1 +1,0 @@
-export * from "../../broker/static/js/index.js";
