@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import sys
@@ -234,7 +235,9 @@ def parse_mix(text: str) -> dict[str, int]:
         kind, _, weight = item.partition("=")
         kind = kind.strip()
         if kind not in KINDS:
-            raise ValueError(f"unknown turn kind {kind!r}; known: {', '.join(KINDS)}")
+            close = difflib.get_close_matches(kind, KINDS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown turn kind {kind!r}{hint}; known: {', '.join(KINDS)}")
         try:
             value = int(weight) if weight else 1
         except ValueError:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,6 +111,7 @@ def test_an_unreachable_broker_is_reported_not_raised(capsys: pytest.CaptureFixt
     [
         (("--url", "ftp://127.0.0.1"), "--url"),
         (("--mix", "normal=1,bogus=2"), "unknown turn kind"),
+        (("--mix", "normal=1,tools=1"), "unknown turn kind 'tools' (did you mean 'tool'?)"),
         (("--mix", "normal=0"), "positive weight"),
         (("--tokens", "3"), "--tokens"),
         (("--rate", "0"), "--rate"),
@@ -145,6 +148,20 @@ def test_the_schedule_follows_the_weights_exactly_and_spreads_kinds() -> None:
         assert sum(counts.values()) == turns
         for kind, weight in mix.items():
             assert abs(counts[kind] - turns * weight / 10) < 1
+
+
+def test_the_readme_mix_parses_and_a_misspelt_kind_names_the_right_one() -> None:
+    """Regression: the README said ``tools=1``, a kind that does not exist (it is ``tool``)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    mixes = re.findall(r"--mix ([\w=,]+)", readme)
+    assert mixes, "the README shows no --mix"
+    for mix in mixes:
+        assert set(loadgen.parse_mix(mix)) == set(loadgen.KINDS), mix
+    with pytest.raises(ValueError, match=r"unknown turn kind 'tools' \(did you mean 'tool'\?\)"):
+        loadgen.parse_mix("normal=5,tools=1")
+    with pytest.raises(ValueError, match=r"unknown turn kind 'zzz'; known: normal, ") as info:
+        loadgen.parse_mix("zzz")
+    assert "did you mean" not in str(info.value)
 
 
 def test_mix_and_percentile_parsing() -> None:
