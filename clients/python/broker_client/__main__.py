@@ -2,7 +2,9 @@
 
 Exit codes: 0 when the turn ended `complete`, 1 when it ended any other way, 2 on errors (bad
 arguments, refused credentials, unknown or expired stream, broker unreachable for too long), 130
-on Ctrl-C. `--api-key` (default `$BROKER_API_KEY`) is sent as a bearer credential.
+on Ctrl-C. A `tail` of a turn already at rest (`--offset now` after its end) prints no text and
+reports the turn's final status with the same codes. `--api-key` (default `$BROKER_API_KEY`)
+is sent as a bearer credential.
 """
 
 from __future__ import annotations
@@ -110,9 +112,17 @@ async def tail(
             console.note(f"error {code}: {message}")
 
     console.end_line()
-    status = assembled.status
-    reason = f" ({assembled.reason})" if assembled.reason else ""
-    err.write(f"status: {status or 'unknown'}{reason}\n")
+    status, reason = assembled.status, assembled.reason
+    if status is None:
+        # Nothing came after the resume point because the turn is at rest (the broker answered
+        # 204, e.g. `--offset now` on a finished stream): its last `end` holds the final status.
+        console.note("nothing after this point: the turn is at rest")
+        final = TurnText()
+        async for event in client.attach(stream_id, token=token, policy=policy):
+            final.feed(event)
+        status, reason = final.status, final.reason
+    because = f" ({reason})" if reason else ""
+    err.write(f"status: {status or 'unknown'}{because}\n")
     err.flush()
     return 0 if status == "complete" else 1
 
