@@ -27,6 +27,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 AUTH_FAILURES = ("missing", "bad_credentials", "bad_token", "token_expired", "forbidden")
+# Why the server ended a connection itself (see broker.api.connections).
+CONNECTION_CLOSE_REASONS = ("header_timeout", "headers_too_large", "over_limit", "overflow")
 
 
 class Metrics:
@@ -202,3 +204,22 @@ class Metrics:
         for tool_class in ("read", "keyed_write", "unkeyed_write"):
             for outcome in TOOL_OUTCOMES:
                 self.tool_calls.labels(tool_class, outcome)
+        self.http_connections = Gauge(
+            "broker_http_connections", "HTTP connections open in this process.", registry=r
+        )
+        self.connections_closed = Counter(
+            "broker_http_connections_closed_total",
+            "Connections the server ended itself, by reason: headers not complete within "
+            "BROKER_HEADER_TIMEOUT_S, headers past the parser's cap (431), opened past "
+            "BROKER_MAX_CONNECTIONS (503), or opened a tenth past it (closed unanswered).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in CONNECTION_CLOSE_REASONS:
+            self.connections_closed.labels(reason)
+        self.requests_abandoned = Counter(
+            "broker_requests_abandoned_total",
+            "Requests whose client left before the whole body arrived (routine on mobile "
+            "networks; nothing was done for them).",
+            registry=r,
+        )

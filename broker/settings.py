@@ -78,6 +78,8 @@ class Settings:
     metrics_token: str | None = dataclasses.field(default=None, repr=False)
     cors_origins: str | None = None  # comma-separated origins, or *
     max_header_bytes: int = 16_384
+    header_timeout_s: float = 10.0  # from a connection's (or request's) first byte to its headers
+    max_connections: int = 10_000  # HTTP connections one process serves; 503 beyond
     turn_rate_per_s: float = 10.0  # per tenant; 0 = no rate limit
     turn_burst: int = 100
     max_streams_per_tenant: int = 200  # turns queued or generating at once; 0 = no limit
@@ -103,7 +105,7 @@ class Settings:
             "session_retry_window",
             "upstream_idle_timeout_s", "anthropic_max_tokens", "max_tool_steps", "tool_lease_ms",
             "tool_in_flight_wait_s", "attach_token_ttl", "attach_token_max_ttl",
-            "max_header_bytes",
+            "max_header_bytes", "header_timeout_s", "max_connections",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
