@@ -8,10 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-import uvicorn
-
 from broker import __version__, loadgen, logs
-from broker.app import Runtime, Server, create_app, parser_header_limit
+from broker.app import Runtime, Server, create_app, raise_file_limit, server_config
 from broker.auth import Authenticator, new_api_key
 from broker.connection import RedisConnectError
 from broker.embedded_redis import EmbeddedRedisError
@@ -85,18 +83,8 @@ def serve(settings: Settings) -> int:
 async def _serve(settings: Settings) -> int:
     # Start Redis (or connect) before uvicorn, so a failure is one clear line, not a traceback.
     runtime = await Runtime.start(settings)
-    config = uvicorn.Config(
-        create_app(settings, runtime),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level.lower(),
-        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-        lifespan="on",
-        timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
-        access_log=False,
-        h11_max_incomplete_event_size=parser_header_limit(settings),
-    )
-    server = Server(config)
+    raise_file_limit(settings)
+    server = Server(server_config(settings, create_app(settings, runtime)))
     try:
         await server.serve()
     finally:

@@ -38,6 +38,7 @@ from broker.api import (
     install_error_handlers,
     ops_router,
 )
+from broker.api.connections import ConnectionLimits, guarded
 from broker.api.schemas import install_components
 from broker.auth import Authenticator
 from broker.connection import check_eviction_policy, client, connect, redact
@@ -58,6 +59,8 @@ log = logging.getLogger("broker")
 
 # The demo page and the browser client (broker/static/js), shipped as package data.
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+# Open files a process needs besides its client connections (Redis, logs, the listening socket).
+FILE_HEADROOM = 1_024
 
 
 class Runtime:
@@ -246,8 +249,61 @@ def create_app(
 
 
 def parser_header_limit(settings: Settings) -> int:
-    """uvicorn's own header limit, set above the broker's so that the broker's 431 is sent."""
+    """The HTTP parser's own header limit, above the broker's so that the broker's 431 is sent."""
     return settings.max_header_bytes + 65_536
+
+
+def server_config(settings: Settings, app: FastAPI) -> uvicorn.Config:
+    """uvicorn's configuration for ``app``: the broker's HTTP protocol and connection limits."""
+
+    def count(reason: str) -> None:
+        rt = _find_runtime(app)
+        if rt is not None:
+            rt.metrics.connections_closed.labels(reason).inc()
+
+    limits = ConnectionLimits(
+        header_timeout_s=settings.header_timeout_s,
+        max_header_bytes=parser_header_limit(settings),
+        max_connections=settings.max_connections,
+        count=count,
+    )
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http=guarded(limits),
+        log_level=settings.log_level.lower(),
+        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
+        lifespan="on",
+        timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
+        access_log=False,
+    )
+
+
+def raise_file_limit(settings: Settings) -> None:
+    """Lift this process's soft limit on open files to what ``BROKER_MAX_CONNECTIONS`` needs.
+
+    The limit is raised at most to the hard limit; when that is still short, a warning says so,
+    since connections past the descriptors fail at accept instead of getting the broker's 503.
+    """
+    try:
+        import resource
+    except ImportError:  # not on this platform: nothing to raise
+        return
+    # The cap, the tenth past it that is closed unanswered, and Redis connections and files.
+    wanted = settings.max_connections + settings.max_connections // 10 + FILE_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        log.warning(
+            "BROKER_MAX_CONNECTIONS=%d needs about %d open files but this process may open %d "
+            "(ulimit -n): lower BROKER_MAX_CONNECTIONS or raise the limit",
+            settings.max_connections, wanted, soft,
+        )  # fmt: skip
 
 
 async def _demo_page() -> FileResponse:
@@ -283,6 +339,10 @@ class Server(uvicorn.Server):
             shown = f"[{host}]" if ":" in str(host) else host
             self.bound_port = int(port)
             print(f"broker serving on http://{shown}:{port}", flush=True)
+        rt = _find_runtime(self.config.loaded_app)
+        if rt is not None:
+            connections = self.server_state.connections
+            rt.metrics.http_connections.set_function(lambda: len(connections))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         rt = _find_runtime(self.config.loaded_app)

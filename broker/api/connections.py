@@ -1,0 +1,224 @@
+"""The HTTP protocol of the broker: uvicorn's httptools protocol, with limits per connection.
+
+uvicorn 0.54 gives a connection no deadline before its request headers are complete, and with
+httptools no bound on their size either: a client sending one byte a second holds its socket for
+ever, and enough of them exhaust the process's file descriptors. This protocol adds:
+
+* **A header deadline** (``BROKER_HEADER_TIMEOUT_S``), armed when a connection opens and when
+  the first byte of each later request on it arrives, and cancelled once that request's headers
+  are complete. A response, however long (an SSE stream lasts as long as its turn), is never cut
+  by it, nor is an idle keep-alive connection (uvicorn's ``timeout_keep_alive`` closes those).
+  A client that sent part of a request gets a 408 before the close; one that sent nothing does not.
+* **A header size cap** for the parser, above ``BROKER_MAX_HEADER_BYTES`` so that requests a
+  little over the broker's limit still reach the app and its CORS-aware 431. Past the cap the
+  431 is written here, with the same JSON body (no CORS headers); what the client still sends is
+  read and dropped for a moment before the close, so that the close cannot reset the answer away.
+* **A connection cap** (``BROKER_MAX_CONNECTIONS``). A connection opened while that many are
+  open is answered 503 with ``Retry-After`` and closed once its request has arrived (clients
+  retry, here or on another replica); a tenth past the cap, a new connection is closed at once,
+  so that a flood cannot take every descriptor. Connections already admitted are never refused
+  later: a stream broker's connections are long-lived, and uvicorn's ``limit_concurrency``
+  (which would answer 503 to their next request too) is not used.
+* **URLs past httptools' URL parser** (64 KiB) are split here, so that the app answers them with
+  its JSON 431 instead of the parser's plain-text 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import http
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+from urllib.parse import unquote
+
+import orjson
+from starlette.types import Receive, Scope, Send
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from broker.api.security import COMMON
+
+log = logging.getLogger("broker.connections")
+
+# httptools.parse_url keeps offsets in 16 bits: a longer URL is refused with a parser error.
+URL_PARSER_MAX = 0xFFFF
+REFUSAL_RETRY_AFTER_S = 1
+# How long a connection answered 431 mid-request is still read (and dropped) before the close.
+LINGER_S = 2.0
+
+
+def _uncounted(reason: str) -> None:
+    """The default counter: counts nothing."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """The limits one server applies to each of its connections."""
+
+    header_timeout_s: float
+    max_header_bytes: int  # the parser's cap, above BROKER_MAX_HEADER_BYTES
+    max_connections: int
+    count: Callable[[str], None] = _uncounted  # with one of metrics.CONNECTION_CLOSE_REASONS
+
+    @property
+    def overflow(self) -> int:
+        """Open connections past which a new one is closed unanswered."""
+        return self.max_connections + max(1, self.max_connections // 10)
+
+
+class _Phase(enum.Enum):
+    FRESH = "fresh"  # connection open, no byte of a request yet
+    HEADERS = "headers"  # a request has begun; its headers are not complete
+    REQUEST = "request"  # headers complete: the app has the request (then keep-alive)
+    CLOSING = "closing"  # answered by this protocol; the rest of the request is dropped
+
+
+def json_error(status: int, code: str, message: str) -> bytes:
+    """A whole HTTP/1.1 response with the broker's error body, that closes the connection."""
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+    lines = [
+        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}".encode(),
+        b"content-type: application/json",
+        b"content-length: " + str(len(body)).encode(),
+        b"connection: close",
+        *(name + b": " + value for name, value in COMMON),
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits above; bind limits with :func:`guarded`."""
+
+    limits: ClassVar[ConnectionLimits]
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._phase = _Phase.FRESH
+        self._header_bytes = 0
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        open_now = len(self.connections)  # this one included
+        if open_now > self.limits.overflow:
+            self.limits.count("overflow")
+            log.debug("closed a new connection: %d open", open_now)
+            transport.close()
+            return
+        if open_now > self.limits.max_connections:
+            self.app = self._refuse  # its request, once the headers are in, gets the 503
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase is _Phase.CLOSING:
+            return
+        counted = self._phase is not _Phase.REQUEST
+        super().data_received(data)
+        if not counted or self._phase is _Phase.REQUEST or self.transport.is_closing():
+            return
+        # The request's headers are still incomplete after this chunk: the parser holds them.
+        self._header_bytes += len(data)
+        if self._header_bytes > self.limits.max_header_bytes:
+            self.limits.count("headers_too_large")
+            limit = self.limits.max_header_bytes
+            message = f"request line and headers are larger than {limit} bytes"
+            self._answer_and_close(json_error(431, "headers_too_large", message))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._phase = _Phase.HEADERS
+        self._header_bytes = 0
+        if self._deadline is None:  # a later request on a kept-alive connection
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._phase = _Phase.REQUEST
+        target = self.url
+        if len(target) <= URL_PARSER_MAX:
+            super().on_headers_complete()
+            return
+        # Too long for httptools.parse_url: let uvicorn build the request on a stand-in, then
+        # put the real path and query in its scope (the request's task has not run yet).
+        self.url = b"/"
+        super().on_headers_complete()
+        if "path" not in self.scope:  # an upgrade, which uvicorn hands on as it came
+            return
+        raw_path, _, query = target.partition(b"#")[0].partition(b"?")
+        self.scope["raw_path"] = self.root_path.encode("ascii") + raw_path
+        self.scope["path"] = self.root_path + unquote(raw_path.decode("latin-1"))
+        self.scope["query_string"] = query
+
+    def _answer_and_close(self, response: bytes) -> None:
+        """Send ``response``, then drop what the client still sends until it stops or LINGER_S.
+
+        Closing a socket that has unread bytes resets it, which can destroy the answer in flight.
+        """
+        self._disarm()
+        self._phase = _Phase.CLOSING
+        self.transport.write(response)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the client reads the answer, then an end of stream
+        self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _arm(self) -> None:
+        self._deadline = self.loop.call_later(self.limits.header_timeout_s, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if self._phase in (_Phase.REQUEST, _Phase.CLOSING) or self.transport.is_closing():
+            return
+        self.limits.count("header_timeout")
+        if self._phase is _Phase.HEADERS:
+            message = f"request headers did not arrive within {self.limits.header_timeout_s:g} s"
+            self.transport.write(json_error(408, "request_timeout", message))
+        self.transport.close()
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app of a connection opened past ``BROKER_MAX_CONNECTIONS``."""
+        self.limits.count("over_limit")
+        body = orjson.dumps({
+            "error": {
+                "code": "too_many_connections",
+                "message": f"this broker process serves at most {self.limits.max_connections} "
+                "connections; retry shortly",
+            }
+        })  # fmt: skip
+        await send({
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"retry-after", str(REFUSAL_RETRY_AFTER_S).encode()),
+                        (b"connection", b"close"), *COMMON],
+        })  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+
+def guarded(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
+    """The protocol class for a server with ``limits`` (uvicorn's ``http=``)."""
+
+    class Guarded(GuardedHttpProtocol):
+        pass
+
+    Guarded.limits = limits
+    return Guarded
