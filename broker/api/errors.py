@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from broker.errors import BrokerError
@@ -36,8 +37,18 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return error_response(400, "bad_request", describe_validation(exc.errors()))
 
-    async def http_error(_: Request, exc: Exception) -> Response:
+    async def client_left(request: Request, _: Exception) -> Response:
+        # Routine (a phone between networks): nothing was done, and the answer reaches no one.
+        log.debug("client left before the body of %s %s arrived", request.method, request.url.path)
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.requests_abandoned.inc()
+        return error_response(400, "client_disconnected", "the request body did not arrive")
+
+    async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's own body parsing wraps it
+            return await client_left(request, exc.__cause__)
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         response = error_response(exc.status_code, code, str(exc.detail))
         if exc.headers:
@@ -58,6 +69,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(BrokerError, broker_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_left)
     app.add_exception_handler(RedisError, redis_error)
     app.add_exception_handler(ConnectionError, redis_error)
     app.add_exception_handler(Exception, unexpected)
