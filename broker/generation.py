@@ -67,9 +67,14 @@ class Run:
     claim: Claim
     stop: str | None = None
     task: asyncio.Task[None] | None = None
+    slot_refreshed: float = dataclasses.field(default_factory=time.monotonic)
 
     def request_stop(self, reason: str) -> None:
-        """Cancel the attempt's task once, remembering why."""
+        """Cancel the attempt's task once, remembering why.
+
+        The attempt also looks at ``stop`` at each step (:meth:`Generation._check_stop`): a
+        cancellation that lands while redis-py awaits a reply can be swallowed.
+        """
         if self.stop is None and self.task is not None and not self.task.done():
             self.stop = reason
             self.task.cancel(msg=reason)
@@ -142,6 +147,16 @@ class Generation:
         self._flusher: asyncio.Task[None] | None = None
         self._flush_error: BaseException | None = None
 
+    def _check_stop(self) -> None:
+        """Raise the cancellation a stop, a lost lease or a shutdown sent, if it never arrived.
+
+        redis-py can swallow a ``CancelledError`` that lands while a reply is awaited; the
+        reason recorded on the run is looked at after every step instead, so the attempt ends
+        as it would have had the cancellation arrived.
+        """
+        if self._run.stop is not None:
+            raise asyncio.CancelledError(self._run.stop)
+
     @property
     def _text(self) -> str:
         return self._prefix + "".join(self._parts)
@@ -155,7 +170,10 @@ class Generation:
             raise LeaseLost() from exc
         finally:
             if self._flusher is not None and not self._flusher.done():
-                self._flusher.cancel()  # the attempt ended without its last writes
+                # The attempt ended without its last writes. Emptied too, so that a flusher
+                # whose cancellation redis-py swallowed appends nothing more.
+                self._queued, self._queued_text = [], []
+                self._flusher.cancel()
 
     async def end_unstarted(self, stop: str) -> None:
         """End an attempt whose task was stopped before it ran a single step."""
@@ -251,6 +269,7 @@ class Generation:
         last_error: dict[str, Any] = {}
         retry_after: float | None = None
         while True:
+            self._check_stop()
             calls = int(await self._redis.hincrby(self._turn_key, f"calls:{self._n}", 1))
             if calls > 1:  # this call is a retry: after a failure, or of a lost worker's call
                 verdict = await self._retry.permit(self._session, calls - 1, reason or "")
@@ -262,6 +281,7 @@ class Generation:
                     })  # fmt: skip
                     return
                 await asyncio.sleep(self._retry.backoff_s(retry_after))
+            self._check_stop()
             try:
                 await self._call_upstream(calls - 1)
                 return
@@ -337,6 +357,7 @@ class Generation:
                     raise UpstreamError(
                         "upstream_timeout", f"no upstream event for {idle} s", retryable=True
                     ) from None
+                self._check_stop()
                 if isinstance(event, TextDelta) and event.text:
                     if first_token:
                         first_token = False

@@ -37,6 +37,7 @@ from broker.canonical import fingerprint
 from broker.errors import FencedWrite
 from broker.keys import Keys
 from broker.metrics import Metrics
+from broker.periodic import Periodic
 from broker.scripts import Scripts
 from broker.settings import Settings
 from broker.tools import Tool, ToolError, ToolRegistry, invoke
@@ -247,7 +248,14 @@ class Dispatcher:
     async def _run(
         self, tool: Tool, slot: Slot | None, token: str, arguments: dict[str, Any], key: str
     ) -> Outcome:
-        heartbeat = asyncio.create_task(self._heartbeat(slot, token)) if slot is not None else None
+        heartbeat = None
+        if slot is not None:
+            claimed = slot
+            heartbeat = Periodic(
+                lambda: self._heartbeat(claimed, token),
+                self._settings.tool_lease_ms / 3000,
+                name=f"tool lease {slot.tool}",
+            )
         try:
             result = await self._invoke(tool, arguments, key)
         except ToolError as exc:
@@ -278,8 +286,7 @@ class Dispatcher:
             raise
         finally:
             if heartbeat is not None:
-                heartbeat.cancel()
-                await asyncio.wait([heartbeat])  # never re-raise: a stop must not be swallowed
+                await heartbeat.stop()  # never re-raises: a stop must not be swallowed
         if slot is not None and not await self.ledger.finish(slot, token, "completed", result):
             log.warning("tool %s #%d finished after its claim was taken over", slot.tool,
                         slot.ordinal)  # fmt: skip
@@ -307,17 +314,16 @@ class Dispatcher:
         self._metrics.tool_calls.labels(tool.kind, "unknown_outcome").inc()
         return Outcome("ran", error=error, fail_reason="unknown_outcome", idempotency_key=key)
 
-    async def _heartbeat(self, slot: Slot, token: str) -> None:
-        interval = self._settings.tool_lease_ms / 3000
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.ledger.renew(slot, token)
-            except FencedWrite:
-                return
-            except (RedisError, OSError) as exc:
-                # Keep trying: the call's outcome must not be lost to a renewal blip.
-                log.warning("tool lease renewal failed: %s", exc)
+    async def _heartbeat(self, slot: Slot, token: str) -> bool:
+        """Renew the call's claim; False once it was taken over."""
+        try:
+            await self.ledger.renew(slot, token)
+        except FencedWrite:
+            return False
+        except (RedisError, OSError) as exc:
+            # Keep trying: the call's outcome must not be lost to a renewal blip.
+            log.warning("tool lease renewal failed: %s", exc)
+        return True
 
 
 def _refused(code: str, message: str) -> Outcome:

@@ -7,6 +7,11 @@ subscription is released the moment its client goes away. Heartbeats are SSE com
 
 While the source waits, a live feed may write a chunk for it (:meth:`EventStreamResponse.
 write_now`): one write, in order with the source's own, without waking the reader's task.
+
+The response never relies on a cancellation reaching its source: redis-py can swallow a
+``CancelledError`` that lands while a reply is awaited, and the source would then go on for a
+client that is gone. So the response is also a :class:`Sink` whose ``over`` the source checks
+before it waits, and no chunk is sent once the response is over.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Generator
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -25,8 +30,19 @@ log = logging.getLogger("broker.sse")
 PING = b": ping\n\n"
 RAW_SEND: Final = "broker.raw_send"  # the scope key of the server's own send (see RawSend)
 
-# Writes a chunk at once, or returns False: see EventStreamResponse.write_now.
-DirectWrite = Callable[[bytes], bool]
+
+class Sink(Protocol):
+    """Where a source's chunks go: see :class:`EventStreamResponse`."""
+
+    def write_now(self, chunk: bytes) -> bool:
+        """Write ``chunk`` at once, or return False (the source yields it instead)."""
+        ...
+
+    @property
+    def over(self) -> bool:
+        """Whether the response has ended (its client left): the source must stop."""
+        ...
+
 
 HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -70,21 +86,22 @@ class RawSend:
 class EventStreamResponse(Response):
     """Streams chunks as ``text/event-stream`` until the source ends or the client leaves.
 
-    ``source`` is called with the response's :meth:`write_now`, which a live feed may call to
-    write a chunk while the source is waiting for one, and returns the chunks to write.
+    ``source`` is called with the response as its :class:`Sink`: a live feed may call
+    :meth:`write_now` to write a chunk while the source is waiting for one, and the source ends
+    once ``over`` is true. It returns the chunks to write.
     """
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
-        source: Callable[[DirectWrite], AsyncIterator[bytes]],
+        source: Callable[[Sink], AsyncIterator[bytes]],
         *,
         send_timeout_s: float,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(status_code=200)
-        self._source = source(self.write_now)
+        self._source = source(self)
         self._send_timeout_s = send_timeout_s
         self._raw_headers = HEADERS + (extra_headers or [])
         self._sending_since: float | None = None
@@ -111,6 +128,10 @@ class EventStreamResponse(Response):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task  # (what failed was logged where it failed)
             await _close(self._source)
+
+    @property
+    def over(self) -> bool:
+        return self._over
 
     def write_now(self, chunk: bytes) -> bool:
         """Write ``chunk`` now, without waiting; False when that cannot be done (another write
@@ -171,6 +192,8 @@ class EventStreamResponse(Response):
 
     async def _send_all(self) -> None:
         async for chunk in self._source:
+            if self._over:
+                return  # the client is gone, though the cancellation may not have said so
             await self._send(chunk)
         await self._send(b"", more=False)
 

@@ -30,7 +30,7 @@ from broker.lease import FINAL_STATUSES
 from broker.metrics import Metrics
 from broker.offsets import NOW, START, ZERO_ID, from_entry_id, id_key, to_entry_id
 from broker.settings import Settings
-from broker.sse import DirectWrite
+from broker.sse import Sink
 
 log = logging.getLogger("broker.streams")
 
@@ -151,8 +151,8 @@ class _Subscription:
     """One reader's place on its feed's tape."""
 
     __slots__ = (
-        "after", "closed", "deadline", "feed", "index", "overflowed", "position", "ticked",
-        "timeout", "waiter", "write_now",
+        "after", "closed", "deadline", "feed", "index", "overflowed", "position", "sink",
+        "ticked", "timeout", "waiter",
     )  # fmt: skip
 
     def __init__(self, feed: _Feed) -> None:
@@ -164,9 +164,9 @@ class _Subscription:
         self.overflowed = False
         self.ticked = False
         self.closed = False
-        # While parked, a reader with ``write_now`` standing at ``position`` (entry id
-        # ``after``) is written to by the feed itself: see _Feed.publish.
-        self.write_now: DirectWrite | None = None
+        # While parked, a reader with a ``sink`` standing at ``position`` (entry id ``after``)
+        # is written to by the feed itself: see _Feed.publish.
+        self.sink: Sink | None = None
         self.position = (0, 0)
         self.after = ZERO_ID
 
@@ -207,6 +207,11 @@ class _Subscription:
             if self.ticked:
                 self.ticked = False
                 return None
+            if self.sink is not None and self.sink.over:
+                # The client is gone. Its cancellation should have ended this read, but one
+                # that landed while redis-py awaited a reply may have been swallowed: never
+                # park a reader for a client that left.
+                raise _Closed()
             loop = asyncio.get_running_loop()
             self.waiter = waiter = loop.create_future()
             self.timeout = timeout
@@ -288,13 +293,13 @@ class _Feed:
         subscription: _Subscription, index: int, after_key: tuple[int, int], data: bytes
     ) -> bool:
         """Whether ``data`` was written to a waiting reader standing right before it."""
-        write_now, waiter = subscription.write_now, subscription.waiter
-        if write_now is None or waiter is None or waiter.done():
+        sink, waiter = subscription.sink, subscription.waiter
+        if sink is None or waiter is None or waiter.done():
             return False
         if subscription.index != index or subscription.position != after_key:
             return False
         try:
-            return write_now(data)
+            return sink.write_now(data)
         except Exception:  # one response's failure must not stop the stream's other readers
             log.exception("writing to a stream's reader failed")
             return False
@@ -317,7 +322,9 @@ class _Feed:
         after: str | None = self.start
         failures = 0
         try:
-            while self.subscriptions:
+            # Not only cancellation ends the loop (redis-py may swallow one mid-XREAD): the last
+            # reader leaving, or the hub closing, does.
+            while self.subscriptions and not self.hub.closed:
                 try:
                     if after is None:
                         after = await rc.last_entry_id(redis, self.key) or ZERO_ID
@@ -370,7 +377,7 @@ class Hub:
         self.metrics = metrics
         self._feeds: dict[str, _Feed] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # including cancelled ones still unwinding
-        self._closed = False
+        self.closed = False
         self._tick_s = TICK_MAX_S
         self._ticker: asyncio.Task[None] | None = None
 
@@ -383,7 +390,7 @@ class Hub:
         period = min(TICK_MAX_S, max(TICK_MIN_S, timeout / 4))
         if period < self._tick_s:
             self._tick_s = period
-        if self._ticker is None and not self._closed:
+        if self._ticker is None and not self.closed:
             self._ticker = self._start(self._tick(), "feed heartbeats")
             self._ticker.add_done_callback(self._ticker_ended)
 
@@ -427,7 +434,7 @@ class Hub:
             self._feeds[key] = feed
             self.metrics.live_streams.set(len(self._feeds))
         subscription = _Subscription(feed)
-        if self._closed:
+        if self.closed:
             subscription.close()
         feed.subscriptions.add(subscription)
         if feed.task is None:
@@ -450,7 +457,7 @@ class Hub:
 
     async def close(self) -> None:
         """End every live read (their clients resume elsewhere) and stop the feeds."""
-        self._closed = True
+        self.closed = True
         for feed in list(self._feeds.values()):
             for subscription in feed.subscriptions:
                 subscription.close()
@@ -567,12 +574,13 @@ class Streams:
         return None
 
     async def follow_chunks(
-        self, location: Location, after: str, write_now: DirectWrite | None = None
+        self, location: Location, after: str, sink: Sink | None = None
     ) -> AsyncGenerator[Chunk | Heartbeat, None]:
         """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk).
 
-        With ``write_now`` (the response's), live batches that follow this reader's position
-        while it waits may be written by the stream's feed directly: they are not yielded.
+        With ``sink`` (the response), live batches that follow this reader's position while it
+        waits may be written by the stream's feed directly: they are not yielded. The read ends
+        when the sink is over, instead of waiting for the next batch.
         """
         key = self._keys.events(location.conversation_id, location.turn_id)
         turn_key = self._keys.turn(location.conversation_id, location.turn_id)
@@ -599,7 +607,7 @@ class Streams:
                 async for page in self._pages(key, after):
                     yield Chunk.of(page)
                 return
-            subscription.write_now = write_now
+            subscription.sink = sink
             while True:
                 subscription.position, subscription.after = position, after
                 batches = await subscription.get_all(heartbeat_s)

@@ -28,6 +28,7 @@ from broker.keys import JOB_GROUP, Keys, scoped, unscoped
 from broker.lease import TurnWriter
 from broker.ledger import Dispatcher
 from broker.metrics import Metrics
+from broker.periodic import Periodic
 from broker.providers import Providers
 from broker.retry import RetryPolicy
 from broker.scripts import Scripts
@@ -231,7 +232,9 @@ class Worker:
         )  # fmt: skip
         run.task = asyncio.create_task(generation.run(), name=f"turn {turn_id}")
         self._runs[(conversation_id, turn_id)] = run
-        heartbeat = asyncio.create_task(self._heartbeat(run))
+        heartbeat = Periodic(
+            lambda: self._heartbeat(run), settings.lease_heartbeat_s, name=f"lease {turn_id}"
+        )
         try:
             try:
                 await run.task
@@ -252,34 +255,31 @@ class Worker:
         finally:
             if self._runs.get((conversation_id, turn_id)) is run:
                 del self._runs[(conversation_id, turn_id)]
-            heartbeat.cancel()
-            await asyncio.wait([heartbeat])
+            await heartbeat.stop()
             if generation.handed_back:
                 await self._hand_back(job_id)
         await self._refresh_index_ttl(conversation_id, turn_id)
         return True
 
-    async def _heartbeat(self, run: Run) -> None:
-        interval = self._settings.lease_heartbeat_s
-        refreshed = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                if await run.writer.renew():
-                    run.request_stop(STOP)  # a stop whose notification we missed
-                # Resetting the job's idle time keeps other workers from reclaiming a live job.
-                await self._redis.xclaim(
-                    self._keys.jobs, JOB_GROUP, self.name, 0, [run.job_id], justid=True
-                )
-                if time.monotonic() - refreshed > SLOT_REFRESH_S:
-                    await self._admission.refresh(run.conversation_id, run.turn_id, run.attempt)
-                    refreshed = time.monotonic()
-            except FencedWrite:
-                self._metrics.lease_expirations.inc()
-                run.request_stop(LEASE_LOST)
-                return
-            except (RedisError, OSError) as exc:
-                log.warning("lease heartbeat failed: %s", exc)
+    async def _heartbeat(self, run: Run) -> bool:
+        """Renew the lease and keep the job fresh; False once the lease is lost."""
+        try:
+            if await run.writer.renew():
+                run.request_stop(STOP)  # a stop whose notification we missed
+            # Resetting the job's idle time keeps other workers from reclaiming a live job.
+            await self._redis.xclaim(
+                self._keys.jobs, JOB_GROUP, self.name, 0, [run.job_id], justid=True
+            )
+            if time.monotonic() - run.slot_refreshed > SLOT_REFRESH_S:
+                await self._admission.refresh(run.conversation_id, run.turn_id, run.attempt)
+                run.slot_refreshed = time.monotonic()
+        except FencedWrite:
+            self._metrics.lease_expirations.inc()
+            run.request_stop(LEASE_LOST)
+            return False
+        except (RedisError, OSError) as exc:
+            log.warning("lease heartbeat failed: %s", exc)
+        return True
 
     async def _listen_for_stops(self) -> None:
         """Stop requests are published so they reach this worker at once, wherever it runs.

@@ -229,6 +229,12 @@ class Live:
     subscription: Any
     written: list[bytes] = dataclasses.field(default_factory=list)
     accept: bool = True
+    over: bool = False  # the response's side of the Sink
+
+    def write_now(self, chunk: bytes) -> bool:
+        if self.accept:
+            self.written.append(chunk)
+        return self.accept
 
     @property
     def feed(self) -> _Feed:
@@ -242,13 +248,18 @@ async def live_reader(aredis: Redis) -> Live:
     first = await add(aredis, key, "attempt", {"strategy": "initial"})
     live: Live | None = None
 
-    def write_now(chunk: bytes) -> bool:
-        assert live is not None
-        if live.accept:
-            live.written.append(chunk)
-        return live.accept
+    class Response:
+        """The reader's response, as the feed sees it: the Live below, once there."""
 
-    chunks = streams.follow_chunks(location, "0-0", write_now)
+        @property
+        def over(self) -> bool:
+            return live is not None and live.over
+
+        def write_now(self, chunk: bytes) -> bool:
+            assert live is not None
+            return live.write_now(chunk)
+
+    chunks = streams.follow_chunks(location, "0-0", Response())
     await asyncio.wait_for(anext(chunks), 5)  # the replay
     wait = asyncio.ensure_future(anext(chunks))
     live = Live(streams, hub, keys, key, first, chunks, wait, await parked(hub, key))
@@ -387,10 +398,13 @@ async def test_a_response_that_fails_a_direct_write_leaves_the_others_alone(
 ) -> None:
     live = await live_reader(aredis)
 
-    def broken(chunk: bytes) -> bool:
-        raise RuntimeError("a broken response")
+    class Broken:
+        over = False
 
-    live.subscription.write_now = broken
+        def write_now(self, chunk: bytes) -> bool:
+            raise RuntimeError("a broken response")
+
+    live.subscription.sink = Broken()
     entry = await add(aredis, live.key, "delta", {"text": "a"})
     live.feed.publish(_Batch(live.first.entry_id, [entry]))
     # The failing response's reader is woken and writes the batch itself; the feed goes on.

@@ -9,11 +9,11 @@ up is let go after the send timeout.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.types import Message
 
-from broker.sse import RAW_SEND, DirectWrite, EventStreamResponse
+from broker.sse import RAW_SEND, EventStreamResponse, Sink
 
 
 class ScriptedServer:
@@ -49,13 +49,13 @@ class Source:
     """A reader: yields what the test puts in, after handing the response's writer out."""
 
     def __init__(self) -> None:
-        self.write_now: DirectWrite | None = None
+        self.write_now: Callable[[bytes], bool] | None = None
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.waiting = asyncio.Event()
         self.closed = False
 
-    def __call__(self, write_now: DirectWrite) -> AsyncIterator[bytes]:
-        self.write_now = write_now
+    def __call__(self, sink: Sink) -> AsyncIterator[bytes]:
+        self.write_now = sink.write_now
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[bytes]:

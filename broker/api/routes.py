@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator
@@ -33,7 +32,8 @@ from broker.auth import Principal, require_actor
 from broker.errors import BadRequest, BrokerError, Conflict, Forbidden, Unauthorized
 from broker.metrics import AUTH_FAILURES
 from broker.offsets import NOW, START, ZERO_ID, from_entry_id, to_entry_id
-from broker.sse import PING, DirectWrite, EventStreamResponse, opening_frame
+from broker.periodic import Periodic
+from broker.sse import PING, EventStreamResponse, Sink, opening_frame
 from broker.streams import Heartbeat, Location
 from broker.turns import AttemptRequest, CanonicalRequest, TurnRequest
 
@@ -283,7 +283,7 @@ async def read_stream(
     announce = from_entry_id(after) if after != ZERO_ID or resume == NOW else None
     viewer = await _hold_viewer(rt, principal, location) if principal.one_viewer else None
     return EventStreamResponse(
-        lambda write_now: _frames(rt, location, after, announce, viewer, write_now),
+        lambda sink: _frames(rt, location, after, announce, viewer, sink),
         send_timeout_s=rt.settings.sse_send_timeout_s,
     )
 
@@ -294,24 +294,40 @@ class ViewerLock:
     def __init__(self, rt: Runtime, key: str, holder: str) -> None:
         self.rt, self.key, self.holder = rt, key, holder
         self.lost = False
+        self._keeper: Periodic | None = None
 
-    async def keep(self) -> None:
-        """Renew the lock until cancelled; a lost lock ends the stream at its next frame."""
-        while True:
-            await asyncio.sleep(VIEWER_LEASE_MS / 3000)
-            try:
-                held = await self.rt.scripts(
-                    "renew_viewer", [self.key], [self.holder, VIEWER_LEASE_MS]
-                )
-            except (RedisError, OSError):
-                continue  # the lock lives VIEWER_LEASE_MS: the next renewal may still make it
-            if not held:
-                self.lost = True
-                return
+    def keep(self) -> None:
+        """Renew the lock until :meth:`release`; a lost lock ends the stream at its next frame."""
+        self._keeper = Periodic(self._renew, VIEWER_LEASE_MS / 3000, name="viewer lock")
+
+    async def _renew(self) -> bool:
+        try:
+            held = await self.rt.scripts("renew_viewer", [self.key], [self.holder, VIEWER_LEASE_MS])
+        except (RedisError, OSError):
+            return True  # the lock lives VIEWER_LEASE_MS: the next renewal may still make it
+        self.lost = not held
+        return not self.lost
 
     async def release(self) -> None:
+        if self._keeper is not None:
+            await self._keeper.stop()
         with contextlib.suppress(RedisError, OSError):
             await self.rt.scripts("release_viewer", [self.key], [self.holder])
+
+
+class _ViewerSink:
+    """A response as seen by a one-viewer read: over, and refusing writes, once the lock is lost."""
+
+    def __init__(self, sink: Sink, viewer: ViewerLock) -> None:
+        self._sink, self._viewer = sink, viewer
+
+    @property
+    def over(self) -> bool:
+        return self._viewer.lost or self._sink.over
+
+    def write_now(self, chunk: bytes) -> bool:
+        # A lost lock stops direct writes: the next chunk comes to the reader, which ends.
+        return not self._viewer.lost and self._sink.write_now(chunk)
 
 
 async def _hold_viewer(rt: Runtime, principal: Principal, location: Location) -> ViewerLock:
@@ -332,34 +348,25 @@ async def _frames(
     after: str,
     announce: str | None,
     viewer: ViewerLock | None,
-    write_now: DirectWrite,
+    sink: Sink,
 ) -> AsyncIterator[bytes]:
     viewers = rt.metrics.viewers.labels("sse")
     viewers.inc()
-    keeper = asyncio.create_task(viewer.keep()) if viewer is not None else None
     if viewer is not None:
-        # A lost lock stops direct writes: the next chunk comes here, and ends the stream.
-        write = write_now
-
-        def write_now(chunk: bytes) -> bool:
-            return not viewer.lost and write(chunk)
-
+        viewer.keep()
+        sink = _ViewerSink(sink, viewer)
     try:
         yield opening_frame(rt.settings.sse_retry_ms, announce)
         # Closed on every way out, so that the reader leaves its feed at once, not when the
         # generator is collected.
-        async with contextlib.aclosing(
-            rt.streams.follow_chunks(location, after, write_now)
-        ) as items:
+        async with contextlib.aclosing(rt.streams.follow_chunks(location, after, sink)) as items:
             async for item in items:
                 if viewer is not None and viewer.lost:
                     return
                 yield PING if isinstance(item, Heartbeat) else item.data
     finally:
         viewers.dec()
-        if keeper is not None and viewer is not None:
-            keeper.cancel()
-            await asyncio.gather(keeper, return_exceptions=True)
+        if viewer is not None:
             await viewer.release()
 
 

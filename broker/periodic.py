@@ -1,0 +1,43 @@
+"""A background step repeated at an interval (lease and lock renewals), stopped for sure.
+
+A cancellation that lands while redis-py awaits a reply can be swallowed: the call returns
+normally and the task goes on (redis/redis-py #2028, #2665). A renewal loop stopped by
+``task.cancel()`` alone would then renew for ever, and whoever awaited its end would wait for
+ever. :class:`Periodic` is stopped by a flag as well: after a swallowed cancellation the loop sees
+the flag at its next pause, at once, and ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+
+class Periodic:
+    """Runs ``step`` every ``interval_s`` seconds until :meth:`stop`, or until ``step`` returns
+    False. ``step`` handles its own errors: one that escapes ends the loop."""
+
+    def __init__(
+        self, step: Callable[[], Awaitable[bool]], interval_s: float, *, name: str
+    ) -> None:
+        self._step = step
+        self._interval_s = interval_s
+        self._stopped = asyncio.Event()
+        self.task = asyncio.create_task(self._loop(), name=name)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self._interval_s):
+                    await self._stopped.wait()
+                return
+            except TimeoutError:
+                pass
+            if self._stopped.is_set() or not await self._step():
+                return
+
+    async def stop(self) -> None:
+        """Stop the loop and wait for it to end; never raises what the loop raised."""
+        self._stopped.set()
+        self.task.cancel()
+        await asyncio.wait([self.task])
