@@ -64,6 +64,15 @@ def client(
     return redis
 
 
+async def drop_idle_connections(redis: Redis) -> None:
+    """Close the idle connections of ``redis``'s pool; each reconnects when next used.
+
+    After a connection failed, the others to the same server are suspect: a restarted server
+    closed them all, and each would fail its next command in turn (the pool does not retry).
+    """
+    await redis.connection_pool.disconnect(inuse_connections=False)
+
+
 async def connect(url: str) -> Redis:
     """Connect and ping; raise ``RedisConnectError`` with one line saying what failed."""
     # A burst of short calls (a thousand readers at once) waits for a connection, never fails.

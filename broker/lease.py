@@ -1,17 +1,38 @@
-"""The writer side of a turn: a lease with a fencing token, fenced appends, an atomic finish."""
+"""The writer side of a turn: a lease with a fencing token, fenced appends, an atomic finish.
+
+A writer rides out a Redis blip (a restart, a failover, a cut connection) shorter than its lease:
+an append or a finish that fails on the connection is sent again, with backoff, for as long as
+the lease it last renewed is valid. Both are safe to send twice (an append names how many events
+came before it; a finish recognises its own), so a reply lost to the blip never doubles an event.
+Meanwhile the generation's deltas wait in its bounded queue. Past the lease, the error is raised
+and the attempt ends as it would have.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from broker.connection import drop_idle_connections
 from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.scripts import Scripts
+
+log = logging.getLogger("broker.lease")
+
+# A connection that failed: the server may be restarting. Anything else is an answer.
+CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+RETRY_BACKOFF_MIN_S = 0.05
+RETRY_BACKOFF_MAX_S = 1.0
 
 FINAL_STATUSES = frozenset({"complete", "interrupted", "cancelled", "failed"})
 # The attempt's own status, as stored on the turn: an interrupted turn holds a partial attempt.
@@ -65,22 +86,60 @@ class TurnWriter:
         self._retention_ms = retention_ms
         self._tombstone_ms = tombstone_ms
         self.token = ""
+        self._appended = 0  # events appended under this token
+        self._valid_until = 0.0  # (monotonic) the lease lasts at least this long
+
+    def _renewed(self, since: float) -> None:
+        self._valid_until = since + self._lease_ttl_ms / 1000
 
     async def claim(self, owner: str, attempt: int) -> Claim:
+        since = time.monotonic()
         reply = await self._scripts(
             "claim_lease", [self._turn, self._lease], [owner, self._lease_ttl_ms, attempt]
         )
         if reply[0] == "claimed":
             self.token = reply[1]
+            self._appended = 0
+            self._renewed(since)
             return Claim("claimed", reply[1], reply[2], reply[3] == "1")
         return Claim(reply[0])
 
     async def renew(self) -> bool:
         """Extend the lease; True when the user asked to stop. Raises ``FencedWrite`` if lost."""
+        since = time.monotonic()
         reply = await self._scripts(
             "renew_lease", [self._lease, self._turn], [self.token, self._lease_ttl_ms]
         )
+        self._renewed(since)
         return int(reply) == 2
+
+    async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a script that is safe to send twice, again and again while the connection fails
+        and the lease is still valid; then raise the connection's error."""
+        delay = RETRY_BACKOFF_MIN_S
+        failures = 0
+        while True:
+            try:
+                reply = await self._scripts(name, keys, args)
+            except CONNECTION_ERRORS as exc:
+                left = self._valid_until - time.monotonic()
+                if left <= 0:
+                    raise
+                self._metrics.redis_errors.inc()
+                failures += 1
+                if failures == 1:
+                    log.warning(
+                        "%s failed on the connection (%s): sending it again while the lease "
+                        "lasts (%.1f s at most)", name, exc, left,
+                    )  # fmt: skip
+                # Every idle connection went to the same server: if it restarted, they are dead.
+                await drop_idle_connections(self._scripts.redis)
+                await asyncio.sleep(min(random.uniform(0, delay), max(left, 0.0)))
+                delay = min(delay * 2, RETRY_BACKOFF_MAX_S)
+                continue
+            if failures:
+                log.info("%s went through after %d failed tries", name, failures)
+            return reply
 
     async def release(self) -> bool:
         """Give the lease up now; False when it was no longer this writer's."""
@@ -91,13 +150,14 @@ class TurnWriter:
 
         Raises FencedWrite (lease lost), StopRequested (stop pressed) or StreamFull.
         """
-        args: list[Any] = [self.token, self._max_events]
+        args: list[Any] = [self.token, self._max_events, self._appended]
         for kind, data in events:
             args += (kind, encode(data))
         began = time.perf_counter()
-        ids: list[str] = await self._scripts(
+        ids: list[str] = await self._call(
             "append_events", [self._lease, self._events, self._turn], args
         )
+        self._appended += len(events)
         self._metrics.append_seconds.observe(time.perf_counter() - began)
         return ids
 
@@ -127,6 +187,6 @@ class TurnWriter:
         for kind, data in events:
             args += (kind, encode(data))
         keys = [self._turn, self._lease, self._events, self._tombstone, self._conversation_turns]
-        reply = await self._scripts("finish_attempt", keys, args)
+        reply = await self._call("finish_attempt", keys, args)
         self._metrics.turns_finished.labels(status).inc()
         return int(reply[0])

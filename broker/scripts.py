@@ -33,7 +33,7 @@ class Scripts:
     """Registered scripts for one Redis client."""
 
     def __init__(self, redis: Redis) -> None:
-        self._redis = redis
+        self.redis = redis
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(script_source(name)) for name in NAMES
         }
@@ -41,12 +41,12 @@ class Scripts:
     async def load(self) -> None:
         """Load every script now, so a broken script fails the start, not the first turn."""
         for script in self._scripts.values():
-            script.sha = await self._redis.script_load(script.script)
+            script.sha = await self.redis.script_load(script.script)
 
     async def loaded(self) -> bool:
         """Whether the server still has every script cached (readiness)."""
         shas = [script.sha for script in self._scripts.values()]
-        found = await self._redis.script_exists(*shas)
+        found = await self.redis.script_exists(*shas)
         return all(found)
 
     async def __call__(self, name: str, keys: list[str], args: list[Any]) -> Any:

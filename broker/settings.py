@@ -35,7 +35,7 @@ class Settings:
     max_messages: int = 1_000
     max_message_chars: int = 200_000
     lease_ttl_ms: int = 10_000
-    job_reclaim_idle_ms: int = 30_000
+    job_reclaim_idle_ms: int = 0  # 0: follow the lease (BROKER_LEASE_TTL_MS plus 500 ms)
     worker_concurrency: int = 64
     sse_heartbeat_s: float = 15.0
     sse_retry_ms: int = 1_000
@@ -99,7 +99,7 @@ class Settings:
             )
         positive = (
             "stream_ttl", "tombstone_ttl", "max_stream_events", "max_body_bytes",
-            "max_messages", "max_message_chars", "lease_ttl_ms", "job_reclaim_idle_ms",
+            "max_messages", "max_message_chars", "lease_ttl_ms",
             "worker_concurrency", "sse_heartbeat_s", "sse_retry_ms", "sse_send_timeout_s",
             "drain_timeout_s", "json_page_size", "sse_replay_page", "max_attempts_per_turn",
             "session_retry_window",
@@ -112,8 +112,10 @@ class Settings:
                 raise SettingsError(f"BROKER_{name.upper()} must be positive")
         if self.max_stream_events < 8:
             raise SettingsError("BROKER_MAX_STREAM_EVENTS must be at least 8")
-        if self.job_reclaim_idle_ms <= self.lease_ttl_ms:
-            raise SettingsError("BROKER_JOB_RECLAIM_IDLE_MS must exceed BROKER_LEASE_TTL_MS")
+        if self.job_reclaim_idle_ms < 0 or 0 < self.job_reclaim_idle_ms <= self.lease_ttl_ms:
+            raise SettingsError(
+                "BROKER_JOB_RECLAIM_IDLE_MS must exceed BROKER_LEASE_TTL_MS (or be 0: follow it)"
+            )
         if self.session_retry_budget < 0:
             raise SettingsError("BROKER_SESSION_RETRY_BUDGET must be 0 (no retries) or more")
         if not 0 <= self.retry_backoff_min_ms <= self.retry_backoff_max_ms:
@@ -157,6 +159,20 @@ class Settings:
     @property
     def runs_worker(self) -> bool:
         return self.role in ("all", "worker")
+
+    @property
+    def reclaim_idle_ms(self) -> int:
+        """How long a job sits unrefreshed before another worker takes it over.
+
+        A live worker refreshes its job with every lease renewal, so a job idle past the lease
+        TTL belongs to a worker whose lease has run out: takeover follows the lease.
+        """
+        return self.job_reclaim_idle_ms or self.lease_ttl_ms + 500
+
+    @property
+    def reclaim_every_s(self) -> float:
+        """The period of the reclaim pass: a crashed turn is taken over soon after its lease."""
+        return min(0.5, self.reclaim_idle_ms / 4000)
 
     @property
     def lease_heartbeat_s(self) -> float:

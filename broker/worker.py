@@ -2,9 +2,14 @@
 
 Jobs sit in a consumer group until the turn's attempt is finished, so a worker that dies leaves
 its job pending; another worker takes it over with XAUTOCLAIM once it has been idle longer than
-``BROKER_JOB_RECLAIM_IDLE_MS``. A live worker keeps its job's idle time low with the same
-heartbeat that renews its lease, and the lease (not the job) decides who may write: a takeover
-mints a new fencing token, after which the old writer's appends are refused by Lua.
+the lease (``BROKER_JOB_RECLAIM_IDLE_MS``, by default the lease TTL plus 500 ms). A live worker
+keeps its job's idle time low with the same heartbeat that renews its lease, and the lease (not
+the job) decides who may write: a takeover mints a new fencing token, after which the old
+writer's appends are refused by Lua.
+
+A worker whose attempt stops on a Redis error (a restart, a failover) runs it again itself, with
+backoff, instead of leaving it to the reclaim: the claim, the appends and the finish are safe
+to send twice.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import socket
 import time
@@ -22,6 +28,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from broker import redis_calls as rc
 from broker.admission import Admission
+from broker.connection import drop_idle_connections
 from broker.errors import FencedWrite
 from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, LeaseLost, Run
 from broker.keys import JOB_GROUP, Keys, scoped, unscoped
@@ -127,7 +134,7 @@ class Worker:
                     await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
                     continue
                 if loop.time() >= next_reclaim:
-                    next_reclaim = loop.time() + self._settings.job_reclaim_idle_ms / 2000
+                    next_reclaim = loop.time() + self._settings.reclaim_every_s
                     await self._reclaim(free)
                     free = self._settings.worker_concurrency - len(self._tasks)
                     if free <= 0:
@@ -143,8 +150,10 @@ class Worker:
                     with contextlib.suppress(RedisError, OSError):
                         await ensure_group(self._redis, self._keys)
                         continue
-                log.warning("worker cannot read jobs: %s; retrying in 1 s", exc)
-                await asyncio.sleep(1)
+                log.warning("worker cannot read jobs: %s; retrying in 0.2 s", exc)
+                with contextlib.suppress(RedisError, OSError):
+                    await drop_idle_connections(self._redis)
+                await asyncio.sleep(0.2)
             except Exception:
                 # Never let the job loop die quietly: a worker that takes no jobs looks healthy.
                 log.exception("worker job loop failed; retrying in 1 s")
@@ -156,10 +165,12 @@ class Worker:
         # or dead jobs behind many live ones would never be reached.
         cursor, claimed, deleted = await rc.xautoclaim(
             self._redis, self._keys.jobs, JOB_GROUP, self.name,
-            self._settings.job_reclaim_idle_ms, count, self._reclaim_cursor,
+            self._settings.reclaim_idle_ms, count, self._reclaim_cursor,
         )  # fmt: skip
         self._reclaim_cursor = cursor
         for job_id, fields in claimed:
+            if (fields.get("conversation_id"), fields.get("turn_id")) in self._runs:
+                continue  # this worker runs it: its heartbeat missed a beat (Redis away)
             if fields:
                 log.info("reclaimed job %s of an idle worker", job_id)
                 self._spawn(job_id, fields)
@@ -172,7 +183,7 @@ class Worker:
         with contextlib.suppress(RedisError, OSError):  # else it is reclaimed when it idles
             await self._redis.xclaim(
                 self._keys.jobs, JOB_GROUP, self.name, 0, [job_id],
-                idle=self._settings.job_reclaim_idle_ms, justid=True,
+                idle=self._settings.reclaim_idle_ms, justid=True,
             )  # fmt: skip
 
     def _spawn(self, job_id: str, fields: dict[str, str]) -> None:
@@ -196,11 +207,16 @@ class Worker:
             await self._done(job_id)
             return
         try:
-            finished = await self._run_attempt(job_id, conversation_id, turn_id, attempt)
+            finished = await self._run_again_on_redis_errors(
+                job_id, conversation_id, turn_id, attempt
+            )
         except (RedisError, OSError) as exc:
-            # Redis went away mid-turn: leave the job pending; it is reclaimed when Redis is back.
+            # Redis stayed away: leave the job pending; it is reclaimed when Redis is back.
             self._metrics.redis_errors.inc()
-            log.warning("turn %s attempt %d stopped on a Redis error: %s", turn_id, attempt, exc)
+            log.warning(
+                "turn %s attempt %d stopped on a Redis error: %s; left for a reclaim",
+                turn_id, attempt, exc,
+            )  # fmt: skip
             return
         finally:
             # Whatever happened, an attempt that is no longer live frees its tenant's slot.
@@ -208,6 +224,34 @@ class Worker:
         if finished:
             with contextlib.suppress(RedisError, OSError):
                 await self._done(job_id)
+
+    async def _run_again_on_redis_errors(
+        self, job_id: str, conversation_id: str, turn_id: str, attempt: int
+    ) -> bool:
+        """:meth:`_run_attempt`, run again at once (with jittered backoff) when it stopped on a
+        Redis error, for as long as a reclaim would take; then the error is raised.
+
+        The attempt takes itself over as another worker would (the retry policy decides what a
+        taken-over attempt may do), only without waiting for its job to idle.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._settings.reclaim_idle_ms / 1000
+        delay = 0.05
+        while True:
+            try:
+                return await self._run_attempt(job_id, conversation_id, turn_id, attempt)
+            except (RedisError, OSError) as exc:
+                if self._stopping.is_set() or loop.time() + delay > deadline:
+                    raise
+                self._metrics.redis_errors.inc()
+                log.warning(
+                    "turn %s attempt %d stopped on a Redis error (%s): running it again",
+                    turn_id, attempt, exc,
+                )  # fmt: skip
+                with contextlib.suppress(RedisError, OSError):
+                    await drop_idle_connections(self._redis)
+                await asyncio.sleep(random.uniform(0, delay))
+                delay = min(delay * 2, 1.0)
 
     async def _run_attempt(
         self, job_id: str, conversation_id: str, turn_id: str, attempt: int

@@ -8,25 +8,46 @@
 -- KEYS[3]  turn hash      {c:<conversation>}:turn:<turn_id>
 -- ARGV[1]  token          the fencing token returned by claim_lease
 -- ARGV[2]  max_events     the stream may hold at most this many entries after the append
--- ARGV[3], ARGV[4], ...   pairs of (event type, JSON data), in order
+-- ARGV[3]  appended       how many events this token appended before this batch
+-- ARGV[4], ARGV[5], ...   pairs of (event type, JSON data), in order
+--
+-- The lease hash counts the events appended under its token (field `appended`), which makes an
+-- append safe to send again when its reply was lost (a connection cut, a Redis restart): a batch
+-- already appended is answered with its ids, and appended nothing twice.
 --
 -- Returns  the list of assigned entry ids, one per event
--- Errors   "FENCED ..."       the lease expired or belongs to another token; nothing appended
+-- Errors   "FENCED ..."       the lease expired or belongs to another token, or `appended` is
+--                             not this token's count; nothing appended
 --          "CANCELLED ..."    the user asked to stop this attempt; nothing appended
 --          "STREAM_FULL ..."  the append would pass max_events; nothing appended
 local lease, events = KEYS[1], KEYS[2]
 if redis.call('HGET', lease, 'token') ~= ARGV[1] then
   return redis.error_reply('FENCED lease lost or taken over')
 end
+local n = (#ARGV - 3) / 2
+local before = tonumber(ARGV[3])
+local appended = tonumber(redis.call('HGET', lease, 'appended') or '0')
+if n > 0 and appended == before + n then
+  -- This batch was appended, and its reply lost: it is the stream's tail.
+  local tail = redis.call('XREVRANGE', events, '+', '-', 'COUNT', n)
+  local ids = {}
+  for i = #tail, 1, -1 do
+    ids[#ids + 1] = tail[i][1]
+  end
+  return ids
+end
+if appended ~= before then
+  return redis.error_reply('FENCED appends out of order for this token')
+end
 if redis.call('HEXISTS', KEYS[3], 'cancel') == 1 then
   return redis.error_reply('CANCELLED a stop was requested')
 end
-local n = (#ARGV - 2) / 2
 if redis.call('XLEN', events) + n > tonumber(ARGV[2]) then
   return redis.error_reply('STREAM_FULL the stream reached its maximum number of events')
 end
 local ids = {}
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   ids[#ids + 1] = redis.call('XADD', events, '*', 'e', ARGV[i], 'd', ARGV[i + 1])
 end
+redis.call('HINCRBY', lease, 'appended', n)
 return ids

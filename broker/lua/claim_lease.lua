@@ -11,7 +11,10 @@
 --
 -- Returns  {"claimed", token, previous_status, cancel}  previous_status "streaming" means a
 --                                  takeover; cancel is "1" when a stop was requested meanwhile
---          {"held", owner, pttl_ms}             a live lease exists; nothing changed
+--          {"held", owner, pttl_ms}             another owner's live lease exists; nothing
+--                                               changed (the same owner claims anew: it sends
+--                                               a claim again when the reply of its first was
+--                                               lost, and runs one generation per turn)
 --          {"stale", status, attempt}           the turn is at rest or moved to another attempt
 --          {"missing"}                          the turn does not exist (expired)
 -- Errors   none of its own.
@@ -25,10 +28,11 @@ if attempt ~= ARGV[3] or (status ~= 'queued' and status ~= 'streaming') then
   return {'stale', status or '', attempt or ''}
 end
 local holder = redis.call('HGET', lease, 'owner')
-if holder then
+if holder and holder ~= ARGV[1] then
   return {'held', holder, redis.call('PTTL', lease)}
 end
 local token = redis.call('HINCRBY', turn, 'fence', 1)
+redis.call('DEL', lease)
 redis.call('HSET', lease, 'token', token, 'owner', ARGV[1])
 redis.call('PEXPIRE', lease, ARGV[2])
 redis.call('HSET', turn, 'status', 'streaming')

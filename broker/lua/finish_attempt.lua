@@ -25,9 +25,15 @@
 --
 -- Returns  {promotion, id, id, ...}  promotion: 1 promoted, 0 not asked, -1 refused (the
 --          canonical attempt changed meanwhile); then the assigned entry ids
+--          {0}  this token already finished this attempt (the call is sent again after its
+--               reply was lost): nothing changed
 -- Errors   "FENCED ..."  the lease expired or belongs to another token; nothing changed
 local turn, lease, events, tombstone = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if redis.call('HGET', lease, 'token') ~= ARGV[1] then
+  local v = redis.call('HMGET', turn, 'fence', 'attempt', 'status')
+  if v[1] == ARGV[1] and v[2] == ARGV[2] and v[3] ~= 'queued' and v[3] ~= 'streaming' then
+    return {0}  -- no claim since this token's, and the attempt at rest: our own finish
+  end
   return redis.error_reply('FENCED lease lost or taken over')
 end
 local result = {0}
