@@ -27,10 +27,9 @@ from typing import Any
 import httpx
 import pytest
 import redis
-import uvicorn
 from redis.asyncio import Redis
 
-from broker.app import Runtime, Server, _find_runtime, create_app, parser_header_limit
+from broker.app import Runtime, Server, _find_runtime, create_app, server_config
 from broker.embedded_redis import EmbeddedRedis
 from broker.settings import Settings
 
@@ -110,11 +109,9 @@ def start_broker(redis_url: str, **overrides: Any) -> RunningBroker:
     }
     values.update(overrides)
     settings = Settings(**values)
-    config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning",
-        lifespan="on", h11_max_incomplete_event_size=parser_header_limit(settings),
-        timeout_graceful_shutdown=5,
-    )  # fmt: skip
+    # As `broker serve` configures it: the broker's HTTP protocol and connection limits.
+    config = server_config(settings, create_app(settings))
+    config.timeout_graceful_shutdown = 5
     server = Server(config)
     ready = threading.Event()
     holder: dict[str, Any] = {}
