@@ -1,0 +1,1 @@
+"""Dialects: the same turns, attempts and streams, spoken the way existing clients speak."""

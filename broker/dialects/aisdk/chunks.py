@@ -1,0 +1,167 @@
+"""UI message chunks rendered from a turn's stored events.
+
+One turn's stream becomes one assistant message. Each attempt is a step; text between tool calls
+is one text part, whose id is derived from the attempt and its place in it, so that a replay
+renders the very same chunks. A chunk is sent as ``data: <json>``; the last frame rendered from
+an event carries the event's offset as its SSE ``id:``, so ``Last-Event-ID`` names an event
+whose frames all arrived.
+
+| broker event | chunks |
+|---|---|
+| first event of a read | ``start`` (``messageId``), ``data-broker`` |
+| ``attempt`` | ``start-step`` (a continue attempt: a new step of the same message) |
+| ``delta`` | ``text-start`` (first of a part), ``text-delta`` |
+| ``tool_call`` | ``tool-input-available`` (dispatched), ``tool-input-error`` (not run) |
+| ``tool_result`` | ``tool-output-available`` or ``tool-output-error`` |
+| ``error`` | kept for the ``end`` that follows |
+| ``usage`` | nothing (``GET /v1/turns/{id}`` has it) |
+| ``end`` | ``text-end``, ``finish-step``, ``data-broker``; at rest: ``finish`` (complete), |
+|  | ``abort`` (cancelled), ``error`` + ``finish`` (interrupted, failed) |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import orjson
+
+from broker.streams import Entry
+
+DONE: Final = b"data: [DONE]\n\n"
+# The ``errorText`` of a turn that did not complete: stable codes a client may switch on.
+INTERRUPTED: Final = "turn_interrupted"
+FAILED: Final = "turn_failed"
+
+Chunk = dict[str, Any]
+
+
+def message_id(turn_id: str) -> str:
+    """The assistant message's id: one per turn, whichever attempt is shown."""
+    return f"{turn_id}-reply"
+
+
+def encode(offset: str, chunks: list[Chunk]) -> bytes:
+    """The SSE frames of one event's chunks; the last one carries the event's offset."""
+    frames = [b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks]
+    frames[-1] = f"id: {offset}\n".encode() + frames[-1]
+    return b"".join(frames)
+
+
+class Renderer:
+    """Turns one stream's events, in order, into UI message chunks."""
+
+    def __init__(self, turn_id: str, stream_id: str) -> None:
+        self.turn_id = turn_id
+        self.stream_id = stream_id
+        self.started = False
+        self.finished = False  # a terminal chunk went out: [DONE] follows
+        self._attempt = 0
+        self._step_open = False
+        self._text: str | None = None  # the open text part's id
+        self._parts = 0  # text parts of the current attempt
+        self._error: dict[str, Any] | None = None
+
+    def facts(self, offset: str, status: str, **extra: Any) -> Chunk:
+        """The broker's own facts as one data part, updated in place (fixed ``id``)."""
+        data = {"turnId": self.turn_id, "streamId": self.stream_id, "attempt": self._attempt,
+                "offset": offset, "status": status, **extra}  # fmt: skip
+        return {"type": "data-broker", "id": "broker", "data": data}
+
+    def render(self, entry: Entry, *, final: bool = False) -> list[Chunk]:
+        """The chunks of one event; ``final``: an ``end`` after which the turn is at rest."""
+        data: dict[str, Any] = orjson.loads(entry.data)
+        chunks: list[Chunk] = []
+        attempt = data.get("attempt")
+        if isinstance(attempt, int) and attempt != self._attempt:
+            self._attempt, self._parts = attempt, 0
+        if not self.started:
+            self.started = True
+            chunks.append({"type": "start", "messageId": message_id(self.turn_id)})
+            chunks.append(self.facts(entry.offset, "streaming"))
+        kind = entry.kind
+        if kind == "attempt":
+            chunks += self._close_step()
+            chunks.append({"type": "start-step"})
+            self._step_open = True
+            self._error = None
+        elif kind == "delta":
+            chunks += self._open_step()
+            if self._text is None:
+                self._parts += 1
+                self._text = f"{self._attempt}-{self._parts}"
+                chunks.append({"type": "text-start", "id": self._text})
+            chunks.append({"type": "text-delta", "id": self._text, "delta": str(data["text"])})
+        elif kind == "tool_call":
+            chunks += self._open_step() + self._close_text()
+            chunks.append(self._tool_call(data))
+        elif kind == "tool_result":
+            chunks += self._open_step() + self._close_text()
+            chunks.append(self._tool_result(data))
+        elif kind == "error":
+            self._error = data
+        elif kind == "end":
+            chunks += self._end(entry.offset, data, final)
+        return chunks
+
+    def _open_step(self) -> list[Chunk]:
+        if self._step_open:
+            return []
+        self._step_open = True
+        return [{"type": "start-step"}]
+
+    def _close_text(self) -> list[Chunk]:
+        if self._text is None:
+            return []
+        text_id, self._text = self._text, None
+        return [{"type": "text-end", "id": text_id}]
+
+    def _close_step(self) -> list[Chunk]:
+        chunks = self._close_text()
+        if self._step_open:
+            self._step_open = False
+            chunks.append({"type": "finish-step"})
+        return chunks
+
+    @staticmethod
+    def _tool_call(data: dict[str, Any]) -> Chunk:
+        call_id, name = str(data.get("call_id")), str(data.get("name"))
+        if data.get("status") == "dispatched":
+            return {"type": "tool-input-available", "toolCallId": call_id, "toolName": name,
+                    "input": data.get("args"), "providerExecuted": True}  # fmt: skip
+        return {"type": "tool-input-error", "toolCallId": call_id, "toolName": name,
+                "input": data.get("args"), "providerExecuted": True,
+                "errorText": f"{data.get('status')}: {data.get('reason')}"}  # fmt: skip
+
+    @staticmethod
+    def _tool_result(data: dict[str, Any]) -> Chunk:
+        call_id = str(data.get("call_id"))
+        error = data.get("error")
+        if error is not None:
+            code = error.get("code") if isinstance(error, dict) else error
+            return {"type": "tool-output-error", "toolCallId": call_id,
+                    "errorText": str(code), "providerExecuted": True}  # fmt: skip
+        return {"type": "tool-output-available", "toolCallId": call_id,
+                "output": data.get("result"), "providerExecuted": True}  # fmt: skip
+
+    def _end(self, offset: str, data: dict[str, Any], final: bool) -> list[Chunk]:
+        status, reason = str(data.get("status")), data.get("reason")
+        chunks = self._close_step()
+        extra: dict[str, Any] = {"reason": reason}
+        if status in ("interrupted", "failed"):
+            extra["partial"] = True
+            if self._error is not None:
+                extra["error"] = {k: self._error.get(k) for k in ("code", "message", "retryable")}
+        chunks.append(self.facts(offset, status, **extra))
+        if not final:
+            return chunks  # another attempt follows on this stream
+        self.finished = True
+        if status == "complete":
+            chunks.append({"type": "finish", "finishReason": "stop"})
+        elif status == "cancelled":
+            chunks.append({"type": "abort", "reason": "cancelled"})
+        else:
+            text = INTERRUPTED if status == "interrupted" else FAILED
+            chunks.append({"type": "error", "errorText": text})
+            reason_code = "interrupted" if status == "interrupted" else "error"
+            chunks.append({"type": "finish", "finishReason": reason_code})
+        return chunks

@@ -1,0 +1,195 @@
+"""The AI SDK routes: post a chat, resume its stream, stop it, continue an interrupted answer.
+
+They speak over the same turns, attempts and streams as the native routes: a chat is a
+conversation, a user message is a turn, regenerate and continue are attempts of that turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Annotated, Any, Final
+
+from fastapi import APIRouter, Header, Request
+from starlette.responses import Response
+
+from broker import redis_calls as rc
+from broker.api.routes import Actor, body_schema, json_response, parse_body, runtime
+from broker.api.schemas import errors
+from broker.dialects.aisdk.chunks import DONE, Renderer, encode
+from broker.dialects.aisdk.messages import ChatRequest
+from broker.errors import NotFound
+from broker.keys import ID_PATTERN, scoped
+from broker.lease import FINAL_STATUSES
+from broker.offsets import NOW, START, ZERO_ID, id_key, to_entry_id
+from broker.sse import PING, EventStreamResponse, Sink
+from broker.streams import Heartbeat, Location
+from broker.turns import AttemptRequest
+
+if TYPE_CHECKING:
+    from broker.app import Runtime
+
+router = APIRouter(tags=["AI SDK UI messages"])
+
+UI_STREAM_HEADERS: Final = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+    (b"connection", b"keep-alive"),
+    (b"x-vercel-ai-ui-message-stream", b"v1"),
+]
+UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {200: {"content": {"text/event-stream": {}},
+                          "description": "the UI message stream"}}  # fmt: skip
+
+
+class UIMessageStreamResponse(EventStreamResponse):
+    """An event stream with the headers the AI SDK's transport expects."""
+
+    def __init__(self, rt: Runtime, frames: _Frames) -> None:
+        super().__init__(frames.run, send_timeout_s=rt.settings.sse_send_timeout_s)
+        self._raw_headers = list(UI_STREAM_HEADERS)
+
+
+class _Frames:
+    """The frames of one read: events after ``render_after`` are rendered, and those after
+    ``emit_after`` sent (the ones before only bring the renderer to where the client stands)."""
+
+    def __init__(self, rt: Runtime, location: Location, render_after: str, emit_after: str) -> None:
+        self.rt, self.location = rt, location
+        self.render_after, self.emit_key = render_after, id_key(emit_after)
+
+    async def run(self, sink: Sink) -> AsyncIterator[bytes]:
+        rt, location = self.rt, self.location
+        renderer = Renderer(location.turn_id, location.stream_id)
+        async for item in rt.streams.follow(location, self.render_after):
+            if sink.over:
+                return  # the client left, whether or not its cancellation reached us
+            if isinstance(item, Heartbeat):
+                yield PING
+                continue
+            final = item.kind == "end" and await _at_rest(rt, location, item.attempt())
+            chunks = renderer.render(item, final=final)
+            if chunks and item.sort_key > self.emit_key:
+                yield encode(item.offset, chunks)
+        if renderer.finished:
+            yield DONE
+
+
+async def _at_rest(rt: Runtime, location: Location, attempt: int) -> bool:
+    """Whether the turn is final on ``attempt`` (no other attempt queued after it)."""
+    key = rt.keys.turn(location.conversation_id, location.turn_id)
+    status, current = await rc.hmget(rt.redis, key, ["status", "attempt"])
+    return status is None or (status in FINAL_STATUSES and current == str(attempt))
+
+
+async def _chain_start(rt: Runtime, location: Location) -> str:
+    """The entry id a full replay starts after: before the last initial or regenerate attempt,
+    so that a replay shows the answer the turn has now, not the ones it replaced."""
+    start, cursor = ZERO_ID, START
+    previous = ZERO_ID
+    while True:
+        page = await rt.streams.page(location, cursor)
+        for event in page["events"]:
+            if event["event"] == "attempt" and event["data"].get("strategy") != "continue":
+                start = previous
+            previous = to_entry_id(event["id"])
+        if page["up_to_date"] or not page["events"]:
+            return start
+        cursor = page["next_offset"]
+
+
+async def _latest_turn(rt: Runtime, chat_id: str, tenant: str | None) -> str | None:
+    """The chat's newest turn, if it has one."""
+    if not ID_PATTERN.match(chat_id):
+        raise NotFound(f"unknown chat {chat_id[:80]!r}")
+    key = rt.keys.conversation_turns(scoped(tenant, chat_id))
+    newest = await rt.redis.zrevrange(key, 0, 0)
+    return str(newest[0]) if newest else None
+
+
+async def _replay(rt: Runtime, stream_id: str, tenant: str | None) -> Response:
+    """The whole answer of a turn, from its ``start``."""
+    location = await rt.streams.locate(stream_id, tenant)
+    state = await rt.turns.get(location.turn_id, tenant)
+    after = await _chain_start(rt, location) if state["attempt"] > 1 else ZERO_ID
+    return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))
+
+
+@router.post("/v1/ui/chat", openapi_extra=body_schema(ChatRequest),
+             responses={**UI_STREAM, **errors(409, 410, 422, 429)})  # fmt: skip
+async def post_chat(request: Request, principal: Actor) -> Response:
+    """Send a message (a turn) or regenerate the answer to one (an attempt); the answer streams
+    as UI message chunks. The same user message sent again attaches to its turn."""
+    rt = runtime(request)
+    chat = await parse_body(request, ChatRequest)
+    turn_request = chat.turn_request()
+    tenant = principal.tenant
+    if chat.trigger == "regenerate-message":
+        try:
+            state = await rt.turns.get(chat.turn_id, tenant)
+        except NotFound:
+            pass  # never answered here: this is its first answer
+        else:
+            location = await rt.streams.locate(state["stream_id"], tenant)
+            after = await rt.streams.start_after(location, NOW)
+            await rt.turns.start_attempt(chat.turn_id, AttemptRequest(strategy="regenerate"),
+                                         tenant)  # fmt: skip
+            return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))
+    _, turn = await rt.turns.create(turn_request, tenant)
+    return await _replay(rt, turn["stream_id"], tenant)
+
+
+@router.get("/v1/ui/chat/{chat_id}/stream", responses={**UI_STREAM, 204: {"description":
+            "no turn of this chat is running"}, **errors(410)})  # fmt: skip
+async def resume_chat(
+    request: Request,
+    chat_id: str,
+    principal: Actor,
+    offset: str | None = None,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> Response:
+    """Resume the chat's running answer: a full replay from ``start``, or with ``Last-Event-ID``
+    (``?offset=``) the frames after it; 204 when no answer runs (or nothing follows)."""
+    rt = runtime(request)
+    resume = last_event_id or offset
+    emit_after = to_entry_id(resume) if resume else None  # 400 for a malformed one, first
+    turn_id = await _latest_turn(rt, chat_id, principal.tenant)
+    no_content = Response(status_code=204, headers={"Cache-Control": "no-store"})
+    if turn_id is None:
+        return no_content
+    try:
+        state = await rt.turns.get(turn_id, principal.tenant)
+    except NotFound:
+        return no_content  # being created this instant, or gone
+    location = await rt.streams.locate(state["stream_id"], principal.tenant)
+    if emit_after is None:
+        if state["status"] in FINAL_STATUSES:
+            return no_content
+        return await _replay(rt, state["stream_id"], principal.tenant)
+    if await rt.streams.finished_before(location, emit_after):
+        return no_content
+    return UIMessageStreamResponse(rt, _Frames(rt, location, ZERO_ID, emit_after))
+
+
+@router.post("/v1/ui/chat/{chat_id}/stop", responses=errors(410))
+async def stop_chat(request: Request, chat_id: str, principal: Actor) -> Response:
+    """The stop button: cancel the chat's newest turn, keeping its partial answer."""
+    rt = runtime(request)
+    turn_id = await _latest_turn(rt, chat_id, principal.tenant)
+    if turn_id is None:
+        raise NotFound(f"chat {chat_id!r} has no turn")
+    return json_response(await rt.turns.cancel(turn_id, principal.tenant))
+
+
+@router.post("/v1/ui/chat/{chat_id}/continue", responses={**UI_STREAM, **errors(409, 410, 422)})
+async def continue_chat(request: Request, chat_id: str, principal: Actor) -> Response:
+    """Continue the chat's interrupted answer: its frames append to the same message."""
+    rt = runtime(request)
+    tenant = principal.tenant
+    turn_id = await _latest_turn(rt, chat_id, tenant)
+    if turn_id is None:
+        raise NotFound(f"chat {chat_id!r} has no turn")
+    state = await rt.turns.get(turn_id, tenant)
+    location = await rt.streams.locate(state["stream_id"], tenant)
+    after = await rt.streams.start_after(location, NOW)
+    await rt.turns.start_attempt(turn_id, AttemptRequest(strategy="continue"), tenant)
+    return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))

@@ -1,0 +1,129 @@
+"""The AI SDK dialect (``/v1/ui/chat``): the real ``ai`` package is the client, on a live broker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import BrokerFactory
+from tests.helpers import missing_tool
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE_DIR = ROOT / "tests/node/ai-sdk"
+
+
+def _node() -> str:
+    node = shutil.which("node")
+    if node is None:
+        missing_tool("node is not installed (the AI SDK tests need Node >= 20)")
+    if not (NODE_DIR / "node_modules/ai").is_dir():
+        missing_tool("tests/node/ai-sdk has no node_modules: run `npm ci` there")
+    return node
+
+
+def test_the_ai_sdk_transport_and_reader_against_a_live_broker(
+    broker_factory: BrokerFactory,
+) -> None:
+    node = _node()
+    broker = broker_factory()
+    env = {**os.environ, "BROKER_URL": broker.base_url}
+    result = subprocess.run(
+        [node, "--test", "--test-timeout=60000", "test/chat.test.mjs"],
+        cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
+
+
+def _chat(chat_id: str, message_id: str, **extra: object) -> dict[str, object]:
+    return {
+        "id": chat_id,
+        "messages": [{"id": message_id, "role": "user", "parts": [{"type": "text", "text": "hi"}]}],
+        "trigger": "submit-message",
+        "messageId": None,
+        "params": {"simulate": {"seed": 1, "tokens": 8, "tokens_per_s": 0}},
+        **extra,
+    }
+
+
+def test_the_stream_has_the_ui_message_headers_and_offsets_as_event_ids(
+    broker_factory: BrokerFactory,
+) -> None:
+    broker = broker_factory()
+    with httpx.Client(base_url=broker.base_url, timeout=20) as http:
+        response = http.post("/v1/ui/chat", json=_chat("chat-h", "msg-h"))
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-vercel-ai-ui-message-stream"] == "v1"
+        assert response.headers["x-accel-buffering"] == "no"
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.text.endswith("data: [DONE]\n\n")
+        frame_ids = [line[4:] for line in response.text.splitlines() if line.startswith("id: ")]
+        turn = http.get("/v1/turns/msg-h").json()
+        page = http.get(f"/v1/streams/{turn['stream_id']}", params={"format": "json"}).json()
+        shown = [e["id"] for e in page["events"] if e["event"] != "usage"]
+        assert frame_ids == shown  # each event's frames end with its offset, in order
+
+        # With an offset, only what follows it; after the end, nothing follows: 204 at once.
+        resumed = http.get("/v1/ui/chat/chat-h/stream", headers={"Last-Event-ID": shown[1]})
+        assert resumed.status_code == 200
+        assert [line[4:] for line in resumed.text.splitlines() if line.startswith("id: ")] == (
+            shown[2:]
+        )
+        assert resumed.text.endswith("data: [DONE]\n\n")
+        assert http.get("/v1/ui/chat/chat-h/stream", params={"offset": shown[-1]}).status_code == (
+            204
+        )
+        assert http.get("/v1/ui/chat/chat-h/stream").status_code == 204
+        assert http.get("/v1/ui/chat/nobody/stream").status_code == 204
+
+
+BAD_BODIES: list[tuple[str, object]] = [
+    ("not an object", ["x"]),
+    ("no messages", {"id": "c1", "messages": [], "trigger": "submit-message"}),
+    ("unknown trigger", {**_chat("c1", "m1"), "trigger": "resume-stream"}),
+    ("message without parts", {**_chat("c1", "m1"), "messages": [{"id": "m1", "role": "user"}]}),
+    ("bad role", {**_chat("c1", "m1"), "messages": [{"id": "m1", "role": "robot", "parts": []}]}),
+    ("text part without text", {**_chat("c1", "m1"),
+                                "messages": [{"id": "m1", "role": "user",
+                                              "parts": [{"type": "text"}]}]}),
+    ("parts not a list", {**_chat("c1", "m1"),
+                          "messages": [{"id": "m1", "role": "user", "parts": "hi"}]}),
+    ("last message not the user's", {**_chat("c1", "m1"), "messages": [
+        {"id": "m1", "role": "assistant", "parts": [{"type": "text", "text": "x"}]}]}),
+    ("unusable message id", _chat("c1", "m 1/../x")),
+    ("unusable chat id", _chat("c 1/x", "m1")),
+    ("unknown body field", {**_chat("c1", "m1"), "temperature": 2}),
+    ("unknown simulate knob", {**_chat("c1", "m1"), "params": {"simulate": {"nope": 1}}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "body"), BAD_BODIES, ids=[c for c, _ in BAD_BODIES])
+def test_bad_chat_requests_are_400_with_the_broker_error_shape(
+    broker_factory: BrokerFactory, case: str, body: object
+) -> None:
+    broker = broker_factory()
+    response = httpx.post(f"{broker.base_url}/v1/ui/chat", json=body, timeout=10)
+    assert response.status_code == 400, (case, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"code", "message"}, case
+    assert error["message"], case
+
+
+def test_malformed_json_and_offsets_are_400(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    with httpx.Client(base_url=broker.base_url, timeout=10) as http:
+        response = http.post(
+            "/v1/ui/chat", content=b"{", headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "bad_json"
+        response = http.get("/v1/ui/chat/c1/stream", params={"offset": "later"})
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "bad_offset"
+        assert http.post("/v1/ui/chat/none-such/stop").status_code == 404
+        assert http.post("/v1/ui/chat/none-such/continue").status_code == 404
