@@ -42,6 +42,7 @@ from broker.api.connections import ConnectionLimits, guarded
 from broker.api.schemas import install_components
 from broker.auth import Authenticator
 from broker.connection import check_eviction_policy, client, connect, redact
+from broker.dialects.openai import router as openai_router
 from broker.dialects.aisdk import router as aisdk_router
 from broker.embedded_redis import EmbeddedRedis
 from broker.keys import Keys
@@ -230,6 +231,7 @@ def create_app(
     app.include_router(ops_router)
     if settings.runs_api:
         app.include_router(api_router)
+        app.include_router(openai_router)
         app.include_router(aisdk_router)
         app.add_api_route("/", _demo_page, methods=["GET"], include_in_schema=False)
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

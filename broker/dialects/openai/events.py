@@ -1,0 +1,207 @@
+"""Responses events and objects, rendered from a turn's stored events and state.
+
+Sequence numbers follow from the stored events alone. A read opens with ``response.created``
+(0) and ``response.in_progress`` (1); then each stored event, in stream order, expands to a fixed
+number of Responses events decided by its type (the table :data:`EXPANSION`, mirrored in
+``seek_sequence.lua``, which finds a resume point in one round trip):
+
+==========  ===  ==============================================================================
+stored      n    Responses events
+==========  ===  ==============================================================================
+attempt 1   2    ``response.output_item.added``, ``response.content_part.added``
+attempt k   3    ``response.in_progress``, then the two above (a continue or regenerate)
+delta       1    ``response.output_text.delta``
+end         4    ``output_text.done``, ``content_part.done``, ``output_item.done``, terminal
+others      0    ``usage``, ``error``, ``tool_call``, ``tool_result``: folded into the terminal
+                 response (usage, error); tool calls run by the broker's ledger are not shown
+==========  ===  ==============================================================================
+
+Each attempt of the turn is its own output message, at ``output_index`` = attempt - 1, so a
+regenerate is a second message, never text appended to the first. The terminal event is
+``response.completed`` (complete), ``response.incomplete`` (interrupted, or cancelled with status
+``cancelled``) or ``response.failed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Final
+
+import orjson
+
+OPENING: Final = 2  # response.created, response.in_progress
+
+TERMINAL: Final = {
+    "complete": ("response.completed", "completed"),
+    "interrupted": ("response.incomplete", "incomplete"),
+    "cancelled": ("response.incomplete", "cancelled"),
+    "failed": ("response.failed", "failed"),
+}
+
+# The broker's turn status as a Responses status.
+STATUS: Final = {
+    "queued": "queued",
+    "streaming": "in_progress",
+    "complete": "completed",
+    "interrupted": "incomplete",
+    "cancelled": "cancelled",
+    "failed": "failed",
+}
+
+
+def expansion(kind: str, data: dict[str, Any]) -> int:
+    """How many Responses events one stored event becomes (see the module's table)."""
+    if kind == "delta":
+        return 1
+    if kind == "end":
+        return 4
+    if kind == "attempt":
+        return 2 if data.get("attempt") == 1 else 3
+    return 0
+
+
+def item_id(response_id: str, attempt: int) -> str:
+    return f"msg_{attempt}_{response_id}"
+
+
+def usage_object(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The broker's usage record as Responses usage (None while unknown)."""
+    if not usage:
+        return None
+    inp = int(usage.get("input_tokens") or 0)
+    out = int(usage.get("output_tokens") or 0)
+    return {
+        "input_tokens": inp,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": inp + out,
+    }
+
+
+def message_item(response_id: str, attempt: int, text: str, status: str) -> dict[str, Any]:
+    """One attempt as an output message (``status``: in_progress, completed or incomplete)."""
+    return {
+        "id": item_id(response_id, attempt),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": []}] if text else [],
+    }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Head:
+    """What every rendering of one response repeats: from the turn's stored request."""
+
+    response_id: str
+    model: str
+    created_at: int
+    instructions: str | None
+    temperature: float | None
+    top_p: float | None
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    background: bool
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        *,
+        usage: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The response object in ``status`` with ``output``."""
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": self.background,
+            "model": self.model,
+            "instructions": self.instructions,
+            "output": output,
+            "parallel_tool_calls": False,
+            "tool_choice": "auto",
+            "tools": [],
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_output_tokens": self.max_output_tokens,
+            "previous_response_id": self.previous_response_id,
+            "metadata": {},
+            "error": error,
+            "incomplete_details": None,
+            "usage": usage_object(usage),
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttemptEnd:
+    """What the terminal events of an attempt need beyond its ``end`` event (its stored state)."""
+
+    text: str  # the attempt's own text: for a continue, the continuation only
+    usage: dict[str, Any] | None
+    reason: str | None
+
+
+def frame(event: dict[str, Any]) -> bytes:
+    kind: str = event["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+def opening(head: Head) -> list[dict[str, Any]]:
+    """Events 0 and 1."""
+    return [
+        {"type": "response.created", "sequence_number": 0,
+         "response": head.response("queued", [])},
+        {"type": "response.in_progress", "sequence_number": 1,
+         "response": head.response("in_progress", [])},
+    ]  # fmt: skip
+
+
+def expand(
+    head: Head, kind: str, data: dict[str, Any], base: int, end: AttemptEnd | None = None
+) -> list[dict[str, Any]]:
+    """The Responses events of one stored event, numbered from ``base``.
+
+    An ``end`` needs ``end``: the attempt's stored text and usage (its deltas may precede the
+    point this read started from).
+    """
+    attempt = int(data.get("attempt") or 0)
+    common = {"item_id": item_id(head.response_id, attempt), "output_index": max(attempt - 1, 0),
+              "content_index": 0}  # fmt: skip
+    events: list[dict[str, Any]] = []
+    if kind == "attempt":
+        if attempt != 1:
+            events.append({"type": "response.in_progress",
+                           "response": head.response("in_progress", [])})  # fmt: skip
+        item = message_item(head.response_id, attempt, "", "in_progress")
+        events.append({"type": "response.output_item.added",
+                       "output_index": common["output_index"], "item": item})  # fmt: skip
+        events.append({"type": "response.content_part.added", **common,
+                       "part": {"type": "output_text", "text": "", "annotations": []}})  # fmt: skip
+    elif kind == "delta":
+        events.append({"type": "response.output_text.delta", **common,
+                       "delta": str(data.get("text", "")), "logprobs": []})  # fmt: skip
+    elif kind == "end":
+        assert end is not None
+        status = str(data.get("status") or "failed")
+        terminal, response_status = TERMINAL.get(status, TERMINAL["failed"])
+        item_status = "completed" if status == "complete" else "incomplete"
+        item = message_item(head.response_id, attempt, end.text, item_status)
+        error = None
+        if terminal == "response.failed":
+            error = {"code": "server_error", "message": end.reason or "the generation failed"}
+        events += [
+            {"type": "response.output_text.done", **common, "text": end.text, "logprobs": []},
+            {"type": "response.content_part.done", **common,
+             "part": {"type": "output_text", "text": end.text, "annotations": []}},
+            {"type": "response.output_item.done", "output_index": common["output_index"],
+             "item": item},
+            {"type": terminal, "response": head.response(
+                response_status, [item], usage=end.usage, error=error)},
+        ]  # fmt: skip
+    for n, event in enumerate(events):
+        event["sequence_number"] = base + n
+    return events

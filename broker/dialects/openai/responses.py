@@ -1,0 +1,412 @@
+"""``/v1/responses``: a response is a turn, and its events are read from the turn's stream.
+
+The response id is the turn id: the ``Idempotency-Key`` header, else ``metadata.turn_id``, else
+one minted here. A new response starts a conversation named after it; ``previous_response_id``
+continues that response's conversation, sending its canonical history plus the new input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import orjson
+from fastapi import APIRouter, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials
+from pydantic import BaseModel, ValidationError
+from redis.exceptions import RedisError
+from starlette.responses import Response
+
+from broker import redis_calls as rc
+from broker.api.routes import actor, bearer, caller
+from broker.api.schemas import json_schema
+from broker.auth import Principal
+from broker.dialects.openai.errors import documented, error_response, from_broker_error
+from broker.dialects.openai.events import (
+    OPENING,
+    STATUS,
+    AttemptEnd,
+    Head,
+    expand,
+    expansion,
+    frame,
+    message_item,
+    opening,
+)
+from broker.dialects.openai.requests import (
+    ParamError,
+    ResponsesRequest,
+    check_known,
+    input_messages,
+    resolve_model,
+    turn_params,
+)
+from broker.errors import BadRequest, BrokerError
+from broker.keys import ID_PATTERN, unscoped
+from broker.offsets import ZERO_ID
+from broker.sse import PING, EventStreamResponse, Sink
+from broker.streams import Heartbeat, Location
+from broker.turns import TurnRequest
+
+if TYPE_CHECKING:
+    from redis.commands.core import AsyncScript
+
+    from broker.app import Runtime
+
+router = APIRouter(tags=["openai"])
+
+CANCEL_WAIT_S = 5.0  # how long a cancel waits for the running attempt to end
+BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
+
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+
+_SEEK_SOURCE = resources.files(__package__).joinpath("seek_sequence.lua").read_text("utf-8")
+
+
+def runtime(request: Request) -> Runtime:
+    rt: Runtime = request.app.state.runtime
+    return rt
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status, headers=headers, media_type="application/json")
+
+
+async def answer(request: Request, work: Callable[[Principal], Awaitable[Response]]) -> Response:
+    """Authenticate, run ``work``, and answer any error in OpenAI's shape (never a 500)."""
+    try:
+        principal = await actor(request, await caller(request, None))
+        return await work(principal)
+    except BrokerError as exc:
+        return from_broker_error(exc)
+    except (RedisError, ConnectionError):
+        runtime(request).metrics.redis_errors.inc()
+        return error_response(503, "Redis is unavailable; retry shortly", "redis_unavailable")
+
+
+async def parse(request: Request, model: type[BaseModelT]) -> tuple[BaseModelT, dict[str, Any]]:
+    """The body as ``model``; 400 naming the parameter for anything else."""
+    raw = await request.body()
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ParamError(f"body is not valid JSON: {exc}", None, code="bad_json") from None
+    if not isinstance(payload, dict):
+        raise ParamError("body must be a JSON object", None)
+    check_known(payload, model)
+    try:
+        return model.model_validate(payload), payload
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        location = ".".join(str(p) for p in first.get("loc", ()))
+        param = str(first["loc"][0]) if first.get("loc") else None
+        raise ParamError(f"{location or 'body'}: {first.get('msg', 'invalid')}", param) from None
+
+
+def turn_id_of(request: Request, metadata: dict[str, str] | None, prefix: str) -> str:
+    """The idempotency key: ``Idempotency-Key``, else ``metadata.turn_id``, else a new id."""
+    key = request.headers.get("idempotency-key") or (metadata or {}).get("turn_id")
+    if key is None:
+        return f"{prefix}{secrets.token_hex(16)}"
+    if not ID_PATTERN.match(key):
+        raise ParamError(
+            "the idempotency key must be 1-128 characters of letters, digits and ._:-",
+            "Idempotency-Key", code="bad_idempotency_key",
+        )  # fmt: skip
+    return key
+
+
+def to_turn(
+    rt: Runtime, conversation_id: str, turn_id: str, model: str, messages: list[dict[str, Any]],
+    params: dict[str, Any],
+) -> TurnRequest:  # fmt: skip
+    provider, model_name = resolve_model(rt.providers, model)
+    try:
+        return TurnRequest.model_validate({
+            "conversation_id": conversation_id, "turn_id": turn_id, "messages": messages,
+            "provider": provider, "model": model_name, "params": params,
+        })  # fmt: skip
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ParamError(f"{first.get('msg', 'invalid request')}", None) from None
+
+
+# --- reading a response back ------------------------------------------------------------------
+
+
+class Stored:
+    """One response as stored: its turn's state, location and the request it was made with."""
+
+    def __init__(self, state: dict[str, Any], location: Location, request: dict[str, Any]) -> None:
+        self.state = state
+        self.location = location
+        self.request = request
+
+    @property
+    def head(self) -> Head:
+        params = self.request.get("params") or {}
+        model = self.request.get("model") or self.request.get("provider") or "simulated"
+        prefix = self.request.get("provider")
+        if prefix and prefix != "simulated":
+            model = f"{prefix}/{model}"
+        return Head(
+            response_id=self.state["turn_id"],
+            model=str(model),
+            created_at=int(self.state["created_ms"]) // 1000,
+            instructions=None,
+            temperature=params.get("temperature"),
+            top_p=params.get("top_p"),
+            max_output_tokens=params.get("max_tokens"),
+            previous_response_id=None,
+            background=True,
+        )
+
+
+async def load(rt: Runtime, response_id: str, tenant: str | None) -> Stored:
+    state = await rt.turns.get(response_id, tenant)
+    location = await rt.streams.locate(state["stream_id"], tenant)
+    raw = await rc.hget(
+        rt.redis, rt.keys.turn(location.conversation_id, location.turn_id), "request"
+    )
+    return Stored(state, location, orjson.loads(raw) if raw else {})
+
+
+async def attempt_end(rt: Runtime, location: Location, attempt: int) -> AttemptEnd:
+    """An attempt's own text, usage and reason, as stored when it ended."""
+    turn_key = rt.keys.turn(location.conversation_id, location.turn_id)
+    text, raw = await rc.hmget(rt.redis, turn_key, [f"text:{attempt}", f"attempt:{attempt}"])
+    record: dict[str, Any] = orjson.loads(raw) if raw else {}
+    own = text or ""
+    if record.get("strategy") == "continue" and record.get("from"):
+        # A continue's text starts with the partial it continues: its item holds the rest.
+        base = await rc.hget(rt.redis, turn_key, f"text:{record['from']}") or ""
+        if own.startswith(base):
+            own = own[len(base) :]
+    return AttemptEnd(own, record.get("usage"), record.get("reason"))
+
+
+async def text_so_far(rt: Runtime, location: Location, attempt: int) -> str:
+    """The delivered text of a running attempt, from its stream."""
+    key = rt.keys.events(location.conversation_id, location.turn_id)
+    parts: list[str] = []
+    start = "-"
+    while True:
+        page = await rc.xrange(rt.redis, key, start)
+        if not page:
+            return "".join(parts)
+        for _entry_id, fields in page:
+            if fields.get("e") == "delta":
+                data = orjson.loads(fields.get("d", "{}"))
+                if data.get("attempt") == attempt:
+                    parts.append(str(data.get("text", "")))
+        start = "(" + page[-1][0]
+
+
+async def response_object(rt: Runtime, stored: Stored) -> dict[str, Any]:
+    """The response as ``GET /v1/responses/{id}`` shows it: the answer so far, usage once known."""
+    state, head = stored.state, stored.head
+    status = STATUS.get(state["status"], "failed")
+    current = int(state["attempt"])
+    records = {a["n"]: a for a in state["attempts"]}
+    output: list[dict[str, Any]] = []
+    usage = None
+    error = None
+    if state["status"] in ("queued", "streaming"):
+        text = await text_so_far(rt, stored.location, current)
+        output.append(message_item(head.response_id, current, text, "in_progress"))
+    else:
+        canonical = state["canonical"]
+        n = canonical["attempt"] if canonical else current
+        record = records.get(n, {})
+        text = canonical["text"] if canonical else ""
+        item_status = "completed" if record.get("status") == "complete" else "incomplete"
+        output.append(message_item(head.response_id, n, text, item_status))
+        usage = record.get("usage")
+        if state["status"] == "failed":
+            error = {"code": "server_error", "message": record.get("reason") or "failed"}
+    return head.response(status, output, usage=usage, error=error)
+
+
+def seek_script(rt: Runtime) -> AsyncScript:
+    return rt.redis.register_script(_SEEK_SOURCE)
+
+
+async def events(
+    rt: Runtime, stored: Stored, starting_after: int, sink: Sink
+) -> AsyncIterator[bytes]:
+    """The response's events after sequence number ``starting_after`` (-1: all), live, to the
+    turn's final ``end``."""
+    head, location = stored.head, stored.location
+    if starting_after < OPENING - 1:
+        after, base = ZERO_ID, OPENING
+        first = [e for e in opening(head) if e["sequence_number"] > starting_after]
+        yield b"".join(frame(e) for e in first)
+    else:
+        key = rt.keys.events(location.conversation_id, location.turn_id)
+        reply = await seek_script(rt)(keys=[key], args=[starting_after, OPENING])
+        after, base = str(reply[0]), int(reply[1])
+    # No sink goes to the stream: its feed would write native frames straight to the client.
+    async with contextlib.aclosing(rt.streams.follow_chunks(location, after)) as items:
+        async for item in items:
+            if sink.over:
+                return  # the client left, whether or not a cancellation says so
+            if isinstance(item, Heartbeat):
+                yield PING
+                continue
+            frames: list[bytes] = []
+            for entry in item.entries:
+                data = orjson.loads(entry.data)
+                count = expansion(entry.kind, data)
+                if not count:
+                    continue
+                end = None
+                if entry.kind == "end":
+                    end = await attempt_end(rt, location, int(data.get("attempt") or 0))
+                for event in expand(head, entry.kind, data, base, end):
+                    if event["sequence_number"] > starting_after:
+                        frames.append(frame(event))
+                base += count
+            if frames:
+                yield b"".join(frames)
+
+
+def stream_response(rt: Runtime, stored: Stored, starting_after: int) -> Response:
+    return EventStreamResponse(
+        lambda sink: events(rt, stored, starting_after, sink),
+        send_timeout_s=rt.settings.sse_send_timeout_s,
+    )
+
+
+async def settle(rt: Runtime, location: Location, within_s: float | None = None) -> None:
+    """Wait until the turn is at rest (the stream's final ``end``), or ``within_s`` passed (seen
+    at the next event or heartbeat: no cancellation is relied on)."""
+    deadline = None if within_s is None else time.monotonic() + within_s
+    async with contextlib.aclosing(rt.streams.follow_chunks(location, ZERO_ID)) as items:
+        async for _ in items:
+            if deadline is not None and time.monotonic() > deadline:
+                return
+
+
+# --- routes -----------------------------------------------------------------------------------
+
+_SSE_OR_JSON: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the response object, or its events (text/event-stream) with stream",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+}
+
+
+@router.post(
+    "/v1/responses",
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": json_schema(ResponsesRequest)}}}},
+    responses={**_SSE_OR_JSON, **documented(409, 410, 429)},
+)  # fmt: skip
+async def create_response(request: Request, _credentials: Credentials) -> Response:
+    """Create a response (a turn); with ``stream``, its events; with ``background``, at once."""
+
+    async def work(principal: Principal) -> Response:
+        rt = runtime(request)
+        body, _ = await parse(request, ResponsesRequest)
+        if body.store is False:
+            raise ParamError("store=false is not supported: every response is stored", "store")
+        turn_id = turn_id_of(request, body.metadata, "resp_")
+        messages = input_messages(body)
+        if body.previous_response_id is not None:
+            try:
+                scoped_conversation = await rt.turns.locate(
+                    body.previous_response_id, principal.tenant
+                )
+            except BrokerError as exc:
+                raise ParamError(exc.message, "previous_response_id", code=exc.code) from None
+            conversation_id = unscoped(scoped_conversation)[1]
+            history = await rt.turns.history(conversation_id, principal.tenant)
+            messages = [*history["messages"], *[m for m in messages if m["role"] != "system"]]
+        else:
+            conversation_id = turn_id
+        params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
+        turn = to_turn(rt, conversation_id, turn_id, body.model, messages, params)
+        await rt.turns.create(turn, principal.tenant)
+        stored = await load(rt, turn_id, principal.tenant)
+        if body.stream:
+            return stream_response(rt, stored, -1)
+        if not body.background:
+            await settle(rt, stored.location)
+            stored = await load(rt, turn_id, principal.tenant)
+        return json_response(await response_object(rt, stored))
+
+    return await answer(request, work)
+
+
+def _int_param(value: str | None, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ParamError(f"{name} must be an integer", name) from None
+    if number < -1 or number > 2**53:
+        raise ParamError(f"{name} must be from -1 to 2**53", name)
+    return number
+
+
+def _bool_param(value: str | None, name: str) -> bool:
+    if value is None or value.lower() in ("false", "0", ""):
+        return False
+    if value.lower() in ("true", "1"):
+        return True
+    raise ParamError(f"{name} must be true or false", name)
+
+
+@router.get("/v1/responses/{response_id}", responses={**_SSE_OR_JSON, **documented(410)})
+async def retrieve_response(
+    request: Request,
+    response_id: str,
+    _credentials: Credentials,
+    stream: str | None = None,
+    starting_after: str | None = None,
+) -> Response:
+    """The response object; with ``stream=true``, its events after ``starting_after``."""
+
+    async def work(principal: Principal) -> Response:
+        rt = runtime(request)
+        streaming = _bool_param(stream, "stream")
+        after = _int_param(starting_after, "starting_after")
+        stored = await load(rt, response_id, principal.tenant)
+        if streaming:
+            return stream_response(rt, stored, -1 if after is None else after)
+        if after is not None:
+            raise BadRequest("starting_after needs stream=true", code="bad_request")
+        return json_response(await response_object(rt, stored))
+
+    return await answer(request, work)
+
+
+@router.post(
+    "/v1/responses/{response_id}/cancel",
+    responses={200: {"description": "the response object"}, **documented(410)},
+)
+async def cancel_response(
+    request: Request, response_id: str, _credentials: Credentials
+) -> Response:
+    """The stop button: the response ends ``cancelled``, keeping its text. Idempotent."""
+
+    async def work(principal: Principal) -> Response:
+        rt = runtime(request)
+        await rt.turns.cancel(response_id, principal.tenant)
+        stored = await load(rt, response_id, principal.tenant)
+        if stored.state["status"] == "streaming":
+            # The worker running it stops at its next append: answer with the final state.
+            await settle(rt, stored.location, CANCEL_WAIT_S)
+            stored = await load(rt, response_id, principal.tenant)
+        return json_response(await response_object(rt, stored))
+
+    return await answer(request, work)
