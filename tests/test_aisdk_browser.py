@@ -1,0 +1,145 @@
+"""The AI SDK example page (``examples/ai-sdk``) in a real Chromium: ``useChat({ resume: true })``
+reloaded mid-answer resumes it, and the answer completes once with the uninterrupted text.
+
+The page is bundled by the example's own server from its node_modules (esbuild) and talks to a
+real broker through it, as the README tells a reader to run it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import BrokerFactory, free_port
+from tests.helpers import missing_tool
+
+CHROMIUM = Path("/usr/bin/chromium")
+if not CHROMIUM.exists():
+    missing_tool(f"{CHROMIUM} is not installed (apt-get install chromium)", module=True)
+
+from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples/ai-sdk"
+ARGS = [
+    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage",
+]  # fmt: skip
+WAIT_MS = 20_000
+PROMPT = "Tell me about tunnels"
+SIMULATE = {"seed": "reload", "tokens": 80, "tokens_per_s": 25}
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=ARGS
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = browser.new_context()
+    context.set_default_timeout(WAIT_MS)
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+def serve_example(broker_url: str) -> tuple[subprocess.Popen[str], str]:
+    """The example's own server (``npm start``), on a free port; its base URL once it listens."""
+    node = shutil.which("node")
+    if node is None:
+        missing_tool("node is not installed (the example page needs Node >= 20)")
+    if not (EXAMPLE / "node_modules/@ai-sdk/react").is_dir():
+        missing_tool("examples/ai-sdk has no node_modules: run `npm ci` there")
+    port = free_port()
+    env = {**os.environ, "BROKER_URL": broker_url, "PORT": str(port)}
+    process = subprocess.Popen(
+        [node, "serve.mjs"], cwd=EXAMPLE, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    assert process.stdout is not None
+    stdout = process.stdout
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        line = lines.get(timeout=60)
+    except queue.Empty:
+        process.kill()
+        raise TimeoutError("the example server did not start") from None
+    assert f"http://127.0.0.1:{port}" in line, line
+    return process, f"http://127.0.0.1:{port}"
+
+
+def reference_text(broker_url: str) -> str:
+    """The uninterrupted answer to the same prompt and knobs, at full speed, in its own chat."""
+    body = {
+        "id": "reference",
+        "messages": [{"id": "ref-1", "role": "user", "parts": [{"type": "text", "text": PROMPT}]}],
+        "trigger": "submit-message",
+        "params": {"simulate": {**SIMULATE, "tokens_per_s": 0}},
+    }
+    with httpx.Client(base_url=broker_url, timeout=20) as http:
+        assert http.post("/v1/ui/chat", json=body).status_code == 200
+        turn = http.get("/v1/turns/ref-1").json()
+    assert turn["status"] == "complete"
+    text: str = turn["canonical"]["text"]
+    return text
+
+
+def test_reload_mid_answer_resumes_and_completes_once(
+    broker_factory: BrokerFactory, page: Page
+) -> None:
+    broker = broker_factory()
+    expected = reference_text(broker.base_url)
+    server, base = serve_example(broker.base_url)
+    try:
+        page.goto(f"{base}/?chat=reload-chat&simulate={json.dumps(SIMULATE)}")
+        page.get_by_placeholder("Ask").fill(PROMPT)
+        page.get_by_role("button", name="Send").click()
+        answer = page.locator("article[data-role=assistant] .text")
+        page.wait_for_function(
+            "() => (document.querySelector('article[data-role=assistant] .text')"
+            "?.textContent ?? '').length >= 30"
+        )
+        turn_id = page.locator("article[data-role=user]").get_attribute("data-id")
+        assert turn_id
+        before = answer.text_content() or ""
+        assert expected.startswith(before)
+        turn_url = f"{broker.base_url}/v1/turns/{turn_id}"
+        assert httpx.get(turn_url, timeout=10).json()["status"] == "streaming", "not mid-answer"
+
+        page.reload()
+        expect(answer).to_have_text(expected, timeout=WAIT_MS)
+        expect(page.locator("main")).to_have_attribute("data-status", "ready")
+        expect(page.locator("article[data-role=assistant]")).to_have_count(1)
+        assert answer.text_content() == expected  # completed once: nothing appended after
+        turn = httpx.get(turn_url, timeout=10).json()
+        assert turn["status"] == "complete"
+        assert len(turn["attempts"]) == 1, "the reload started no second generation"
+        assert turn["canonical"]["text"] == expected
+        assert page.locator("[role=alert]").count() == 0
+    finally:
+        server.kill()
+        server.wait(timeout=10)
