@@ -42,8 +42,8 @@ from broker.api.connections import ConnectionLimits, guarded
 from broker.api.schemas import install_components
 from broker.auth import Authenticator
 from broker.connection import check_eviction_policy, client, connect, redact
-from broker.dialects.openai import router as openai_router
 from broker.dialects.aisdk import router as aisdk_router
+from broker.dialects.openai import router as openai_router
 from broker.embedded_redis import EmbeddedRedis
 from broker.keys import Keys
 from broker.ledger import Dispatcher, Ledger
