@@ -21,6 +21,13 @@ ever, and enough of them exhaust the process's file descriptors. This protocol a
   (which would answer 503 to their next request too) is not used.
 * **URLs past httptools' URL parser** (64 KiB) are split here, so that the app answers them with
   its JSON 431 instead of the parser's plain-text 400.
+* **A bound on what is queued unsent** per connection: ``UNSENT_LIMIT`` in the kernel
+  (``TCP_NOTSENT_LOWAT``, where the platform has it) and as the transport's high-water mark.
+  Without it the kernel grows a connection's send buffer towards ``net.ipv4.tcp_wmem`` (4 MiB;
+  about 3 MiB taken on loopback) for a client that reads nothing: such a client looks like a
+  fast one, and its reader does the work of megabytes of events before any write waits. With it,
+  a write waits after a few tens of KiB, so a response's flow control (and its send timeout)
+  sees a slow client at once, and its reader stops reading Redis for it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import dataclasses
 import enum
 import http
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import unquote
@@ -49,6 +57,11 @@ URL_PARSER_MAX = 0xFFFF
 REFUSAL_RETRY_AFTER_S = 1
 # How long a connection answered 431 mid-request is still read (and dropped) before the close.
 LINGER_S = 2.0
+# Bytes the kernel, and the transport, may each hold unsent per connection (more may be in
+# flight, as the client's window allows): enough to keep a client's link busy between two
+# writes of the event loop, little for one that reads nothing.
+UNSENT_LIMIT = 16_384
+_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 
 
 def _uncounted(reason: str) -> None:
@@ -117,6 +130,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if open_now > self.limits.max_connections:
             self.app = self._refuse  # its request, once the headers are in, gets the 503
+        _limit_unsent(transport)
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -212,6 +226,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                         (b"connection", b"close"), *COMMON],
         })  # fmt: skip
         await send({"type": "http.response.body", "body": body})
+
+
+def _limit_unsent(transport: asyncio.BaseTransport) -> None:
+    """Bound what the kernel and the transport queue unsent on this connection (see above)."""
+    if isinstance(transport, asyncio.WriteTransport):
+        transport.set_write_buffer_limits(high=UNSENT_LIMIT)
+    sock = transport.get_extra_info("socket")
+    if (
+        _NOTSENT_LOWAT is None
+        or sock is None
+        or sock.family not in (socket.AF_INET, socket.AF_INET6)
+    ):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, UNSENT_LIMIT)
+    except OSError as exc:  # a platform without it: flow control then starts at the kernel's
+        log.debug("TCP_NOTSENT_LOWAT not set: %s", exc)
 
 
 def guarded(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
