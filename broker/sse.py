@@ -8,6 +8,12 @@ subscription is released the moment its client goes away. Heartbeats are SSE com
 While the source waits, a live feed may write a chunk for it (:meth:`EventStreamResponse.
 write_now`): one write, in order with the source's own, without waking the reader's task.
 
+A client that reads slowly holds up its own response only, at a bounded cost: a chunk is written
+at most ``WRITE_SLICE`` bytes at a time, and the source is asked for the next chunk only once the
+server has taken the last one (its write buffer is below its high-water mark). A reader whose
+client stops reading thus stops reading Redis too, holding one chunk, until the send timeout
+closes it; it never reads ahead of its client.
+
 The response never relies on a cancellation reaching its source: redis-py can swallow a
 ``CancelledError`` that lands while a reply is awaited, and the source would then go on for a
 client that is gone. So the response is also a :class:`Sink` whose ``over`` the source checks
@@ -29,6 +35,9 @@ log = logging.getLogger("broker.sse")
 
 PING = b": ping\n\n"
 RAW_SEND: Final = "broker.raw_send"  # the scope key of the server's own send (see RawSend)
+# The most one write hands the server: what it buffers for a client that does not read is then
+# at most its high-water mark plus this, whatever the size of a chunk.
+WRITE_SLICE: Final = 16_384
 
 
 class Sink(Protocol):
@@ -198,14 +207,31 @@ class EventStreamResponse(Response):
         await self._send(b"", more=False)
 
     async def _send(self, chunk: bytes, *, more: bool = True) -> None:
+        """Write ``chunk``, a slice at a time, and return once the server could take more."""
         finishing, self._finishing = self._finishing, None
         if finishing is not None:
             await finishing  # a direct write goes first: it was accepted before this chunk
-        assert self._send_body is not None
+        send = self._send_body
+        assert send is not None
         # A write that blocks (the client stopped reading) is ended by _watch_sends: one
-        # timer per response instead of one per write.
-        self._sending_since = asyncio.get_running_loop().time()
-        await self._send_body({"type": "http.response.body", "body": chunk, "more_body": more})
+        # timer per response instead of one per write. Each slice restarts the clock: a client
+        # that takes bytes, however slowly, is not the one the timeout is for.
+        clock = asyncio.get_running_loop().time
+        start = 0
+        while len(chunk) - start > WRITE_SLICE:
+            # The server waits for its buffer to drain before a write, not after one.
+            self._sending_since = clock()
+            piece = chunk[start : start + WRITE_SLICE]
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            start += WRITE_SLICE
+        self._sending_since = clock()
+        rest = chunk[start:] if start else chunk
+        await send({"type": "http.response.body", "body": rest, "more_body": more})
+        if more:
+            # An empty body waits for the drain, writing nothing: the source reads its next
+            # chunk only once this one is on its way, never ahead of a client that stopped.
+            self._sending_since = clock()
+            await send({"type": "http.response.body", "body": b"", "more_body": True})
         self._sending_since = None
 
     async def _watch_sends(self) -> None:
