@@ -7,6 +7,12 @@ says which entry id it follows, so a reader that sees a batch beginning past its
 the gap from Redis before going on: the hand-over never loses or repeats an event, whatever the
 timing. A reader too slow to keep up loses its place on the feed and catches up from Redis, which
 holds everything anyway; a slow client holds a feed's memory only up to ``QUEUE_LIMIT`` batches.
+
+Replay and catch-up read pages that start small and double (``FIRST_PAGE`` up to
+``BROKER_SSE_REPLAY_PAGE``), and a response asks for the next page only once its client took the
+last (see :mod:`broker.sse`). A client that stops reading thus costs the reads of about what its
+connection buffers, then nothing until the send timeout closes it: it holds one page's frames,
+never the events' objects, and never a catch-up of everything it missed.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ QUEUE_LIMIT: Final = 256  # batches a reader may be behind its feed before it re
 TICK_MAX_S: Final = 1.0  # the heartbeat ticker's period: a quarter of the heartbeat, within these
 TICK_MIN_S: Final = 0.01
 TRIM_EVERY: Final = 64  # batches between two looks for what every reader has taken
-FIRST_PAGE: Final = 64  # a resuming reader's first page: its first event comes sooner
+FIRST_PAGE: Final = 64  # a replay's first page (its first event comes sooner); the next ones double
 FEED_BLOCK_MS: Final = 5_000
 FEED_MAX_FAILURES: Final = 3
 
@@ -92,15 +98,23 @@ class Chunk:
 
     __slots__ = ("_entries", "_parts", "data", "last")
 
-    def __init__(self, parts: Sequence[Sequence[Entry]], data: bytes) -> None:
+    def __init__(
+        self, parts: Sequence[Sequence[Entry]], data: bytes, last: Entry | None = None
+    ) -> None:
         self._parts = parts
         self._entries: Sequence[Entry] | None = parts[0] if len(parts) == 1 else None
         self.data = data
-        self.last: Entry | None = next((part[-1] for part in reversed(parts) if part), None)
+        if last is None:
+            last = next((part[-1] for part in reversed(parts) if part), None)
+        self.last = last
 
     @classmethod
-    def of(cls, entries: Sequence[Entry]) -> Chunk:
-        return cls([entries], b"".join(e.frame for e in entries))
+    def of(cls, entries: Sequence[Entry], *, keep: bool = True) -> Chunk:
+        """The chunk of ``entries``; without ``keep``, their frames and the last one only."""
+        data = b"".join(e.frame for e in entries)
+        if keep:
+            return cls([entries], data)
+        return cls([], data, entries[-1] if entries else None)
 
     @classmethod
     def join(cls, chunks: Sequence[Chunk]) -> Chunk:
@@ -110,6 +124,8 @@ class Chunk:
 
     @property
     def entries(self) -> Sequence[Entry]:
+        if not self._parts and self.data:
+            raise RuntimeError("this chunk kept its frames only")
         if self._entries is None:
             self._entries = [entry for part in self._parts for entry in part]
         return self._entries
@@ -536,22 +552,57 @@ class Streams:
             return False  # (no status: the turn expired under the reader, nothing will come)
         return not tail or id_key(tail[0][0]) <= id_key(after)
 
-    async def _pages(
-        self, key: str, after: str, until: str = "+", first: int | None = None
-    ) -> AsyncIterator[list[Entry]]:
-        """The stored events after ``after`` (up to ``until``), a page at a time; the first page
-        may be smaller, so that a reader resuming in a long stream gets its first event soon."""
+    async def _page(self, key: str, after: str, until: str, count: int) -> tuple[list[Entry], bool]:
+        """Up to ``count`` stored events after ``after``, and whether there may be more."""
+        page = await rc.xrange_raw(self._redis, key, "(" + after, until, count)
+        return [Entry.from_redis(entry_id, fields) for entry_id, fields in page], len(page) == count
+
+    def _next_count(self, count: int | None) -> int:
+        """A replay's page sizes: a small first page, so that a reader resuming in a long stream
+        gets its first event soon, then each twice the last, up to ``BROKER_SSE_REPLAY_PAGE``.
+
+        A response asks for the next page only once its client took the last: a client that
+        stops reading leaves its reader holding one page about the size of what it took.
+        """
         size = self._settings.sse_replay_page
-        count = min(first or size, size)
-        start = "(" + after
+        return min(FIRST_PAGE if count is None else 2 * count, size)
+
+    async def _pages(self, key: str, after: str, until: str = "+") -> AsyncIterator[list[Entry]]:
+        """The stored events after ``after`` (up to ``until``), a page at a time."""
+        count = self._next_count(None)
         while True:
-            page = await rc.xrange_raw(self._redis, key, start, until, count)
-            if page:
-                yield [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
-            if len(page) < count:
+            entries, more = await self._page(key, after, until, count)
+            if entries:
+                after = entries[-1].entry_id
+                yield entries
+            if not more:
                 return
-            start = "(" + page[-1][0]
-            count = size
+            count = self._next_count(count)
+
+    async def _stored(
+        self, location: Location, key: str, after: str, *, keep: bool
+    ) -> AsyncIterator[tuple[Chunk, bool]]:
+        """The stored events after ``after``, a chunk per page, up to an ``end`` that ends the
+        read; with each chunk, whether it ended the read.
+
+        Without ``keep`` the chunks hold their frames only, and no event is referenced here
+        while a chunk is out: a reader whose client is slow to take a page holds that page's
+        bytes, not its events' objects (several times their size).
+        """
+        count = self._next_count(None)
+        while True:
+            entries, more = await self._page(key, after, "+", count)
+            if not entries:
+                return
+            stop = await self._ending(location, entries)
+            chunk = Chunk.of(entries if stop is None else entries[:stop], keep=keep)
+            del entries
+            assert chunk.last is not None
+            after = chunk.last.entry_id
+            yield chunk, stop is not None
+            if stop is not None or not more:
+                return
+            count = self._next_count(count)
 
     async def _range(self, key: str, after: str, until: str = "+") -> list[Entry]:
         return [entry async for page in self._pages(key, after, until) for entry in page]
@@ -591,21 +642,22 @@ class Streams:
             # Replay what is stored, join the live feed (a new feed starts where this reader
             # stands), then read once more what arrived in between: whatever the feed has
             # already passed is in Redis by now, so no event waits for a later one to surface.
+            keep = sink is None  # a response needs the frames only
             for phase in ("replay", "catch-up"):
                 if phase == "catch-up":
                     subscription = self._hub.subscribe(key, after, turn_key)
-                async for page in self._pages(key, after, first=FIRST_PAGE):
-                    stop = await self._ending(location, page)
-                    page = page if stop is None else page[:stop]
-                    yield Chunk.of(page)
-                    position, after = page[-1].sort_key, page[-1].entry_id
-                    if stop is not None:
+                async for chunk, final in self._stored(location, key, after, keep=keep):
+                    last = chunk.last
+                    assert last is not None
+                    yield chunk
+                    position, after = last.sort_key, last.entry_id
+                    if final:
                         return
             assert subscription is not None
             if await self._at_rest(location):
                 # Final before we looked: anything after our position ends with the `end` event.
-                async for page in self._pages(key, after):
-                    yield Chunk.of(page)
+                async for chunk, _ in self._stored(location, key, after, keep=keep):
+                    yield chunk
                 return
             subscription.sink = sink
             while True:
@@ -613,14 +665,23 @@ class Streams:
                 batches = await subscription.get_all(heartbeat_s)
                 position, after = subscription.position, subscription.after  # after direct writes
                 if batches is None and subscription.overflowed:
-                    # Too slow for the live tape: catch up from Redis, which has everything.
+                    # Too slow for the live tape: catch up from Redis, which has everything, a
+                    # page at a time (never all it missed at once: a page is read only when its
+                    # client took the last), then take the tape again from where it stands.
                     subscription.overflowed = False
-                    batches = [_Batch(after, await self._range(key, after))]
-                elif batches is None:
+                    async for chunk, final in self._stored(location, key, after, keep=keep):
+                        last = chunk.last
+                        assert last is not None
+                        yield chunk
+                        position, after = last.sort_key, last.entry_id
+                        if final:
+                            return
+                    continue
+                if batches is None:
                     yield HEARTBEAT
                     if await self._at_rest(location):
-                        async for page in self._pages(key, after):
-                            yield Chunk.of(page)
+                        async for chunk, _ in self._stored(location, key, after, keep=keep):
+                            yield chunk
                         return
                     continue
                 parts: list[Chunk] = []
