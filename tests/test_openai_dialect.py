@@ -292,3 +292,80 @@ def test_auth_and_tenants_hold_on_the_responses_routes(broker_factory: BrokerFac
     for path in ("/v1/responses", "/v1/responses/{response_id}",
                  "/v1/responses/{response_id}/cancel"):  # fmt: skip
         assert path in paths
+
+
+def test_previous_response_id_sends_the_canonical_history_plus_the_new_input(
+    broker: RunningBroker,
+) -> None:
+    with client(broker) as sdk:
+        first = sdk.responses.create(
+            model="simulated", input="first question", extra_body=simulate(tokens=6)
+        )
+        second = sdk.responses.create(
+            model="simulated", input=[{"role": "user", "content": "second question"}],
+            previous_response_id=first.id, extra_body=simulate(tokens=6),
+        )  # fmt: skip
+    assert second.status == "completed"
+    history = httpx.get(f"{broker.base_url}/v1/conversations/{first.id}/messages").json()
+    assert history["messages"] == [
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "second question"},
+        {"role": "assistant", "content": second.output_text},
+    ]
+    assert [t["turn_id"] for t in history["turns"]] == [first.id, second.id]
+
+
+def _item_text(events: list[Any], output_index: int) -> str:
+    return "".join(
+        e.delta for e in events
+        if e.type == "response.output_text.delta" and e.output_index == output_index
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["regenerate", "continue"])
+def test_an_interrupted_response_and_its_next_attempt_never_double_the_text(
+    broker: RunningBroker, strategy: str
+) -> None:
+    with client(broker) as sdk:
+        stream = sdk.responses.create(
+            model="simulated", input="break", stream=True, background=True,
+            extra_body=simulate(tokens=30, fail_after_deltas=8),
+        )  # fmt: skip
+        first = [checked(e) for e in stream]
+        response_id = first[0].response.id
+        assert first[-1].type == "response.incomplete"
+        assert first[-1].response.status == "incomplete"
+        partial = _item_text(first, 0)
+        assert len([e for e in first if e.type == "response.output_text.delta"]) == 8
+        assert first[-1].response.output_text == partial
+        started = httpx.post(
+            f"{broker.base_url}/v1/turns/{response_id}/attempts", json={"strategy": strategy}
+        )
+        assert started.status_code == 201, started.text
+        rest = [
+            checked(e)
+            for e in sdk.responses.retrieve(
+                response_id, stream=True, starting_after=first[-1].sequence_number
+            )
+        ]
+        replay = [checked(e) for e in sdk.responses.retrieve(response_id, stream=True)]
+        final = sdk.responses.retrieve(response_id)
+    text = canonical_text(broker, response_id)
+    assert rest[0].type == "response.in_progress"
+    assert rest[1].type == "response.output_item.added"
+    assert rest[1].output_index == 1
+    assert rest[-1].type == "response.completed"
+    seen = [e.sequence_number for e in first + rest]
+    assert seen == list(range(len(seen)))
+    assert [e.to_dict() for e in replay] == [e.to_dict() for e in first + rest]
+    second = _item_text(rest, 1)
+    done = [e for e in rest if e.type == "response.output_text.done"]
+    assert [e.text for e in done] == [second]
+    if strategy == "regenerate":
+        assert second == text  # a second message, whole: the partial is not prefixed to it
+    else:
+        assert partial + second == text  # the continuation only
+    assert rest[-1].response.output_text == text
+    assert final.output_text == text
+    assert final.status == "completed"

@@ -17,7 +17,9 @@ others      0    ``usage``, ``error``, ``tool_call``, ``tool_result``: folded in
 ==========  ===  ==============================================================================
 
 Each attempt of the turn is its own output message, at ``output_index`` = attempt - 1, so a
-regenerate is a second message, never text appended to the first. The terminal event is
+regenerate is a second message, never text appended to the first. A continue's message streams
+the continuation only; the terminal response (like ``GET``) holds the whole answer, the partial
+plus the continuation. The terminal event is
 ``response.completed`` (complete), ``response.incomplete`` (interrupted, or cancelled with status
 ``cancelled``) or ``response.failed``.
 """
@@ -141,6 +143,7 @@ class AttemptEnd:
     """What the terminal events of an attempt need beyond its ``end`` event (its stored state)."""
 
     text: str  # the attempt's own text: for a continue, the continuation only
+    answer: str  # the whole answer: for a continue, the partial plus the continuation
     usage: dict[str, Any] | None
     reason: str | None
 
@@ -190,6 +193,8 @@ def expand(
         terminal, response_status = TERMINAL.get(status, TERMINAL["failed"])
         item_status = "completed" if status == "complete" else "incomplete"
         item = message_item(head.response_id, attempt, end.text, item_status)
+        # The response holds the whole answer; a continue's item streamed the rest of it only.
+        answer = message_item(head.response_id, attempt, end.answer, item_status)
         error = None
         if terminal == "response.failed":
             error = {"code": "server_error", "message": end.reason or "the generation failed"}
@@ -199,8 +204,8 @@ def expand(
              "part": {"type": "output_text", "text": end.text, "annotations": []}},
             {"type": "response.output_item.done", "output_index": common["output_index"],
              "item": item},
-            {"type": terminal, "response": head.response(
-                response_status, [item], usage=end.usage, error=error)},
+            {"type": terminal, "response": head.response(response_status, [answer],
+                                                          usage=end.usage, error=error)},
         ]  # fmt: skip
     for n, event in enumerate(events):
         event["sequence_number"] = base + n

@@ -186,7 +186,7 @@ async def attempt_end(rt: Runtime, location: Location, attempt: int) -> AttemptE
         base = await rc.hget(rt.redis, turn_key, f"text:{record['from']}") or ""
         if own.startswith(base):
             own = own[len(base) :]
-    return AttemptEnd(own, record.get("usage"), record.get("reason"))
+    return AttemptEnd(own, text or "", record.get("usage"), record.get("reason"))
 
 
 async def text_so_far(rt: Runtime, location: Location, attempt: int) -> str:
@@ -329,7 +329,7 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
                 raise ParamError(exc.message, "previous_response_id", code=exc.code) from None
             conversation_id = unscoped(scoped_conversation)[1]
             history = await rt.turns.history(conversation_id, principal.tenant)
-            messages = [*history["messages"], *[m for m in messages if m["role"] != "system"]]
+            messages = [*history["messages"], *messages]
         else:
             conversation_id = turn_id
         params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
