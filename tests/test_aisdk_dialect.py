@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import BrokerFactory
-from tests.helpers import missing_tool
+from tests.helpers import ToolEndpoint, missing_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "tests/node/ai-sdk"
@@ -27,16 +28,30 @@ def _node() -> str:
 
 
 def test_the_ai_sdk_transport_and_reader_against_a_live_broker(
-    broker_factory: BrokerFactory,
+    broker_factory: BrokerFactory, tmp_path: Path
 ) -> None:
     node = _node()
-    broker = broker_factory()
+    weather = ToolEndpoint("/weather", lambda n: {"sky": "clear", "call": n})
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"tools": [
+        {"name": "get_weather", "class": "read", "schema": {"type": "object"},
+         "endpoint": weather.url},
+    ]}))  # fmt: skip
+    broker = broker_factory(tools=str(tools))
     env = {**os.environ, "BROKER_URL": broker.base_url}
-    result = subprocess.run(
-        [node, "--test", "--test-timeout=60000", "test/chat.test.mjs"],
-        cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    try:
+        result = subprocess.run(
+            [node, "--test", "--test-timeout=60000", "test/chat.test.mjs"],
+            cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+    finally:
+        weather.close()
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
+    assert "# fail 0" in result.stdout
+    assert "# pass 8" in result.stdout  # every test ran
+    assert weather.bodies == [{"name": "get_weather", "arguments": {"city": "Oslo"}}], (
+        "the tool ran once, through the ledger"
+    )
 
 
 def _chat(chat_id: str, message_id: str, **extra: object) -> dict[str, object]:

@@ -231,3 +231,28 @@ test("an interrupted turn ends with an error chunk; continue appends to the mess
   const replay = await assemble(await send(t, chatId, [question]));
   assert.equal(textOf(replay.message), state.canonical.text);
 });
+
+test("a ledger tool call shows as tool-input-available and tool-output-available", async () => {
+  const chatId = `c${ids()}`;
+  const question = user("What is the weather in Oslo?");
+  const t = transport({ seed: 17, tokens: 20, tokens_per_s: 0,
+                        tool_calls: [{ name: "get_weather", args: { city: "Oslo" }, after: 4 }] });
+  const { message, types, chunks } = await assemble(await send(t, chatId, [question]));
+  const state = await turn(question.id);
+  assert.equal(state.status, "complete");
+  const input = types.indexOf("tool-input-available");
+  const output = types.indexOf("tool-output-available");
+  assert.ok(input > 0 && output > input, types.join(","));
+  assert.equal(types[input - 1], "text-end", "the text part closes before the call");
+  assert.equal(chunks[input].toolName, "get_weather");
+  assert.deepEqual(chunks[input].input, { city: "Oslo" });
+  const [tool] = message.parts.filter((p) => p.type === "tool-get_weather");
+  assert.equal(tool.state, "output-available");
+  assert.deepEqual(tool.input, { city: "Oslo" });
+  assert.deepEqual(tool.output, { sky: "clear", call: 1 });
+  assert.equal(tool.toolCallId, chunks[input].toolCallId);
+  assert.equal(textOf(message), state.canonical.text);
+  assert.equal(types.at(-1), "finish");
+  const ledger = await (await fetch(`${BASE}/v1/turns/${question.id}/tool-calls`)).json();
+  assert.equal(ledger.tool_calls.length, 1);
+});
