@@ -1,0 +1,121 @@
+"""The OpenAI Chat Completions dialect, read by the official `openai` SDK against a real broker."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import TypeAdapter
+
+from tests.conftest import BrokerFactory, RunningBroker
+from tests.helpers import get_turn
+from tests.test_openai_dialect import canonical_text, client, simulate
+
+CHUNK = TypeAdapter(ChatCompletionChunk)
+MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture
+def broker(broker_factory: BrokerFactory) -> RunningBroker:
+    return broker_factory()
+
+
+def checked(chunk: ChatCompletionChunk) -> ChatCompletionChunk:
+    """The SDK's chunk, validated strictly against the SDK's type."""
+    return CHUNK.validate_python(chunk.to_dict())
+
+
+def content(chunks: list[ChatCompletionChunk]) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_a_streamed_completion_parses_and_ends_with_usage(broker: RunningBroker) -> None:
+    with client(broker) as sdk:
+        raw = sdk.chat.completions.with_raw_response.create(
+            model="simulated", messages=MESSAGES, stream=True,
+            stream_options={"include_usage": True}, extra_body=simulate(tokens=25),
+        )  # fmt: skip
+        chunks = [checked(c) for c in raw.parse()]
+    turn_id = raw.headers["x-broker-turn-id"]
+    assert raw.headers["x-broker-stream-id"].startswith("st_")
+    assert {c.id for c in chunks} == {turn_id}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens > 0
+    assert content(chunks) == canonical_text(broker, turn_id)
+
+
+def test_the_stream_ends_with_done(broker: RunningBroker) -> None:
+    body = {"model": "simulated", "messages": MESSAGES, "stream": True, **simulate(tokens=3)}
+    with httpx.stream("POST", f"{broker.base_url}/v1/chat/completions", json=body) as answer:
+        lines = [line for line in answer.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    assert lines.count("data: [DONE]") == 1
+
+
+def test_a_completion_without_stream_waits_for_the_answer(broker: RunningBroker) -> None:
+    with client(broker) as sdk:
+        raw = sdk.chat.completions.with_raw_response.create(
+            model="simulated", messages=MESSAGES, extra_body=simulate(tokens=9)
+        )
+    completion = raw.parse()
+    ChatCompletion.model_validate(completion.to_dict())
+    assert completion.id == raw.headers["x-broker-turn-id"]
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.choices[0].message.content == canonical_text(broker, completion.id)
+    assert completion.usage is not None
+    assert completion.usage.total_tokens > 0
+
+
+def test_a_cut_stream_reattaches_with_the_key_and_last_event_id(broker: RunningBroker) -> None:
+    rng = random.Random(3)
+    with client(broker) as sdk:
+        for round_ in range(4):
+            key = f"chat-reattach-{round_}"
+            ask: dict[str, Any] = {
+                "model": "simulated", "messages": MESSAGES, "stream": True,
+                "extra_body": simulate(tokens=50, tokens_per_s=400, seed=round_),
+            }  # fmt: skip
+            stream = sdk.chat.completions.create(**ask, extra_headers={"Idempotency-Key": key})
+            cut = rng.randrange(1, 50)
+            first: list[ChatCompletionChunk] = []
+            for chunk in stream:
+                first.append(checked(chunk))
+                if len(first) == cut:
+                    break
+            stream.close()
+            offset = getattr(first[-1], "broker_offset")  # noqa: B009  (an extension field)
+            again = sdk.chat.completions.create(
+                **ask, extra_headers={"Idempotency-Key": key, "Last-Event-ID": offset}
+            )
+            rest = [checked(c) for c in again]
+            assert content(first) + content(rest) == canonical_text(broker, key)
+            offsets = [getattr(c, "broker_offset") for c in first + rest]  # noqa: B009
+            assert offsets == sorted(offsets)
+            assert len(set(offsets)) == len(offsets), "a chunk came twice"
+            assert len(get_turn(broker.base_url, key)["attempts"]) == 1
+    assert broker.metric("broker_turns_started_total") == 4.0
+
+
+def test_chat_errors_have_openai_shape(broker: RunningBroker) -> None:
+    with client(broker) as sdk:
+        with pytest.raises(openai.BadRequestError) as unknown:
+            sdk.chat.completions.create(
+                model="simulated", messages=MESSAGES, extra_body={"frobnicate": True}
+            )
+        with pytest.raises(openai.BadRequestError) as empty:
+            sdk.chat.completions.create(model="simulated", messages=[])
+        with pytest.raises(openai.BadRequestError) as offset:
+            list(sdk.chat.completions.create(
+                model="simulated", messages=MESSAGES, stream=True,
+                extra_headers={"Last-Event-ID": "garbage"},
+            ))  # fmt: skip
+    assert unknown.value.param == "frobnicate"
+    assert empty.value.param == "messages"
+    assert offset.value.code == "bad_offset"
