@@ -1,0 +1,28 @@
+"""The official openai Node SDK against a live broker, under Node's built-in test runner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from tests.conftest import RunningBroker
+from tests.helpers import missing_tool
+
+FOLDER = Path(__file__).resolve().parent / "node" / "openai"
+
+
+def test_the_node_sdk_cuts_and_resumes_a_response(broker: RunningBroker) -> None:
+    node = shutil.which("node")
+    if node is None:
+        missing_tool("node is not installed (the Node SDK test needs Node >= 20)")
+    if not (FOLDER / "node_modules" / "openai").is_dir():
+        missing_tool("tests/node/openai has no node_modules: run `npm ci` in it")
+    result = subprocess.run(
+        [node, "--test", "test/"],
+        cwd=FOLDER, capture_output=True, text=True, timeout=180, check=False,
+        env={**os.environ, "BROKER_URL": broker.base_url},
+    )  # fmt: skip
+    assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
+    assert "# pass 2" in result.stdout, result.stdout
