@@ -4,13 +4,15 @@ One turn's stream becomes one assistant message. Each attempt is a step; text be
 is one text part, whose id is derived from the attempt and its place in it, so that a replay
 renders the very same chunks. A chunk is sent as ``data: <json>``; the last frame rendered from
 an event carries the event's offset as its SSE ``id:``, so ``Last-Event-ID`` names an event
-whose frames all arrived.
+whose frames all arrived. The AI SDK's parser drops SSE ids, so each ``text-delta`` also carries
+its offset as ``providerMetadata.broker.offset``, which the SDK keeps on the text part: a client
+that does not want a full replay resumes after it.
 
 | broker event | chunks |
 |---|---|
 | first event of a read | ``start`` (``messageId``), ``data-broker`` |
 | ``attempt`` | ``start-step`` (a continue attempt: a new step of the same message) |
-| ``delta`` | ``text-start`` (first of a part), ``text-delta`` |
+| ``delta`` | ``text-start`` (first of a part), ``text-delta`` (with its offset) |
 | ``tool_call`` | ``tool-input-available`` (dispatched), ``tool-input-error`` (not run) |
 | ``tool_result`` | ``tool-output-available`` or ``tool-output-error`` |
 | ``error`` | kept for the ``end`` that follows |
@@ -90,7 +92,8 @@ class Renderer:
                 self._parts += 1
                 self._text = f"{self._attempt}-{self._parts}"
                 chunks.append({"type": "text-start", "id": self._text})
-            chunks.append({"type": "text-delta", "id": self._text, "delta": str(data["text"])})
+            chunks.append({"type": "text-delta", "id": self._text, "delta": str(data["text"]),
+                           "providerMetadata": {"broker": {"offset": entry.offset}}})  # fmt: skip
         elif kind == "tool_call":
             chunks += self._open_step() + self._close_text()
             chunks.append(self._tool_call(data))

@@ -3,6 +3,7 @@ import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
 import { test } from "node:test";
 
+import { Chat } from "@ai-sdk/react";
 import { DefaultChatTransport, readUIMessageStream } from "ai";
 
 const BASE = process.env.BROKER_URL;
@@ -193,6 +194,11 @@ test("regenerate-message starts a regenerate attempt and keeps one canonical att
   assert.equal(textOf(again.message), state.canonical.text);
   const facts = again.message.parts.find((p) => p.type === "data-broker");
   assert.equal(facts.data.attempt, 2);
+  // Sending the message again attaches: its replay shows the answer the turn has now, alone.
+  const replay = await assemble(await send(t, chatId, [question]));
+  assert.equal(replay.types.filter((type) => type === "text-start").length, 1);
+  assert.equal(textOf(replay.message), state.canonical.text);
+  assert.equal((await turn(question.id)).attempts.length, 2, "no third attempt");
 });
 
 test("an interrupted turn ends with an error chunk; continue appends to the message", async () => {
@@ -255,4 +261,64 @@ test("a ledger tool call shows as tool-input-available and tool-output-available
   assert.equal(types.at(-1), "finish");
   const ledger = await (await fetch(`${BASE}/v1/turns/${question.id}/tool-calls`)).json();
   assert.equal(ledger.tool_calls.length, 1);
+});
+
+test("without replay, a chat resumes after the offset its text part holds", async () => {
+  const simulate = { seed: 29, tokens: 60, tokens_per_s: 80 };
+  const prompt = "Resume from where I was.";
+  const whole = await assemble(await send(transport({ ...simulate, tokens_per_s: 0 }),
+                                          `c${ids()}`, [user(prompt)]));
+  let dropped = false;
+  let resumedFrom;
+  // A network that drops mid-answer: the body fails the way a lost connection does.
+  async function flaky(url, init) {
+    const response = await fetch(url, init);
+    if (init.method !== "POST") return response;
+    const reader = response.body.getReader();
+    let seen = 0;
+    const body = new ReadableStream({
+      async pull(controller) {
+        const { done, value } = await reader.read();
+        if (done) return controller.close();
+        controller.enqueue(value);
+        seen += value.length;
+        if (seen > 1_500) {
+          dropped = true;
+          await reader.cancel();
+          controller.error(new TypeError("network error"));
+        }
+      },
+    });
+    return new Response(body, { status: response.status, headers: response.headers });
+  }
+  const chat = new Chat({
+    id: `c${ids()}`,
+    transport: new DefaultChatTransport({
+      api: API,
+      fetch: flaky,
+      body: { params: { simulate } },
+      resumeStreamIsReplay: false,
+      prepareReconnectToStreamRequest: ({ id }) => {
+        const answer = chat.messages.findLast((m) => m.role === "assistant");
+        resumedFrom = answer.parts.findLast((p) => p.type === "text").providerMetadata.broker.offset;
+        return { api: `${API}/${id}/stream`, headers: { "Last-Event-ID": resumedFrom } };
+      },
+    }),
+  });
+  await chat.sendMessage({ text: prompt });
+  assert.ok(dropped);
+  assert.equal(chat.status, "error");
+  const questionId = chat.messages[0].id;
+  const partial = textOf(chat.messages[1]);
+  assert.ok(partial.length > 0);
+  assert.notEqual((await turn(questionId)).status, "complete", "the drop came mid-answer");
+  await chat.resumeStream();
+  assert.match(resumedFrom, /^\d{16}-\d{10}$/);
+  assert.equal(chat.status, "ready");
+  assert.deepEqual(chat.messages.map((m) => m.role), ["user", "assistant"]);
+  const answer = chat.messages[1];
+  assert.equal(answer.parts.filter((p) => p.type === "text").length, 1, "no doubled text part");
+  assert.ok(textOf(answer).startsWith(partial));
+  assert.equal(textOf(answer), textOf(whole.message), "no gap, no repeat");
+  assert.equal((await turn(questionId)).attempts.length, 1);
 });
