@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -142,3 +143,27 @@ def test_malformed_json_and_offsets_are_400(broker_factory: BrokerFactory) -> No
         assert response.json()["error"]["code"] == "bad_offset"
         assert http.post("/v1/ui/chat/none-such/stop").status_code == 404
         assert http.post("/v1/ui/chat/none-such/continue").status_code == 404
+
+
+def test_a_chat_is_its_tenants_own(broker_factory: BrokerFactory) -> None:
+    """Two tenants may use one chat id and one message id: neither meets the other's turn."""
+    key_a, key_b = "key-acme-0123456789abcdef", "key-beta-0123456789abcdef"
+    broker = broker_factory(api_keys=f"acme={key_a},beta={key_b}")
+    a = {"Authorization": f"Bearer {key_a}"}
+    b = {"Authorization": f"Bearer {key_b}"}
+    slow = {"params": {"simulate": {"seed": 1, "tokens": 400, "tokens_per_s": 20}}}
+    with httpx.Client(base_url=broker.base_url, timeout=20) as http:
+        assert http.post("/v1/ui/chat", json=_chat("shared", "m-1")).status_code == 401
+        with http.stream("POST", "/v1/ui/chat", json=_chat("shared", "m-1", **slow), headers=a):
+            assert http.get("/v1/turns/m-1", headers=a).json()["status"] in ("queued", "streaming")
+            assert http.get("/v1/ui/chat/shared/stream", headers=b).status_code == 204
+            assert http.post("/v1/ui/chat/shared/stop", headers=b).status_code == 404
+            response = http.post("/v1/ui/chat", json=_chat("shared", "m-1"), headers=b)
+            assert response.status_code == 200
+            assert http.get("/v1/turns/m-1", headers=b).json()["status"] == "complete"
+            assert http.get("/v1/turns/m-1", headers=a).json()["status"] != "cancelled"
+            assert http.post("/v1/ui/chat/shared/stop", headers=a).status_code == 200
+            deadline = time.monotonic() + 10
+            while http.get("/v1/turns/m-1", headers=a).json()["status"] != "cancelled":
+                assert time.monotonic() < deadline, "the stop did not reach the turn"
+                time.sleep(0.02)
