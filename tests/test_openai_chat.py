@@ -119,3 +119,27 @@ def test_chat_errors_have_openai_shape(broker: RunningBroker) -> None:
     assert unknown.value.param == "frobnicate"
     assert empty.value.param == "messages"
     assert offset.value.code == "bad_offset"
+
+
+def test_bearer_keys_work_and_tenants_never_share_a_completion(
+    broker_factory: BrokerFactory,
+) -> None:
+    mine, theirs = "key-chat-a-0123456789abcdef", "key-chat-b-0123456789abcdef"
+    broker = broker_factory(api_keys=f"a={mine},b={theirs}")
+    key = {"Idempotency-Key": "shared-name"}
+    with client(broker, mine) as a, client(broker, theirs) as b:
+        first = a.chat.completions.with_raw_response.create(
+            model="simulated", messages=MESSAGES, extra_headers=key,
+            extra_body=simulate(tokens=6, seed=1),
+        )  # fmt: skip
+        other = b.chat.completions.with_raw_response.create(
+            model="simulated", messages=MESSAGES, extra_headers=key,
+            extra_body=simulate(tokens=6, seed=2),
+        )  # fmt: skip
+    # The same key names two turns, one per tenant: b neither attached to a's nor saw its text.
+    assert first.headers["x-broker-stream-id"] != other.headers["x-broker-stream-id"]
+    assert first.parse().choices[0].message.content != other.parse().choices[0].message.content
+    with client(broker, "wrong-key") as nobody, pytest.raises(openai.AuthenticationError):
+        nobody.chat.completions.create(model="simulated", messages=MESSAGES)
+    paths = httpx.get(f"{broker.base_url}/openapi.json").json()["paths"]
+    assert "/v1/chat/completions" in paths
