@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import TypeAdapter
 
 from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import get_turn
+from tests.helpers import get_turn, wait_final
 from tests.test_openai_dialect import canonical_text, client, simulate
 
 CHUNK = TypeAdapter(ChatCompletionChunk)
@@ -143,3 +143,30 @@ def test_bearer_keys_work_and_tenants_never_share_a_completion(
         nobody.chat.completions.create(model="simulated", messages=MESSAGES)
     paths = httpx.get(f"{broker.base_url}/openapi.json").json()["paths"]
     assert "/v1/chat/completions" in paths
+
+
+def test_a_broker_streams_through_another_brokers_chat_completions(
+    broker_factory: BrokerFactory,
+) -> None:
+    upstream_key = "key-upstream-0123456789abcdef"
+    b = broker_factory(api_keys=f"relay={upstream_key}")
+    a = broker_factory(
+        openai_base_url=f"{b.base_url}/v1", openai_models="simulated",
+        openai_api_key=upstream_key,
+    )  # fmt: skip
+    messages: list[Any] = [{"role": "user", "content": "through two brokers"}]
+    created = httpx.post(f"{a.base_url}/v1/turns", timeout=10, json={
+        "conversation_id": "relay", "messages": messages, "provider": "openai",
+        "model": "simulated", "params": {"seed": 5},
+    })  # fmt: skip
+    assert created.status_code == 201, created.text
+    final = wait_final(a.base_url, created.json()["turn_id"], timeout=30)
+    assert final["status"] == "complete", final
+    relayed = final["canonical"]["text"]
+    # The simulated text is a function of seed and prompt: B asked directly answers the same.
+    with client(b, upstream_key) as sdk:
+        direct = sdk.chat.completions.create(model="simulated", messages=messages, seed=5)
+    assert relayed
+    assert relayed == direct.choices[0].message.content
+    assert final["attempts"][0]["usage"]["output_tokens"] > 0
+    assert b.metric("broker_turns_started_total") == 2.0
