@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import socket
 import time
+from collections.abc import Callable
 from typing import cast
 
 import hiredis
@@ -43,6 +44,26 @@ def command(*parts: bytes | str | int) -> bytes:
     return b"".join(out)
 
 
+# A command to send again and again, or the k-th of a sequence (a command that may not repeat,
+# such as an append that names how many events came before it).
+Request = bytes | Callable[[int], bytes]
+
+
+class _Batches:
+    """The next ``depth`` commands of one request, as one write."""
+
+    def __init__(self, request: Request, depth: int) -> None:
+        self._request, self._depth, self._sent = request, depth, 0
+        self._fixed = request * depth if isinstance(request, bytes) else None
+
+    def next(self) -> bytes:
+        if self._fixed is not None:
+            return self._fixed
+        assert callable(self._request)
+        first, self._sent = self._sent, self._sent + self._depth
+        return b"".join(self._request(k) for k in range(first, self._sent))
+
+
 class _Counter:
     def __init__(self) -> None:
         self.replies = 0
@@ -54,8 +75,8 @@ class _Counter:
 class _Client(asyncio.Protocol):
     """Replays one command with ``depth`` in flight until told to stop."""
 
-    def __init__(self, request: bytes, depth: int, counter: _Counter) -> None:
-        self._batch = request * depth
+    def __init__(self, request: Request, depth: int, counter: _Counter) -> None:
+        self._batches = _Batches(request, depth)
         self._depth = depth
         self._counter = counter
         self._reader = hiredis.Reader()
@@ -70,7 +91,7 @@ class _Client(asyncio.Protocol):
     def _send(self) -> None:
         assert self._transport is not None
         self._pending = self._depth
-        self._transport.write(self._batch)
+        self._transport.write(self._batches.next())
 
     def data_received(self, data: bytes) -> None:
         self._reader.feed(data)
@@ -94,7 +115,7 @@ class _Client(asyncio.Protocol):
 
 
 async def _measure(
-    port: int, requests: list[bytes], depth: int, warmup_s: float, duration_s: float
+    port: int, requests: list[Request], depth: int, warmup_s: float, duration_s: float
 ) -> tuple[int, float, int, str]:
     loop = asyncio.get_running_loop()
     counter = _Counter()
@@ -116,18 +137,18 @@ async def _measure(
 
 
 def _measure_one(
-    port: int, request: bytes, depth: int, warmup_s: float, duration_s: float
+    port: int, request: Request, depth: int, warmup_s: float, duration_s: float
 ) -> float:
     """One connection in a plain blocking loop: the cheapest client Python has."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = hiredis.Reader()
-        batch = request * depth
+        batches = _Batches(request, depth)
         warm_until = time.perf_counter() + warmup_s
         began = 0.0
         replies = 0
         while True:
-            sock.sendall(batch)
+            sock.sendall(batches.next())
             left = depth
             while left:
                 reader.feed(sock.recv(1 << 16))
@@ -146,7 +167,7 @@ def _measure_one(
                 return replies / (now - began)
 
 
-def throughput(port: int, requests: list[bytes], *, depth: int, duration_s: float) -> float:
+def throughput(port: int, requests: list[Request], *, depth: int, duration_s: float) -> float:
     """Replies per second of ``requests``, one connection each, ``depth`` in flight on each."""
     warmup_s = min(0.5, duration_s / 4)
     if len(requests) == 1:
@@ -176,16 +197,19 @@ def run(client: redis.Redis, port: int, sizes: CeilingSizes) -> dict[str, float]
     fenced = str(client.script_load(FENCED_XADD))
     append = str(client.script_load(script_source("append_events")))
 
-    def fenced_request(i: int) -> bytes:
+    def fenced_request(i: int) -> Request:
         client.hset(f"ceiling:{{{i}}}:lease", "token", TOKEN)
         lease, events = f"ceiling:{{{i}}}:lease", f"ceiling:{{{i}}}:events"
         return command("EVALSHA", fenced, 2, lease, events, TOKEN, "delta", PAYLOAD)
 
-    def append_request(i: int) -> bytes:
+    def append_request(i: int) -> Request:
         lease, events, turn = (f"ceiling:{{{i}}}:{k}" for k in ("lease", "events", "turn"))
         client.hset(lease, "token", TOKEN)
         client.hset(turn, "status", "streaming")
-        return command("EVALSHA", append, 3, lease, events, turn, TOKEN, 10**9, "delta", PAYLOAD)
+        # The k-th append names the k events before it, as the broker's writer does.
+        return lambda k: command(
+            "EVALSHA", append, 3, lease, events, turn, TOKEN, 10**9, k, "delta", PAYLOAD
+        )
 
     for name, build in (("lua_fenced_xadd", fenced_request), ("append_script", append_request)):
         for clients in (1, MANY_CLIENTS):
