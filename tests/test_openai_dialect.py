@@ -369,3 +369,24 @@ def test_an_interrupted_response_and_its_next_attempt_never_double_the_text(
     assert rest[-1].response.output_text == text
     assert final.output_text == text
     assert final.status == "completed"
+
+
+def test_resuming_at_any_point_of_a_long_response_sends_exactly_what_follows(
+    broker: RunningBroker, raw_redis: Any
+) -> None:
+    """Regression guard for the seek's checkpoints: walks that start from one are exact too."""
+    rng = random.Random(1500)
+    with client(broker) as sdk:
+        created = sdk.responses.create(
+            model="simulated", input="long", extra_body=simulate(tokens=700, tokens_per_s=0)
+        )
+        full = [checked(e).to_dict() for e in sdk.responses.retrieve(created.id, stream=True)]
+        assert [e["sequence_number"] for e in full] == list(range(len(full)))
+        points = [*rng.sample(range(len(full)), 25), 0, 1, 2, 3, len(full) - 2, len(full) - 1]
+        for after in points:
+            got = [e.to_dict() for e in sdk.responses.retrieve(
+                created.id, stream=True, starting_after=after)]  # fmt: skip
+            assert got == full[after + 1 :], after
+    key = broker.runtime.keys.events(created.id, created.id) + ":responses-seq"
+    assert raw_redis.zcard(key) >= 700 // 64 - 1  # the walks left checkpoints behind
+    assert raw_redis.pttl(key) > 0  # and they expire

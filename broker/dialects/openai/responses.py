@@ -46,7 +46,7 @@ from broker.dialects.openai.requests import (
     turn_params,
 )
 from broker.errors import BadRequest, BrokerError
-from broker.keys import ID_PATTERN, unscoped
+from broker.keys import ID_PATTERN, scoped, unscoped
 from broker.offsets import ZERO_ID
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.streams import Heartbeat, Location
@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 
 router = APIRouter(tags=["openai"])
 
+# A resume's seek leaves a checkpoint every EVERY stored events (see seek_sequence.lua).
+CHECKPOINTS = "responses-seq"
+EVERY = 64
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for the running attempt to end
 BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
 
@@ -175,6 +178,25 @@ async def load(rt: Runtime, response_id: str, tenant: str | None) -> Stored:
     return Stored(state, location, orjson.loads(raw) if raw else {})
 
 
+async def load_for_reading(rt: Runtime, response_id: str, tenant: str | None) -> Stored:
+    """What a read of the response's events needs, in two round trips (a resume waits for
+    them); the full :func:`load` answers the unknown and expired ones with their error."""
+    if ID_PATTERN.match(response_id):
+        index = rt.keys.turn_index(scoped(tenant, response_id))
+        conversation_id = await rc.get(rt.redis, index)
+        if conversation_id is not None:
+            turn_key = rt.keys.turn(conversation_id, response_id)
+            stream_id, created_ms, raw = await rc.hmget(
+                rt.redis, turn_key, ["stream_id", "created_ms", "request"]
+            )
+            if stream_id is not None and created_ms is not None:
+                state = {"turn_id": response_id, "stream_id": stream_id,
+                         "created_ms": int(created_ms)}  # fmt: skip
+                location = Location(stream_id, conversation_id, response_id)
+                return Stored(state, location, orjson.loads(raw) if raw else {})
+    return await load(rt, response_id, tenant)
+
+
 async def attempt_end(rt: Runtime, location: Location, attempt: int) -> AttemptEnd:
     """An attempt's own text, usage and reason, as stored when it ended."""
     turn_key = rt.keys.turn(location.conversation_id, location.turn_id)
@@ -243,12 +265,17 @@ async def events(
     head, location = stored.head, stored.location
     if starting_after < OPENING - 1:
         after, base = ZERO_ID, OPENING
-        first = [e for e in opening(head) if e["sequence_number"] > starting_after]
-        yield b"".join(frame(e) for e in first)
+        opened = [e for e in opening(head) if e["sequence_number"] > starting_after]
+        yield b"".join(frame(e) for e in opened)
     else:
         key = rt.keys.events(location.conversation_id, location.turn_id)
-        reply = await seek_script(rt)(keys=[key], args=[starting_after, OPENING])
+        # The checkpoints share the stream's hash tag: one slot, as every script needs.
+        ttl_ms = int(rt.settings.stream_ttl * 1000)
+        reply = await seek_script(rt)(
+            keys=[key, f"{key}:{CHECKPOINTS}"], args=[starting_after, OPENING, EVERY, ttl_ms]
+        )
         after, base = str(reply[0]), int(reply[1])
+    alone = True
     # No sink goes to the stream: its feed would write native frames straight to the client.
     async with contextlib.aclosing(rt.streams.follow_chunks(location, after)) as items:
         async for item in items:
@@ -259,6 +286,11 @@ async def events(
                 continue
             frames: list[bytes] = []
             for entry in item.entries:
+                if alone and frames:
+                    # A read's first events go out alone: the rest of their page follows.
+                    alone = False
+                    yield b"".join(frames)
+                    frames = []
                 data = orjson.loads(entry.data)
                 count = expansion(entry.kind, data)
                 if not count:
@@ -380,12 +412,14 @@ async def retrieve_response(
         rt = runtime(request)
         streaming = _bool_param(stream, "stream")
         after = _int_param(starting_after, "starting_after")
-        stored = await load(rt, response_id, principal.tenant)
         if streaming:
+            stored = await load_for_reading(rt, response_id, principal.tenant)
             return stream_response(rt, stored, -1 if after is None else after)
         if after is not None:
             raise BadRequest("starting_after needs stream=true", code="bad_request")
-        return json_response(await response_object(rt, stored))
+        return json_response(
+            await response_object(rt, await load(rt, response_id, principal.tenant))
+        )
 
     return await answer(request, work)
 
