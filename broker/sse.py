@@ -112,7 +112,9 @@ class EventStreamResponse(Response):
         super().__init__(status_code=200)
         self._source = source(self)
         self._send_timeout_s = send_timeout_s
-        self._raw_headers = HEADERS + (extra_headers or [])
+        extra = extra_headers or []
+        named = {name for name, _ in extra}  # an extra header replaces a default of its name
+        self._raw_headers = [h for h in HEADERS if h[0] not in named] + extra
         self._sending_since: float | None = None
         self._send_body: Send | None = None  # set once the response has started
         self._finishing: asyncio.Task[None] | None = None  # a direct write the client holds up

@@ -30,11 +30,9 @@ if TYPE_CHECKING:
 
 router = APIRouter(tags=["AI SDK UI messages"])
 
+# Besides the event stream's own (content type, no buffering, keep-alive).
 UI_STREAM_HEADERS: Final = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-    (b"connection", b"keep-alive"),
     (b"x-vercel-ai-ui-message-stream", b"v1"),
 ]
 UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {200: {"content": {"text/event-stream": {}},
@@ -45,8 +43,11 @@ class UIMessageStreamResponse(EventStreamResponse):
     """An event stream with the headers the AI SDK's transport expects."""
 
     def __init__(self, rt: Runtime, frames: _Frames) -> None:
-        super().__init__(frames.run, send_timeout_s=rt.settings.sse_send_timeout_s)
-        self._raw_headers = list(UI_STREAM_HEADERS)
+        super().__init__(
+            frames.run,
+            send_timeout_s=rt.settings.sse_send_timeout_s,
+            extra_headers=UI_STREAM_HEADERS,
+        )
 
 
 class _Frames:
