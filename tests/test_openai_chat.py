@@ -170,3 +170,27 @@ def test_a_broker_streams_through_another_brokers_chat_completions(
     assert relayed == direct.choices[0].message.content
     assert final["attempts"][0]["usage"]["output_tokens"] > 0
     assert b.metric("broker_turns_started_total") == 2.0
+
+
+def test_an_interrupted_stream_finishes_length_and_a_failed_one_raises(
+    broker: RunningBroker,
+) -> None:
+    with client(broker) as sdk:
+        cut = [checked(c) for c in sdk.chat.completions.create(
+            model="simulated", messages=MESSAGES, stream=True,
+            extra_body=simulate(tokens=20, fail_after_deltas=5),
+        )]  # fmt: skip
+        with pytest.raises(openai.APIError) as failed:
+            list(sdk.chat.completions.create(
+                model="simulated", messages=MESSAGES, stream=True,
+                extra_body=simulate(tokens=20, fail_before_first=1, error="fatal"),
+            ))  # fmt: skip
+        with pytest.raises(openai.APIStatusError) as failed_whole:
+            sdk.chat.completions.create(
+                model="simulated", messages=MESSAGES,
+                extra_body=simulate(tokens=20, fail_before_first=1, error="fatal"),
+            )  # fmt: skip
+    assert cut[-1].choices[0].finish_reason == "length"
+    assert len(content(cut)) > 0
+    assert "failed" in str(failed.value)
+    assert failed_whole.value.status_code == 502

@@ -390,3 +390,24 @@ def test_resuming_at_any_point_of_a_long_response_sends_exactly_what_follows(
     key = broker.runtime.keys.events(created.id, created.id) + ":responses-seq"
     assert raw_redis.zcard(key) >= 700 // 64 - 1  # the walks left checkpoints behind
     assert raw_redis.pttl(key) > 0  # and they expire
+
+
+def test_a_response_past_retention_is_a_clear_error_not_a_hang(
+    broker: RunningBroker, raw_redis: Any
+) -> None:
+    with client(broker) as sdk:
+        created = sdk.responses.create(
+            model="simulated", input="old", extra_body=simulate(tokens=3)
+        )
+        keys = broker.runtime.keys
+        # What the retention clock does: the turn and its stream go, the tombstone stays.
+        raw_redis.delete(keys.turn(created.id, created.id), keys.events(created.id, created.id))
+        for call in (
+            lambda: sdk.responses.retrieve(created.id),
+            lambda: list(sdk.responses.retrieve(created.id, stream=True, starting_after=3)),
+            lambda: sdk.responses.cancel(created.id),
+        ):
+            with pytest.raises(openai.APIStatusError) as gone:
+                call()
+            assert gone.value.status_code == 410
+            assert gone.value.code == "expired"
