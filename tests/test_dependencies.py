@@ -86,8 +86,12 @@ def test_ci_and_the_readme_install_through_the_lock() -> None:
     words = commands[0]
     assert words[words.index("-c") + 1] == "constraints.txt"
     assert {"-e", ".[test]", "./clients/python"} <= set(words)
-    assert "npm ci" in ci
-    assert "npm install" not in ci
+    # Node packages come from their locks, through the script humans run too.
+    assert "scripts/npm-ci" in ci
+    npm_ci = (ROOT / "scripts/npm-ci").read_text()
+    assert "npm ci" in npm_ci
+    assert "npm install" not in ci + npm_ci
+    assert "scripts/npm-ci" in readme
 
 
 def test_the_refresh_command_exists_and_is_documented() -> None:
