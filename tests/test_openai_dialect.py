@@ -411,3 +411,36 @@ def test_a_response_past_retention_is_a_clear_error_not_a_hang(
                 call()
             assert gone.value.status_code == 410
             assert gone.value.code == "expired"
+
+
+def test_input_text_parts_and_model_errors(broker: RunningBroker) -> None:
+    with client(broker) as sdk:
+        response = sdk.responses.create(
+            model="simulated",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "in parts"}]}],
+            instructions="be brief", extra_body=simulate(tokens=4),
+        )  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as unknown_model:
+            sdk.responses.create(model="no-such-model", input="x")
+        with pytest.raises(openai.BadRequestError) as unknown_provider:
+            sdk.responses.create(model="nobody/thing", input="x")
+    assert response.status == "completed"
+    sent = httpx.get(f"{broker.base_url}/v1/conversations/{response.id}/messages").json()
+    assert sent["messages"][:2] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "in parts"},
+    ]
+    assert unknown_model.value.param == "model"
+    assert unknown_provider.value.param == "model"
+
+
+def test_the_dialect_package_exports_its_router_only(broker: RunningBroker) -> None:
+    import broker.dialects.openai as dialect
+
+    assert dialect.__all__ == ["router"]
+    paths = httpx.get(f"{broker.base_url}/openapi.json").json()["paths"]
+    mine = {(path, method) for path, item in paths.items() for method in item
+            if path.startswith(("/v1/responses", "/v1/chat"))}  # fmt: skip
+    assert mine == {("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),
+                    ("/v1/responses/{response_id}/cancel", "post"),
+                    ("/v1/chat/completions", "post")}  # fmt: skip

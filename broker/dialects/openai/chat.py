@@ -30,6 +30,7 @@ from broker.dialects.openai.responses import (
     Credentials,
     Stored,
     answer,
+    create_turn,
     json_response,
     load,
     parse,
@@ -196,7 +197,7 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
         if body.stream and resume != START:
             to_entry_id(resume)  # 400 for a malformed offset, before any turn starts
         turn = to_turn(rt, turn_id, turn_id, body.model, chat_messages(body), params)
-        await rt.turns.create(turn, principal.tenant)
+        await create_turn(rt, turn, principal.tenant, "messages")
         stored = await load(rt, turn_id, principal.tenant)
         if not body.stream:
             await settle(rt, stored.location)

@@ -138,6 +138,22 @@ def to_turn(
         raise ParamError(f"{first.get('msg', 'invalid request')}", None) from None
 
 
+# The native codes of a refused turn, as the OpenAI parameter at fault.
+PARAM_OF_CODE = {"unknown_model": "model", "unknown_provider": "model",
+                 "too_many_messages": None, "message_too_long": None}  # fmt: skip
+
+
+async def create_turn(rt: Runtime, turn: TurnRequest, tenant: str | None, messages: str) -> None:
+    """:meth:`Turns.create`, its 400s naming the parameter (``messages``: the input's name)."""
+    try:
+        await rt.turns.create(turn, tenant)
+    except BadRequest as exc:
+        if exc.code not in PARAM_OF_CODE or isinstance(exc, ParamError):
+            raise
+        param = PARAM_OF_CODE[exc.code] or messages
+        raise ParamError(exc.message, param, code=exc.code) from None
+
+
 # --- reading a response back ------------------------------------------------------------------
 
 
@@ -366,7 +382,7 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
             conversation_id = turn_id
         params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
         turn = to_turn(rt, conversation_id, turn_id, body.model, messages, params)
-        await rt.turns.create(turn, principal.tenant)
+        await create_turn(rt, turn, principal.tenant, "input")
         stored = await load(rt, turn_id, principal.tenant)
         if body.stream:
             return stream_response(rt, stored, -1)
