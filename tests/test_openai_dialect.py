@@ -444,3 +444,20 @@ def test_the_dialect_package_exports_its_router_only(broker: RunningBroker) -> N
     assert mine == {("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),
                     ("/v1/responses/{response_id}/cancel", "post"),
                     ("/v1/chat/completions", "post")}  # fmt: skip
+
+
+def test_concurrent_creates_with_one_key_start_one_generation(broker: RunningBroker) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def create(_: int) -> str:
+        with client(broker) as sdk:
+            return sdk.responses.create(
+                model="simulated", input="same", background=True,
+                extra_headers={"Idempotency-Key": "resp-concurrent"},
+                extra_body=simulate(tokens=5),
+            ).id  # fmt: skip
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(create, range(8)))
+    assert ids == ["resp-concurrent"] * 8
+    assert broker.metric("broker_turns_started_total") == 1.0
