@@ -461,3 +461,25 @@ def test_concurrent_creates_with_one_key_start_one_generation(broker: RunningBro
         ids = list(pool.map(create, range(8)))
     assert ids == ["resp-concurrent"] * 8
     assert broker.metric("broker_turns_started_total") == 1.0
+
+
+def test_a_repeated_follow_up_with_its_key_attaches_instead_of_conflicting(
+    broker: RunningBroker,
+) -> None:
+    """Regression: the repeat met a history that already held the follow-up's own input."""
+    with client(broker) as sdk:
+        first = sdk.responses.create(
+            model="simulated", input="first", extra_body=simulate(tokens=4)
+        )
+        ask: dict[str, Any] = {
+            "model": "simulated", "input": "second", "previous_response_id": first.id,
+            "extra_headers": {"Idempotency-Key": "resp-follow-up"},
+            "extra_body": simulate(tokens=4),
+        }  # fmt: skip
+        one = sdk.responses.create(**ask)
+        two = sdk.responses.create(**ask)
+        with pytest.raises(openai.ConflictError):
+            sdk.responses.create(**{**ask, "input": "something else"})
+    assert one.id == two.id == "resp-follow-up"
+    assert two.output_text == one.output_text
+    assert broker.metric("broker_turns_started_total") == 2.0

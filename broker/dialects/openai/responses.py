@@ -154,6 +154,29 @@ async def create_turn(rt: Runtime, turn: TurnRequest, tenant: str | None, messag
         raise ParamError(exc.message, param, code=exc.code) from None
 
 
+async def sent_before(
+    rt: Runtime, turn_id: str, tenant: str | None, conversation_id: str,
+    new_input: list[dict[str, Any]],
+) -> list[dict[str, Any]] | None:  # fmt: skip
+    """The messages turn ``turn_id`` was created with, when it exists in ``conversation_id`` and
+    ended them with ``new_input``: a repeated request must meet the same fingerprint, though the
+    conversation's history now holds the turn itself."""
+    conversation = await rc.get(rt.redis, rt.keys.turn_index(scoped(tenant, turn_id)))
+    if conversation is None:
+        return None
+    raw = await rc.hget(rt.redis, rt.keys.turn(conversation, turn_id), "request")
+    if raw is None:
+        return None
+    request: dict[str, Any] = orjson.loads(raw)
+    messages: list[dict[str, Any]] = request.get("messages") or []
+    tail = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
+    if request.get("conversation_id") != conversation_id or not new_input:
+        return None
+    if tail[-len(new_input) :] != new_input:
+        return None
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
 # --- reading a response back ------------------------------------------------------------------
 
 
@@ -376,8 +399,12 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
             except BrokerError as exc:
                 raise ParamError(exc.message, "previous_response_id", code=exc.code) from None
             conversation_id = unscoped(scoped_conversation)[1]
-            history = await rt.turns.history(conversation_id, principal.tenant)
-            messages = [*history["messages"], *messages]
+            sent = await sent_before(rt, turn_id, principal.tenant, conversation_id, messages)
+            if sent is not None:
+                messages = sent  # a repeat: the history it was sent with, not today's
+            else:
+                history = await rt.turns.history(conversation_id, principal.tenant)
+                messages = [*history["messages"], *messages]
         else:
             conversation_id = turn_id
         params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
