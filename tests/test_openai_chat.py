@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -13,7 +14,7 @@ from pydantic import TypeAdapter
 
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.helpers import get_turn, wait_final
-from tests.test_openai_dialect import canonical_text, client, simulate
+from tests.test_openai_dialect import async_client, canonical_text, client, simulate
 
 CHUNK = TypeAdapter(ChatCompletionChunk)
 MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
@@ -194,3 +195,26 @@ def test_an_interrupted_stream_finishes_length_and_a_failed_one_raises(
     assert len(content(cut)) > 0
     assert "failed" in str(failed.value)
     assert failed_whole.value.status_code == 502
+
+
+async def test_the_async_client_reattaches_a_cut_completion(broker: RunningBroker) -> None:
+    ask: dict[str, Any] = {
+        "model": "simulated", "messages": MESSAGES, "stream": True,
+        "extra_body": simulate(tokens=30, tokens_per_s=300, seed=9),
+    }  # fmt: skip
+    key = {"Idempotency-Key": "chat-async-1"}
+    async with async_client(broker) as sdk:
+        first: list[ChatCompletionChunk] = []
+        stream = await sdk.chat.completions.create(**ask, extra_headers=key)
+        async for chunk in stream:
+            first.append(checked(chunk))
+            if len(first) == 11:
+                break
+        await stream.close()
+        offset = getattr(first[-1], "broker_offset")  # noqa: B009  (an extension field)
+        again = await sdk.chat.completions.create(
+            **ask, extra_headers={**key, "Last-Event-ID": offset}
+        )
+        rest = [checked(c) async for c in again]
+    text = await asyncio.to_thread(canonical_text, broker, "chat-async-1")
+    assert content(first) + content(rest) == text
