@@ -13,7 +13,7 @@ from tests.helpers import missing_tool
 FOLDER = Path(__file__).resolve().parent / "node" / "openai"
 
 
-def test_the_node_sdk_cuts_and_resumes_a_response(broker: RunningBroker) -> None:
+def test_the_node_sdk_cuts_and_resumes_a_response_and_a_completion(broker: RunningBroker) -> None:
     node = shutil.which("node")
     if node is None:
         missing_tool("node is not installed (the Node SDK test needs Node >= 20)")
@@ -25,4 +25,4 @@ def test_the_node_sdk_cuts_and_resumes_a_response(broker: RunningBroker) -> None
         env={**os.environ, "BROKER_URL": broker.base_url},
     )  # fmt: skip
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
-    assert "# pass 2" in result.stdout, result.stdout
+    assert "# pass 3" in result.stdout, result.stdout

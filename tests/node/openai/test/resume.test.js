@@ -66,3 +66,27 @@ test("cancel stops a running response and answers status cancelled", async () =>
   assert.equal(cancelled.status, "cancelled");
   assert.equal((await client.responses.cancel(created.id)).status, "cancelled");
 });
+
+test("a cut chat completion reattaches with its Idempotency-Key and Last-Event-ID", async () => {
+  const body = {
+    model: "simulated",
+    messages: [{ role: "user", content: "node chat" }],
+    stream: true,
+    broker: { params: { simulate: { seed: 3, tokens: 30, tokens_per_s: 300 } } },
+  };
+  const key = { "Idempotency-Key": "node-chat-1" };
+  const first = [];
+  for await (const chunk of await client.chat.completions.create(body, { headers: key })) {
+    first.push(chunk);
+    if (first.length === 9) break;
+  }
+  const offset = first.at(-1).broker_offset;
+  const rest = [];
+  const again = await client.chat.completions.create(body, {
+    headers: { ...key, "Last-Event-ID": offset },
+  });
+  for await (const chunk of again) rest.push(chunk);
+  const text = [...first, ...rest].map((c) => c.choices[0]?.delta?.content ?? "").join("");
+  assert.equal(text, await canonicalText("node-chat-1"));
+  assert.equal(rest.at(-1).choices[0].finish_reason, "stop");
+});
