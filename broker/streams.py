@@ -159,6 +159,23 @@ class _Batch:
         return self._chunk
 
 
+class _Watched:
+    """A response as a reader that renders its own frames sees it: over when it is, and never
+    written to by the feed (whose frames are the native ones)."""
+
+    __slots__ = ("_sink",)
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+
+    @property
+    def over(self) -> bool:
+        return self._sink.over
+
+    def write_now(self, chunk: bytes) -> bool:
+        return False
+
+
 class _Closed(Exception):
     """The hub was closed (shutdown) or the feed failed: end the response, the client resumes."""
 
@@ -607,9 +624,12 @@ class Streams:
     async def _range(self, key: str, after: str, until: str = "+") -> list[Entry]:
         return [entry async for page in self._pages(key, after, until) for entry in page]
 
-    async def follow(self, location: Location, after: str) -> AsyncIterator[Entry | Heartbeat]:
-        """Every event after entry id ``after``, live, until the turn's final ``end``."""
-        async for item in self.follow_chunks(location, after):
+    async def follow(
+        self, location: Location, after: str, sink: Sink | None = None
+    ) -> AsyncGenerator[Entry | Heartbeat, None]:
+        """Every event after entry id ``after``, live, until the turn's final ``end`` (or until
+        ``sink`` is over: see :meth:`follow_chunks`'s ``direct``)."""
+        async for item in self.follow_chunks(location, after, sink, direct=False):
             if isinstance(item, Heartbeat):
                 yield item
             else:
@@ -625,14 +645,23 @@ class Streams:
         return None
 
     async def follow_chunks(
-        self, location: Location, after: str, sink: Sink | None = None
+        self,
+        location: Location,
+        after: str,
+        sink: Sink | None = None,
+        *,
+        direct: bool = True,
     ) -> AsyncGenerator[Chunk | Heartbeat, None]:
         """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk).
 
         With ``sink`` (the response), live batches that follow this reader's position while it
         waits may be written by the stream's feed directly: they are not yielded. The read ends
-        when the sink is over, instead of waiting for the next batch.
+        when the sink is over, instead of waiting for the next batch. Without ``direct`` (a
+        reader that renders frames of its own, such as a dialect's), nothing is written to the
+        sink and every chunk keeps its events: the sink only ends the read.
         """
+        if sink is not None and not direct:
+            sink = _Watched(sink)
         key = self._keys.events(location.conversation_id, location.turn_id)
         turn_key = self._keys.turn(location.conversation_id, location.turn_id)
         position = id_key(after)
@@ -642,7 +671,7 @@ class Streams:
             # Replay what is stored, join the live feed (a new feed starts where this reader
             # stands), then read once more what arrived in between: whatever the feed has
             # already passed is in Redis by now, so no event waits for a later one to surface.
-            keep = sink is None  # a response needs the frames only
+            keep = sink is None or not direct  # a response writing our frames needs those only
             for phase in ("replay", "catch-up"):
                 if phase == "catch-up":
                     subscription = self._hub.subscribe(key, after, turn_key)

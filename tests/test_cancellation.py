@@ -160,3 +160,45 @@ async def test_a_periodic_loop_ends_when_its_step_says_so() -> None:
     loop = Periodic(step, 0.001, name="renewal")
     await asyncio.wait_for(loop.task, 2)
     assert steps == 3
+
+
+def dialect_reads(broker: RunningBroker) -> list[str]:
+    """Requests that read one live answer through each dialect."""
+    base = broker.base_url
+    # Three deltas, then silence: a reader waits for the next batch or the heartbeat (15 s).
+    slow = {"simulate": {"tokens": 50, "tokens_per_s": 100, "stall_after_deltas": 3}}
+    created = httpx.post(
+        f"{base}/v1/responses",
+        json={"model": "simulated", "input": "a long answer", "background": True,
+              "broker": {"params": slow}},
+        timeout=10,
+    ).json()  # fmt: skip
+    chat = {
+        "id": "churn-chat", "trigger": "submit-message", "params": slow,
+        "messages": [{"id": "u1", "role": "user", "parts": [{"type": "text", "text": "hi"}]}],
+    }  # fmt: skip
+    with httpx.stream("POST", f"{base}/v1/ui/chat", json=chat, timeout=10) as response:
+        assert response.status_code == 200
+        next(response.iter_bytes())  # the chat's turn runs: its stream can be resumed
+    return [
+        f"/v1/responses/{created['id']}?stream=true",
+        "/v1/ui/chat/churn-chat/stream",
+    ]
+
+
+@pytest.mark.usefixtures("swallowing")
+def test_dialect_readers_whose_clients_left_cost_nothing_afterwards(
+    broker_factory: BrokerFactory,
+) -> None:
+    broker = broker_factory()
+    port = int(broker.base_url.rsplit(":", 1)[1])
+    for path in dialect_reads(broker):
+        request = f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        for _ in range(60):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(request)
+                assert conn.recv(100)
+    # Gone before the next heartbeat (15 s): the reads end as their clients leave.
+    wait_until(lambda: reading_tasks(broker) == 0, timeout=3)
+    hub = broker.runtime.hub
+    wait_until(lambda: all(not feed.subscriptions for feed in hub._feeds.values()), timeout=5)

@@ -61,7 +61,7 @@ class _Frames:
     async def run(self, sink: Sink) -> AsyncIterator[bytes]:
         rt, location = self.rt, self.location
         renderer = Renderer(location.turn_id, location.stream_id)
-        async for item in rt.streams.follow(location, self.render_after):
+        async for item in rt.streams.follow(location, self.render_after, sink):
             if sink.over:
                 return  # the client left, whether or not its cancellation reached us
             if isinstance(item, Heartbeat):

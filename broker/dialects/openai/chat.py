@@ -106,7 +106,9 @@ async def _frames(
     location = stored.location
     usage: dict[str, Any] | None = None
     turn_key = rt.keys.turn(location.conversation_id, location.turn_id)
-    async with contextlib.aclosing(rt.streams.follow_chunks(location, after)) as items:
+    # Not direct: the stream's feed would write native frames straight to the client.
+    follow = rt.streams.follow_chunks(location, after, sink, direct=False)
+    async with contextlib.aclosing(follow) as items:
         async for item in items:
             if sink.over:
                 return  # the client left, whether or not a cancellation says so

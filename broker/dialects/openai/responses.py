@@ -315,8 +315,9 @@ async def events(
         )
         after, base = str(reply[0]), int(reply[1])
     alone = True
-    # No sink goes to the stream: its feed would write native frames straight to the client.
-    async with contextlib.aclosing(rt.streams.follow_chunks(location, after)) as items:
+    # Not direct: the stream's feed would write native frames straight to the client.
+    follow = rt.streams.follow_chunks(location, after, sink, direct=False)
+    async with contextlib.aclosing(follow) as items:
         async for item in items:
             if sink.over:
                 return  # the client left, whether or not a cancellation says so
