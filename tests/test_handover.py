@@ -121,7 +121,7 @@ async def test_a_reader_that_falls_off_the_tape_catches_up_from_redis(aredis: Re
     got = [await asyncio.wait_for(wait, 5), *await take(follow, 5)]
     assert [e.entry_id for e in got if isinstance(e, Entry)] == [e.entry_id for e in later]
     assert len(got) == len(later)
-    await follow.aclose()  # type: ignore[attr-defined]
+    await follow.aclose()
 
 
 async def test_a_closed_hub_ends_live_reads_without_an_end_event(aredis: Redis) -> None:
