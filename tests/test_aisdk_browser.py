@@ -18,22 +18,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from playwright.sync_api import Browser, Page, expect
 
+from tests.chromium import CHROMIUM, launched
 from tests.conftest import BrokerFactory, free_port
 from tests.helpers import missing_tool
 
-CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
     missing_tool(f"{CHROMIUM} is not installed (apt-get install chromium)", module=True)
 
-from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
-
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples/ai-sdk"
-ARGS = [
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage",
-]  # fmt: skip
 WAIT_MS = 20_000
 PROMPT = "Tell me about tunnels"
 SIMULATE = {"seed": "reload", "tokens": 80, "tokens_per_s": 25}
@@ -41,14 +35,8 @@ SIMULATE = {"seed": "reload", "tokens": 80, "tokens_per_s": 25}
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=ARGS
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with launched() as browser:
+        yield browser
 
 
 @pytest.fixture

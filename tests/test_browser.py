@@ -15,29 +15,22 @@ from typing import Any
 
 import httpx
 import pytest
-
-from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import bearer, missing_tool, read_sse
-
-CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    missing_tool(f"{CHROMIUM} is not installed (apt-get install chromium)", module=True)
-
-from playwright.sync_api import (  # noqa: E402
+from playwright.sync_api import (
     Browser,
     BrowserContext,
     ConsoleMessage,
     Page,
     Request,
     expect,
-    sync_playwright,
 )
 
-ARGS = [
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage",
-]  # fmt: skip
+from tests.chromium import CHROMIUM, launched
+from tests.conftest import BrokerFactory, RunningBroker
+from tests.helpers import bearer, missing_tool, read_sse
+
+if not CHROMIUM.exists():
+    missing_tool(f"{CHROMIUM} is not installed (apt-get install chromium)", module=True)
+
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "demo.png"
 PROMPT = "Tell me about tunnels"
 WAIT_MS = 20_000
@@ -54,14 +47,8 @@ document.addEventListener("securitypolicyviolation", (e) => {
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=ARGS
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with launched() as browser:
+        yield browser
 
 
 def new_context(browser: Browser) -> BrowserContext:
