@@ -96,6 +96,10 @@ class Worker:
         self._stopping = asyncio.Event()
         self._reclaim_cursor = "0-0"
         self._runs: dict[tuple[str, str], Run] = {}
+        # Turns a task of this worker is claiming or running: a second job of the same turn (a
+        # duplicate enqueue) waits for its reclaim instead of claiming the lease this worker
+        # holds, which claim_lease.lua would grant it.
+        self._active: set[tuple[str, str]] = set()
         self._retry = RetryPolicy(scripts, keys, settings, metrics)
         self._listener: asyncio.Task[None] | None = None
 
@@ -257,6 +261,18 @@ class Worker:
         self, job_id: str, conversation_id: str, turn_id: str, attempt: int
     ) -> bool:
         """Claim and run one attempt; True when the job is settled and may be acknowledged."""
+        turn = (conversation_id, turn_id)
+        if turn in self._active:
+            return False  # held by another task of this worker, which settles it
+        self._active.add(turn)
+        try:
+            return await self._claim_and_run(job_id, conversation_id, turn_id, attempt)
+        finally:
+            self._active.discard(turn)
+
+    async def _claim_and_run(
+        self, job_id: str, conversation_id: str, turn_id: str, attempt: int
+    ) -> bool:
         settings = self._settings
         writer = TurnWriter(
             self._scripts, self._keys, self._metrics, conversation_id, turn_id,

@@ -110,3 +110,25 @@ def test_a_redis_blip_mid_turn_leaves_the_job_for_a_takeover(
     events = read_sse(broker.base_url, turn["stream_id"]).events
     assert [e.event for e in events].count("delta") == 2
     assert broker.metric("broker_lease_takeovers_total") == 1
+
+
+def test_a_duplicate_job_of_a_running_turn_starts_no_second_generation(
+    broker: RunningBroker, raw_redis: redis_lib.Redis
+) -> None:
+    """Regression: a worker may claim again a lease it holds (after a lost reply), so a second
+    job of the same turn in the same worker (a repeated POST that queued the turn again) took
+    the lease from the running generation and called the model a second time."""
+    turn = start_turn(broker.base_url, turn_id="twice-queued", tokens=30, tokens_per_s=30)
+    jobs = broker.runtime.keys.jobs
+    entries: Any = raw_redis.xrange(jobs)
+    raw_redis.xadd(jobs, entries[0][1])  # the same attempt, queued again while it runs
+    final = wait_final(broker.base_url, "twice-queued")
+    assert final["status"] == "complete"
+    assert [a["n"] for a in final["attempts"]] == [1]
+    calls = broker.metric(
+        "broker_upstream_requests_total", '{model="simulated",outcome="ok",provider="simulated"}'
+    )
+    assert calls == 1
+    assert broker.metric("broker_fenced_writes_total") == 0
+    events = read_sse(broker.base_url, turn["stream_id"]).events
+    assert [e.event for e in events].count("attempt") == 1

@@ -12,9 +12,9 @@
 -- Returns  {"claimed", token, previous_status, cancel}  previous_status "streaming" means a
 --                                  takeover; cancel is "1" when a stop was requested meanwhile
 --          {"held", owner, pttl_ms}             another owner's live lease exists; nothing
---                                               changed (the same owner claims anew: it sends
+--                                               changed. The same owner claims anew: it sends
 --                                               a claim again when the reply of its first was
---                                               lost, and runs one generation per turn)
+--                                               lost, and claims a turn from one task at a time.
 --          {"stale", status, attempt}           the turn is at rest or moved to another attempt
 --          {"missing"}                          the turn does not exist (expired)
 -- Errors   none of its own.
