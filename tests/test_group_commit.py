@@ -37,9 +37,11 @@ def test_a_fast_answer_takes_fewer_appends_than_deltas_and_reads_the_same(
 def test_a_stop_during_grouped_appends_keeps_text_and_stream_in_step(
     broker_factory: BrokerFactory,
 ) -> None:
-    broker = broker_factory()
+    # Room for a long answer: the stop must land mid-answer, not race the stream's limit
+    # (at full speed 20,000 events, the default, take well under a second on a busy machine).
+    broker = broker_factory(max_stream_events=150_000)
     for n in range(5):
-        turn = start_turn(broker.base_url, f"c{n}", tokens=50_000, tokens_per_s=0, seed=n)
+        turn = start_turn(broker.base_url, f"c{n}", tokens=100_000, tokens_per_s=0, seed=n)
         stream_id = turn["stream_id"]
         assert read_sse(broker.base_url, stream_id, stop_after=20, timeout=10).events
         response = httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
