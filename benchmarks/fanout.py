@@ -195,23 +195,25 @@ def viewer_process(conn: Connection, base_url: str, viewers: int, timeout_s: flo
         due = first_ms + index * 1000 / pace
         behind[int(max(0.0, sent + lag - due) * LAG_BUCKETS_PER_MS)] += 1
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    conn.send((
-        "result",
-        {
-            "viewers": viewers,
-            "failed": group.failed,
-            "reattaches": group.reattaches,
-            "ended": sum(w.ended for w in watchers),
-            "deltas": sum(w.deltas for w in watchers),
-            "deltas_min": min(w.deltas for w in watchers),
-            "deltas_max": max(w.deltas for w in watchers),
-            "out_of_order": group.out_of_order,
-            "histogram": dict(histogram),
-            "behind_schedule": dict(behind),
-            "cpu_s": usage.ru_utime + usage.ru_stime,
-            "errors": dict(group.errors.most_common(5)),
-        },
-    ))  # fmt: skip
+    conn.send(
+        (
+            "result",
+            {
+                "viewers": viewers,
+                "failed": group.failed,
+                "reattaches": group.reattaches,
+                "ended": sum(w.ended for w in watchers),
+                "deltas": sum(w.deltas for w in watchers),
+                "deltas_min": min(w.deltas for w in watchers),
+                "deltas_max": max(w.deltas for w in watchers),
+                "out_of_order": group.out_of_order,
+                "histogram": dict(histogram),
+                "behind_schedule": dict(behind),
+                "cpu_s": usage.ru_utime + usage.ru_stime,
+                "errors": dict(group.errors.most_common(5)),
+            },
+        )
+    )
     conn.close()
 
 
@@ -357,9 +359,11 @@ class FanOut:
         for share in shares:
             parent, child = mp.Pipe()
             process = mp.Process(
-                target=viewer_process, args=(child, ctx.broker.base_url, share, timeout),
-                name="bench-viewers", daemon=True,
-            )  # fmt: skip
+                target=viewer_process,
+                args=(child, ctx.broker.base_url, share, timeout),
+                name="bench-viewers",
+                daemon=True,
+            )
             process.start()
             child.close()
             pipes.append(parent)

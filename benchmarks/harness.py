@@ -36,21 +36,45 @@ class Sizes:
 
 PROFILES: Final = {
     "full": Sizes(
-        ceiling_s=2.0, one_stream_tokens=20_000, streams=100, stream_tokens=1_000,
-        viewers=1_000, viewer_processes=4, fanout_tokens=1_500, fanout_pace=100.0,
-        late_events=10_000, late_tries=20, memory_entries=10_000,
+        ceiling_s=2.0,
+        one_stream_tokens=20_000,
+        streams=100,
+        stream_tokens=1_000,
+        viewers=1_000,
+        viewer_processes=4,
+        fanout_tokens=1_500,
+        fanout_pace=100.0,
+        late_events=10_000,
+        late_tries=20,
+        memory_entries=10_000,
     ),
     "quick": Sizes(
-        ceiling_s=0.75, one_stream_tokens=5_000, streams=100, stream_tokens=200,
-        viewers=1_000, viewer_processes=4, fanout_tokens=400, fanout_pace=100.0,
-        late_events=5_000, late_tries=10, memory_entries=5_000,
+        ceiling_s=0.75,
+        one_stream_tokens=5_000,
+        streams=100,
+        stream_tokens=200,
+        viewers=1_000,
+        viewer_processes=4,
+        fanout_tokens=400,
+        fanout_pace=100.0,
+        late_events=5_000,
+        late_tries=10,
+        memory_entries=5_000,
     ),
     "smoke": Sizes(
-        ceiling_s=0.2, one_stream_tokens=300, streams=10, stream_tokens=50,
-        viewers=20, viewer_processes=2, fanout_tokens=40, fanout_pace=100.0,
-        late_events=1_000, late_tries=3, memory_entries=500,
+        ceiling_s=0.2,
+        one_stream_tokens=300,
+        streams=10,
+        stream_tokens=50,
+        viewers=20,
+        viewer_processes=2,
+        fanout_tokens=40,
+        fanout_pace=100.0,
+        late_events=1_000,
+        late_tries=3,
+        memory_entries=500,
     ),
-}  # fmt: skip
+}
 
 
 @dataclasses.dataclass

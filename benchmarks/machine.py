@@ -14,8 +14,16 @@ import broker
 from benchmarks.servers import REPO
 
 LIBRARIES = (
-    "redis", "hiredis", "uvicorn", "starlette", "fastapi", "orjson", "h11", "httptools", "uvloop",
-)  # fmt: skip
+    "redis",
+    "hiredis",
+    "uvicorn",
+    "starlette",
+    "fastapi",
+    "orjson",
+    "h11",
+    "httptools",
+    "uvloop",
+)
 
 
 def _cpu_model() -> str:

@@ -77,10 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         broker.start()
         tokens = args.events - STORED_EXTRA
         with httpx.Client(base_url=broker.base_url, timeout=120) as http:
-            created = http.post("/v1/responses", json={
-                "model": "simulated", "input": "a long answer",
-                "broker": {"params": {"simulate": {"tokens": tokens, "tokens_per_s": 0}}},
-            })  # fmt: skip
+            created = http.post(
+                "/v1/responses",
+                json={
+                    "model": "simulated",
+                    "input": "a long answer",
+                    "broker": {"params": {"simulate": {"tokens": tokens, "tokens_per_s": 0}}},
+                },
+            )
             created.raise_for_status()
             response = created.json()
             if response["status"] != "completed":

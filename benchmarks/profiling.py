@@ -17,9 +17,12 @@ from pathlib import Path
 
 # The event loop and start-up frames every stack passes through: left out of the "total" list.
 _SCAFFOLDING = (
-    "(<frozen runpy>)", "(asyncio/runners.py)", "(asyncio/base_events.py)",
-    "Handle._run (asyncio/events.py)", "(broker/__main__.py)",
-)  # fmt: skip
+    "(<frozen runpy>)",
+    "(asyncio/runners.py)",
+    "(asyncio/base_events.py)",
+    "Handle._run (asyncio/events.py)",
+    "(broker/__main__.py)",
+)
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 
 
@@ -37,10 +40,23 @@ class Profiler:
         output.parent.mkdir(parents=True, exist_ok=True)
         self.output = output
         self._process = subprocess.Popen(
-            [binary, "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
-             "--nonblocking", "--output", str(output)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )  # fmt: skip
+            [
+                binary,
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                str(rate),
+                "--format",
+                "raw",
+                "--nonblocking",
+                "--output",
+                str(output),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     def stop(self) -> Path:
         process = self._process

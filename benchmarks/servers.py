@@ -124,18 +124,28 @@ class RedisServer:
         self.port = free_port()
         args = [
             self.binary,
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", str(self._dir),
-            "--save", "",
-            "--appendonly", "no",
-            "--maxmemory-policy", "noeviction",
-            "--logfile", str(self._dir / "server.log"),
-        ]  # fmt: skip
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self._dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory-policy",
+            "noeviction",
+            "--logfile",
+            str(self._dir / "server.log"),
+        ]
         self._process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + timeout
         client = self.client()
         try:
@@ -199,27 +209,34 @@ class Broker:
         self.port = free_port()
         # The broker must see only our settings, not those of whoever runs the benchmark.
         env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
-        env.update({
-            "BROKER_REDIS_URL": self.redis_url,
-            "BROKER_HOST": "127.0.0.1",
-            "BROKER_PORT": str(self.port),
-            "BROKER_KEY_PREFIX": KEY_PREFIX,
-            "BROKER_LOG_LEVEL": "WARNING",
-            "BROKER_WORKER_CONCURRENCY": str(self.concurrency),
-            "BROKER_MAX_STREAM_EVENTS": "1000000",
-            "BROKER_DRAIN_TIMEOUT_S": "2",
-            # The data path is measured, not the admission limits: no rate limit on new turns,
-            # and a live-stream cap well above what any workload opens.
-            "BROKER_TURN_RATE_PER_S": "0",
-            "BROKER_MAX_STREAMS_PER_TENANT": "10000",
-            "PYTHONUNBUFFERED": "1",
-            **self.extra_env,
-        })  # fmt: skip
+        env.update(
+            {
+                "BROKER_REDIS_URL": self.redis_url,
+                "BROKER_HOST": "127.0.0.1",
+                "BROKER_PORT": str(self.port),
+                "BROKER_KEY_PREFIX": KEY_PREFIX,
+                "BROKER_LOG_LEVEL": "WARNING",
+                "BROKER_WORKER_CONCURRENCY": str(self.concurrency),
+                "BROKER_MAX_STREAM_EVENTS": "1000000",
+                "BROKER_DRAIN_TIMEOUT_S": "2",
+                # The data path is measured, not the admission limits: no rate limit on new turns,
+                # and a live-stream cap well above what any workload opens.
+                "BROKER_TURN_RATE_PER_S": "0",
+                "BROKER_MAX_STREAMS_PER_TENANT": "10000",
+                "PYTHONUNBUFFERED": "1",
+                **self.extra_env,
+            }
+        )
         self._process = subprocess.Popen(
             [sys.executable, "-m", "broker", "serve"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=env, cwd=REPO, preexec_fn=_die_with_parent,
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=REPO,
+            preexec_fn=_die_with_parent,
+        )
         started = threading.Event()
         self._reader = threading.Thread(
             target=self._drain, args=(self._process, started), name="broker-output", daemon=True

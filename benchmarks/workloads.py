@@ -37,9 +37,11 @@ async def _post_turn(http: httpx.AsyncClient, body: dict[str, object]) -> str:
 
 def _http(base_url: str, connections: int = 10) -> httpx.AsyncClient:
     return httpx.AsyncClient(
-        base_url=base_url, timeout=60, trust_env=False,
+        base_url=base_url,
+        timeout=60,
+        trust_env=False,
         limits=httpx.Limits(max_connections=connections),
-    )  # fmt: skip
+    )
 
 
 @dataclasses.dataclass
@@ -214,10 +216,12 @@ class ManyStreams:
 
     async def _start(self, ctx: Context, turns: list[str], tokens: int) -> None:
         async with _http(ctx.broker.base_url, connections=len(turns)) as http:
-            await asyncio.gather(*(
-                _post_turn(http, turn_body(t, t, tokens=tokens, tokens_per_s=0, seed=i))
-                for i, t in enumerate(turns)
-            ))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    _post_turn(http, turn_body(t, t, tokens=tokens, tokens_per_s=0, seed=i))
+                    for i, t in enumerate(turns)
+                )
+            )
 
 
 def _finished_turn(ctx: Context, turn_id: str, tokens: int) -> str:

@@ -62,10 +62,15 @@ class Admission:
         reply = await self._scripts(
             "admit_turn",
             [self._keys.turn_rate(tenant), self._keys.live_streams(tenant)],
-            [settings.turn_rate_per_s, settings.turn_burst, 1,
-             settings.max_streams_per_tenant, member(conversation_id, turn_id, attempt),
-             QUEUED_SLOT_TTL_MS],
-        )  # fmt: skip
+            [
+                settings.turn_rate_per_s,
+                settings.turn_burst,
+                1,
+                settings.max_streams_per_tenant,
+                member(conversation_id, turn_id, attempt),
+                QUEUED_SLOT_TTL_MS,
+            ],
+        )
         if int(reply[0]) == 1:
             return
         retry_after_s = math.ceil(int(reply[1]) / 1000)
@@ -77,13 +82,15 @@ class Admission:
                 f"{who} starts generations faster than BROKER_TURN_RATE_PER_S="
                 f"{settings.turn_rate_per_s:g} (burst {settings.turn_burst}); retry in "
                 f"{retry_after_s} s",
-                retry_after_s=retry_after_s, code="rate_limited",
-            )  # fmt: skip
+                retry_after_s=retry_after_s,
+                code="rate_limited",
+            )
         raise TooManyRequests(
             f"{who} has BROKER_MAX_STREAMS_PER_TENANT={settings.max_streams_per_tenant} turns "
             "queued or generating; wait for one to finish",
-            retry_after_s=retry_after_s, code="too_many_streams",
-        )  # fmt: skip
+            retry_after_s=retry_after_s,
+            code="too_many_streams",
+        )
 
     async def release(self, conversation_id: str, turn_id: str, attempt: int) -> None:
         """Free one attempt's slot (it ended, or it never started)."""

@@ -151,9 +151,16 @@ class Runtime:
             raise
         if settings.runs_worker:
             rt.worker = Worker(
-                redis, blocking, rt.scripts, rt.keys, settings, rt.providers, metrics,
-                rt.dispatcher, rt.admission,
-            )  # fmt: skip
+                redis,
+                blocking,
+                rt.scripts,
+                rt.keys,
+                settings,
+                rt.providers,
+                metrics,
+                rt.dispatcher,
+                rt.admission,
+            )
             rt.worker.start()
         return rt
 
@@ -306,8 +313,10 @@ def raise_file_limit(settings: Settings) -> None:
         log.warning(
             "BROKER_MAX_CONNECTIONS=%d needs about %d open files but this process may open %d "
             "(ulimit -n): lower BROKER_MAX_CONNECTIONS or raise the limit",
-            settings.max_connections, wanted, soft,
-        )  # fmt: skip
+            settings.max_connections,
+            wanted,
+            soft,
+        )
 
 
 async def _demo_page() -> FileResponse:

@@ -197,10 +197,14 @@ class Authenticator:
         audience = self._settings.jwt_audience
         try:
             claims = jwt.decode(
-                token, self._jwt_key, algorithms=[self._jwt_algorithm], audience=audience,
-                issuer=self._settings.jwt_issuer, leeway=JWT_LEEWAY_S,
+                token,
+                self._jwt_key,
+                algorithms=[self._jwt_algorithm],
+                audience=audience,
+                issuer=self._settings.jwt_issuer,
+                leeway=JWT_LEEWAY_S,
                 options={"require": ["exp", claim], "verify_aud": audience is not None},
-            )  # fmt: skip
+            )
         except jwt.ExpiredSignatureError:
             raise Unauthorized("the token has expired", code="token_expired") from None
         except jwt.PyJWTError as exc:
@@ -235,9 +239,13 @@ class Authenticator:
         if not_after is not None:
             expires_at = min(expires_at, not_after)
         claims: dict[str, Any] = {
-            "aud": ATTACH_AUDIENCE, "sid": stream_id, "ten": tenant or "", "iat": now,
-            "exp": expires_at, "jti": secrets.token_hex(12),
-        }  # fmt: skip
+            "aud": ATTACH_AUDIENCE,
+            "sid": stream_id,
+            "ten": tenant or "",
+            "iat": now,
+            "exp": expires_at,
+            "jti": secrets.token_hex(12),
+        }
         if one_viewer:
             claims["one"] = 1
         token = jwt.encode(claims, self.attach_secret, algorithm=ATTACH_ALGORITHM)
@@ -247,9 +255,12 @@ class Authenticator:
         """The principal of an attach token; 401 when forged, expired or malformed."""
         try:
             claims = jwt.decode(
-                token, self.attach_secret, algorithms=[ATTACH_ALGORITHM],
-                audience=ATTACH_AUDIENCE, options={"require": ["exp", "sid", "jti"]},
-            )  # fmt: skip
+                token,
+                self.attach_secret,
+                algorithms=[ATTACH_ALGORITHM],
+                audience=ATTACH_AUDIENCE,
+                options={"require": ["exp", "sid", "jti"]},
+            )
         except jwt.ExpiredSignatureError:
             raise Unauthorized("the attach token has expired", code="token_expired") from None
         except jwt.PyJWTError:

@@ -90,15 +90,23 @@ class EmbeddedRedis:
         os.chmod(self._dir, 0o700)
         args = [
             self.binary,
-            "--port", "0",
-            "--unixsocket", str(self.socket_path),
-            "--unixsocketperm", "700",
-            "--dir", str(self._dir),
-            "--save", "",
-            "--appendonly", "no",
-            "--maxmemory-policy", "noeviction",
-            "--logfile", str(self._dir / "server.log"),
-        ]  # fmt: skip
+            "--port",
+            "0",
+            "--unixsocket",
+            str(self.socket_path),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(self._dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory-policy",
+            "noeviction",
+            "--logfile",
+            str(self._dir / "server.log"),
+        ]
         self._process = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
@@ -127,8 +135,11 @@ class EmbeddedRedis:
             time.sleep(0.005)
         log.info(
             "embedded redis started: binary=%s version=%s socket=%s pid=%s",
-            self.binary, self.version, self.socket_path, self._process.pid,
-        )  # fmt: skip
+            self.binary,
+            self.version,
+            self.socket_path,
+            self._process.pid,
+        )
         return self.url
 
     def _accepting(self) -> bool:

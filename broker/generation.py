@@ -202,18 +202,29 @@ class Generation:
                 await self._interrupt("shutdown")
             raise
         except StreamFull:
-            await self._finish("failed", "stream_limit", error={
-                "code": "stream_limit", "retryable": False,
-                "message": "the stream reached BROKER_MAX_STREAM_EVENTS="
-                           f"{self._settings.max_stream_events}",
-            })  # fmt: skip
+            await self._finish(
+                "failed",
+                "stream_limit",
+                error={
+                    "code": "stream_limit",
+                    "retryable": False,
+                    "message": "the stream reached BROKER_MAX_STREAM_EVENTS="
+                    f"{self._settings.max_stream_events}",
+                },
+            )
         except (RedisError, OSError):
             raise  # Redis away: the job stays pending and a worker takes the turn over
         except Exception:
             log.exception("turn %s attempt %d failed inside the broker", self._run.turn_id, self._n)
-            await self._finish("failed", "internal", error={
-                "code": "internal", "retryable": False, "message": "the broker failed this attempt",
-            })  # fmt: skip
+            await self._finish(
+                "failed",
+                "internal",
+                error={
+                    "code": "internal",
+                    "retryable": False,
+                    "message": "the broker failed this attempt",
+                },
+            )
 
     async def _hand_back(self) -> bool:
         """At shutdown, give back an attempt of which nothing reached a reader yet.
@@ -232,8 +243,9 @@ class Generation:
         self.handed_back = True
         log.info(
             "turn %s attempt %d: nothing delivered yet; handed back for another worker to retry",
-            self._run.turn_id, self._n,
-        )  # fmt: skip
+            self._run.turn_id,
+            self._n,
+        )
         return True
 
     async def _load(self) -> None:
@@ -275,10 +287,15 @@ class Generation:
                 verdict = await self._retry.permit(self._session, calls - 1, reason or "")
                 if verdict is not None:
                     detail = last_error.get("message", "the previous worker was lost")
-                    await self._finish("failed", verdict, error={
-                        "code": verdict, "retryable": False,
-                        "message": f"gave up after {calls - 1} upstream call(s): {detail}",
-                    })  # fmt: skip
+                    await self._finish(
+                        "failed",
+                        verdict,
+                        error={
+                            "code": verdict,
+                            "retryable": False,
+                            "message": f"gave up after {calls - 1} upstream call(s): {detail}",
+                        },
+                    )
                     return
                 await asyncio.sleep(self._retry.backoff_s(retry_after))
             self._check_stop()
@@ -297,15 +314,18 @@ class Generation:
         steps: list[ToolStep] = []
         for _ in range(self._settings.max_tool_steps + 1):
             request = GenerationRequest(
-                conversation_id=self._run.conversation_id, turn_id=self._run.turn_id,
-                attempt=self._n, strategy=str(self._record.get("strategy", "initial")),
+                conversation_id=self._run.conversation_id,
+                turn_id=self._run.turn_id,
+                attempt=self._n,
+                strategy=str(self._record.get("strategy", "initial")),
                 messages=messages,
                 model=self._providers.model_for(provider, self._request.get("model")),
                 params=self._request.get("params", {}),
                 response_format=self._request.get("response_format", "text"),
-                upstream_call=upstream_call, tools=self._request.get("tools", []),
+                upstream_call=upstream_call,
+                tools=self._request.get("tools", []),
                 tool_steps=list(steps),
-            )  # fmt: skip
+            )
             step = await self._stream_step(provider, request)
             if step is None:
                 return  # the attempt ended (or was handed to a retry) inside the step
@@ -313,20 +333,30 @@ class Generation:
                 break
             steps.append(step)
         else:
-            await self._finish("failed", "tool_steps_exhausted", error={
-                "code": "tool_steps_exhausted", "retryable": False,
-                "message": f"the model kept calling tools for BROKER_MAX_TOOL_STEPS="
-                           f"{self._settings.max_tool_steps} steps",
-            })  # fmt: skip
+            await self._finish(
+                "failed",
+                "tool_steps_exhausted",
+                error={
+                    "code": "tool_steps_exhausted",
+                    "retryable": False,
+                    "message": f"the model kept calling tools for BROKER_MAX_TOOL_STEPS="
+                    f"{self._settings.max_tool_steps} steps",
+                },
+            )
             return
         if request.response_format == "json":
             try:
                 orjson.loads(self._text)
             except orjson.JSONDecodeError as exc:
-                await self._finish("failed", "invalid_output", error={
-                    "code": "invalid_output", "retryable": False,
-                    "message": f"the answer is not valid JSON: {exc}",
-                })  # fmt: skip
+                await self._finish(
+                    "failed",
+                    "invalid_output",
+                    error={
+                        "code": "invalid_output",
+                        "retryable": False,
+                        "message": f"the answer is not valid JSON: {exc}",
+                    },
+                )
                 return
         await self._finish("complete", None)
 
@@ -376,10 +406,14 @@ class Generation:
                     await self._run_tool(open_calls.pop(event.index), calls, results)
                 elif isinstance(event, Usage):
                     self._count_usage(event)
-                    usage = ("usage", {
-                        "attempt": self._n, "input_tokens": event.input_tokens,
-                        "output_tokens": event.output_tokens,
-                    })  # fmt: skip
+                    usage = (
+                        "usage",
+                        {
+                            "attempt": self._n,
+                            "input_tokens": event.input_tokens,
+                            "output_tokens": event.output_tokens,
+                        },
+                    )
                     flushing = self._flusher is not None and not self._flusher.done()
                     if self._output or self._queued or flushing:
                         await self._append([usage])  # after the deltas it follows
@@ -419,8 +453,9 @@ class Generation:
             await self._finish("failed", exc.code, error=error)
             return None
         except _ToolFailure as failure:
-            await self._finish("failed", failure.reason, error={**failure.error,
-                                                                "retryable": False})  # fmt: skip
+            await self._finish(
+                "failed", failure.reason, error={**failure.error, "retryable": False}
+            )
             return None
         except asyncio.CancelledError:
             outcome = "cancelled" if self._run.stop == STOP else "interrupted"
@@ -442,23 +477,39 @@ class Generation:
             shown: Any = orjson.loads(call["arguments"] or "{}")
         except orjson.JSONDecodeError:
             shown = call["arguments"]
-        await self._append([("tool_call", {
-            "attempt": self._n, "call_id": call_id, "name": name, "args": shown,
-            "ordinal": ordinal, "status": "dispatched",
-        })])  # fmt: skip
+        await self._append(
+            [
+                (
+                    "tool_call",
+                    {
+                        "attempt": self._n,
+                        "call_id": call_id,
+                        "name": name,
+                        "args": shown,
+                        "ordinal": ordinal,
+                        "status": "dispatched",
+                    },
+                )
+            ]
+        )
         slot = Slot(self._run.conversation_id, self._run.turn_id, name, ordinal)
         row = {"tool": name, "ordinal": ordinal, "attempt": self._n, "call_id": call_id}
         if self._dispatcher is None:
-            outcome = Outcome("refused", error={"code": "unknown_tool",
-                                                "message": "no tools are registered"})  # fmt: skip
+            outcome = Outcome(
+                "refused", error={"code": "unknown_tool", "message": "no tools are registered"}
+            )
         else:
             outcome = await self._dispatcher.dispatch(
                 slot, call["arguments"], row, self._writer.token
             )
         data: dict[str, Any] = {
-            "attempt": self._n, "call_id": call_id, "name": name, "ordinal": ordinal,
-            "source": outcome.source, "status": "error" if outcome.error else "ok",
-        }  # fmt: skip
+            "attempt": self._n,
+            "call_id": call_id,
+            "name": name,
+            "ordinal": ordinal,
+            "source": outcome.source,
+            "status": "error" if outcome.error else "ok",
+        }
         if outcome.error is not None:
             data["error"] = outcome.error
         else:
@@ -478,9 +529,14 @@ class Generation:
         """
         for index in sorted(open_calls):
             call = open_calls.pop(index)
-            row = {"tool": call["name"], "attempt": self._n, "call_id": call["id"],
-                   "state": "not_run", "reason": "connection_lost",
-                   "partial_arguments": call["arguments"]}  # fmt: skip
+            row = {
+                "tool": call["name"],
+                "attempt": self._n,
+                "call_id": call["id"],
+                "state": "not_run",
+                "reason": "connection_lost",
+                "partial_arguments": call["arguments"],
+            }
             if self._dispatcher is not None:
                 await self._dispatcher.ledger.abandon(
                     self._run.conversation_id, self._run.turn_id, row
@@ -491,11 +547,22 @@ class Generation:
             if not show:
                 continue
             with contextlib.suppress(StopRequested, StreamFull):
-                await self._append([("tool_call", {
-                    "attempt": self._n, "call_id": call["id"], "name": call["name"],
-                    "args": None, "ordinal": None, "status": "not_run",
-                    "reason": "connection_lost",
-                })])  # fmt: skip
+                await self._append(
+                    [
+                        (
+                            "tool_call",
+                            {
+                                "attempt": self._n,
+                                "call_id": call["id"],
+                                "name": call["name"],
+                                "args": None,
+                                "ordinal": None,
+                                "status": "not_run",
+                                "reason": "connection_lost",
+                            },
+                        )
+                    ]
+                )
 
     def _count_usage(self, event: Usage) -> None:
         """Sum the attempt's tokens over its tool steps, for its record."""
@@ -587,21 +654,39 @@ class Generation:
             self._record = {**self._record, "usage": self._usage}
         base = str(self._record.get("base", ""))
         promoted = await self._writer.finish(
-            record=self._record, status=status, reason=reason, text=text, promote=promote,
-            base=base, before_end=before,
-        )  # fmt: skip
+            record=self._record,
+            status=status,
+            reason=reason,
+            text=text,
+            promote=promote,
+            base=base,
+            before_end=before,
+        )
         if promoted == -1:
-            log.warning("turn %s attempt %d: canonical changed meanwhile; not promoted",
-                        self._run.turn_id, self._n)  # fmt: skip
+            log.warning(
+                "turn %s attempt %d: canonical changed meanwhile; not promoted",
+                self._run.turn_id,
+                self._n,
+            )
         strategy = str(self._record.get("strategy", "initial"))
         self._metrics.attempts.labels(strategy, ATTEMPT_STATUS[status]).inc()
         log.info(
-            "turn %s attempt %d ended %s%s", self._run.turn_id, self._n, status,
+            "turn %s attempt %d ended %s%s",
+            self._run.turn_id,
+            self._n,
+            status,
             f" ({reason})" if reason else "",
-            extra={"turn_id": self._run.turn_id, "conversation_id": self._run.conversation_id,
-                   "stream_id": self._stream_id, "attempt": self._n, "strategy": strategy,
-                   "status": status, "reason": reason, "event": "attempt_ended"},
-        )  # fmt: skip
+            extra={
+                "turn_id": self._run.turn_id,
+                "conversation_id": self._run.conversation_id,
+                "stream_id": self._stream_id,
+                "attempt": self._n,
+                "strategy": strategy,
+                "status": status,
+                "reason": reason,
+                "event": "attempt_ended",
+            },
+        )
 
     async def _delivered(self) -> tuple[bool, str, bool]:
         """Whether this attempt's ``attempt`` event is on the stream, its delivered text, and

@@ -130,8 +130,11 @@ class TurnWriter:
                 if failures == 1:
                     log.warning(
                         "%s failed on the connection (%s): sending it again while the lease "
-                        "lasts (%.1f s at most)", name, exc, left,
-                    )  # fmt: skip
+                        "lasts (%.1f s at most)",
+                        name,
+                        exc,
+                        left,
+                    )
                 # Every idle connection went to the same server: if it restarted, they are dead.
                 await drop_idle_connections(self._scripts.redis)
                 await asyncio.sleep(min(random.uniform(0, delay), max(left, 0.0)))
@@ -181,9 +184,16 @@ class TurnWriter:
         final = {**record, "status": ATTEMPT_STATUS[status], "reason": reason}
         events = [*before_end, ("end", {"attempt": attempt, "status": status, "reason": reason})]
         args: list[Any] = [
-            self.token, attempt, status, encode(final), text, self._retention_ms,
-            self._tombstone_ms, "1" if promote else "0", base,
-        ]  # fmt: skip
+            self.token,
+            attempt,
+            status,
+            encode(final),
+            text,
+            self._retention_ms,
+            self._tombstone_ms,
+            "1" if promote else "0",
+            base,
+        ]
         for kind, data in events:
             args += (kind, encode(data))
         keys = [self._turn, self._lease, self._events, self._tombstone, self._conversation_turns]

@@ -95,11 +95,20 @@ class Ledger:
         keys = self._keys
         reply = await self._scripts(
             "claim_tool",
-            [slot.key(keys), keys.tool_slots(slot.conversation_id, slot.turn_id),
-             keys.lease(slot.conversation_id, slot.turn_id)],
-            [args_fingerprint, self._settings.tool_lease_ms, "broker", self._retention_ms,
-             orjson.dumps(row).decode(), lease_token],
-        )  # fmt: skip
+            [
+                slot.key(keys),
+                keys.tool_slots(slot.conversation_id, slot.turn_id),
+                keys.lease(slot.conversation_id, slot.turn_id),
+            ],
+            [
+                args_fingerprint,
+                self._settings.tool_lease_ms,
+                "broker",
+                self._retention_ms,
+                orjson.dumps(row).decode(),
+                lease_token,
+            ],
+        )
         state = str(reply[0])
         if state == "fenced":
             raise FencedWrite("the turn's lease was lost before its tool call")
@@ -142,12 +151,16 @@ class Ledger:
             if not data:
                 continue
             row = orjson.loads(data.get("row", "{}"))
-            row.update({
-                "state": data.get("state"), "fingerprint": data.get("fingerprint"),
-                "claims": int(data.get("token", 0)), "reclaims": int(data.get("reclaims", 0)),
-                "claimed_ms": int(data.get("claimed_ms", 0)),
-                "finished_ms": int(data["finished_ms"]) if "finished_ms" in data else None,
-            })  # fmt: skip
+            row.update(
+                {
+                    "state": data.get("state"),
+                    "fingerprint": data.get("fingerprint"),
+                    "claims": int(data.get("token", 0)),
+                    "reclaims": int(data.get("reclaims", 0)),
+                    "claimed_ms": int(data.get("claimed_ms", 0)),
+                    "finished_ms": int(data["finished_ms"]) if "finished_ms" in data else None,
+                }
+            )
             if "result" in data:
                 row["result"] = orjson.loads(data["result"])
             if "error" in data:
@@ -216,8 +229,9 @@ class Dispatcher:
                 return await self._run(tool, slot, claim.token, arguments, key)
             if claim.state == "reclaimed":
                 if tool.kind == "unkeyed_write":
-                    return await self._unknown(tool, slot, claim.token, key,
-                                               "its previous run was cut off")  # fmt: skip
+                    return await self._unknown(
+                        tool, slot, claim.token, key, "its previous run was cut off"
+                    )
                 return await self._run(tool, slot, claim.token, arguments, key)
             if claim.state == "completed":
                 self._metrics.tool_calls.labels(tool.kind, "replayed").inc()
@@ -230,17 +244,25 @@ class Dispatcher:
             if claim.state == "args_mismatch":
                 if tool.kind == "read":
                     return await self._run(tool, None, "", arguments, key)
-                return Outcome("refused", fail_reason="args_mismatch", error={
-                    "code": "args_mismatch",
-                    "message": f"{slot.tool} #{slot.ordinal} was called with other arguments "
-                               "before; a write is not re-run with new ones",
-                })  # fmt: skip
+                return Outcome(
+                    "refused",
+                    fail_reason="args_mismatch",
+                    error={
+                        "code": "args_mismatch",
+                        "message": f"{slot.tool} #{slot.ordinal} was called with other arguments "
+                        "before; a write is not re-run with new ones",
+                    },
+                )
             # in_flight: someone runs it now; wait for its outcome, but not for ever.
             if loop.time() >= deadline:
-                return Outcome("refused", fail_reason="in_flight_timeout", error={
-                    "code": "in_flight_timeout",
-                    "message": f"{slot.tool} #{slot.ordinal} is still running elsewhere",
-                })  # fmt: skip
+                return Outcome(
+                    "refused",
+                    fail_reason="in_flight_timeout",
+                    error={
+                        "code": "in_flight_timeout",
+                        "message": f"{slot.tool} #{slot.ordinal} is still running elsewhere",
+                    },
+                )
             pause = min(delay, claim.wait_ms / 1000, deadline - loop.time())
             await asyncio.sleep(max(pause, 0.001) * self._random.uniform(0.5, 1.0))
             delay = min(delay * 2, 1.0)
@@ -263,8 +285,9 @@ class Dispatcher:
                 # A read that may or may not have answered: let the next call re-run it.
                 if slot is not None:
                     await self.ledger.renew(slot, token, lease_ms=0)
-                return Outcome("ran", error={"code": exc.code, "message": exc.message},
-                               idempotency_key=key)  # fmt: skip
+                return Outcome(
+                    "ran", error={"code": exc.code, "message": exc.message}, idempotency_key=key
+                )
             if not exc.outcome_known:
                 assert slot is not None
                 return await self._unknown(tool, slot, token, key, exc.message)
@@ -288,8 +311,9 @@ class Dispatcher:
             if heartbeat is not None:
                 await heartbeat.stop()  # never re-raises: a stop must not be swallowed
         if slot is not None and not await self.ledger.finish(slot, token, "completed", result):
-            log.warning("tool %s #%d finished after its claim was taken over", slot.tool,
-                        slot.ordinal)  # fmt: skip
+            log.warning(
+                "tool %s #%d finished after its claim was taken over", slot.tool, slot.ordinal
+            )
         self._metrics.tool_calls.labels(tool.kind, "ok").inc()
         return Outcome("ran", result=result, idempotency_key=key)
 

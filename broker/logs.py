@@ -15,9 +15,19 @@ import orjson
 
 # Attributes a record carries when the broker passes them as `extra`; everything else is noise.
 CONTEXT_FIELDS = (
-    "event", "turn_id", "conversation_id", "stream_id", "attempt", "strategy", "status",
-    "reason", "provider", "model", "tool", "ordinal",
-)  # fmt: skip
+    "event",
+    "turn_id",
+    "conversation_id",
+    "stream_id",
+    "attempt",
+    "strategy",
+    "status",
+    "reason",
+    "provider",
+    "model",
+    "tool",
+    "ordinal",
+)
 FORMATS = ("text", "json")
 
 

@@ -42,18 +42,21 @@ class Metrics:
         self.build_info = Info("broker_build", "Version of the broker.", registry=r)
         self.build_info.info({"version": __version__})
         self.turns_started = Counter(
-            "broker_turns_started_total", "Turns created (not counting idempotent repeats).",
+            "broker_turns_started_total",
+            "Turns created (not counting idempotent repeats).",
             registry=r,
-        )  # fmt: skip
+        )
         self.turns_deduplicated = Counter(
             "broker_turns_deduplicated_total",
             "POST /v1/turns that found the existing turn of the same turn_id.",
             registry=r,
         )
         self.turns_finished = Counter(
-            "broker_turns_finished_total", "Attempts that ended, by turn status.", ["status"],
+            "broker_turns_finished_total",
+            "Attempts that ended, by turn status.",
+            ["status"],
             registry=r,
-        )  # fmt: skip
+        )
         for status in TURN_STATUSES:
             self.turns_finished.labels(status)
         self.upstream_requests = Counter(
@@ -114,9 +117,10 @@ class Metrics:
         for result in RESUME_RESULTS:
             self.resumes.labels(result)
         self.live_streams = Gauge(
-            "broker_live_streams", "Streams with at least one live reader in this process.",
+            "broker_live_streams",
+            "Streams with at least one live reader in this process.",
             registry=r,
-        )  # fmt: skip
+        )
         self.viewers = Gauge(
             "broker_stream_viewers", "Open stream reads in this process.", ["mode"], registry=r
         )
@@ -129,9 +133,10 @@ class Metrics:
             registry=r,
         )
         self.redis_errors = Counter(
-            "broker_redis_errors_total", "Redis commands that failed (connection or server).",
+            "broker_redis_errors_total",
+            "Redis commands that failed (connection or server).",
             registry=r,
-        )  # fmt: skip
+        )
         self.eviction_policy_safe = Gauge(
             "broker_redis_eviction_policy_safe",
             "1 when Redis maxmemory-policy is noeviction, 0 when keys may be evicted or unknown.",

@@ -48,9 +48,12 @@ class RetryPolicy:
         allowed = await self._scripts(
             "take_retry_budget",
             [self._keys.retry_budget(session)],
-            [self._settings.session_retry_budget,
-             int(self._settings.session_retry_window * 1000), secrets.token_hex(8)],
-        )  # fmt: skip
+            [
+                self._settings.session_retry_budget,
+                int(self._settings.session_retry_window * 1000),
+                secrets.token_hex(8),
+            ],
+        )
         if not int(allowed):
             self._metrics.retry_budget_exhausted.labels("session").inc()
             return BUDGET_EXHAUSTED

@@ -17,11 +17,23 @@ from redis.exceptions import ResponseError
 from broker.errors import FencedWrite, StopRequested, StreamFull
 
 NAMES = (
-    "create_turn", "claim_lease", "renew_lease", "append_events", "finish_attempt",
-    "promote_attempt", "start_attempt", "cancel_turn", "take_retry_budget",
-    "claim_tool", "renew_tool", "finish_tool", "admit_turn", "renew_viewer", "release_viewer",
+    "create_turn",
+    "claim_lease",
+    "renew_lease",
+    "append_events",
+    "finish_attempt",
+    "promote_attempt",
+    "start_attempt",
+    "cancel_turn",
+    "take_retry_budget",
+    "claim_tool",
+    "renew_tool",
+    "finish_tool",
+    "admit_turn",
+    "renew_viewer",
+    "release_viewer",
     "release_lease",
-)  # fmt: skip
+)
 
 
 def script_source(name: str) -> str:

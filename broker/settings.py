@@ -98,15 +98,33 @@ class Settings:
                 f"not {shown}:// (the URL is not repeated: it may hold a password)"
             )
         positive = (
-            "stream_ttl", "tombstone_ttl", "max_stream_events", "max_body_bytes",
-            "max_messages", "max_message_chars", "lease_ttl_ms",
-            "worker_concurrency", "sse_heartbeat_s", "sse_retry_ms", "sse_send_timeout_s",
-            "drain_timeout_s", "json_page_size", "sse_replay_page", "max_attempts_per_turn",
+            "stream_ttl",
+            "tombstone_ttl",
+            "max_stream_events",
+            "max_body_bytes",
+            "max_messages",
+            "max_message_chars",
+            "lease_ttl_ms",
+            "worker_concurrency",
+            "sse_heartbeat_s",
+            "sse_retry_ms",
+            "sse_send_timeout_s",
+            "drain_timeout_s",
+            "json_page_size",
+            "sse_replay_page",
+            "max_attempts_per_turn",
             "session_retry_window",
-            "upstream_idle_timeout_s", "anthropic_max_tokens", "max_tool_steps", "tool_lease_ms",
-            "tool_in_flight_wait_s", "attach_token_ttl", "attach_token_max_ttl",
-            "max_header_bytes", "header_timeout_s", "max_connections",
-        )  # fmt: skip
+            "upstream_idle_timeout_s",
+            "anthropic_max_tokens",
+            "max_tool_steps",
+            "tool_lease_ms",
+            "tool_in_flight_wait_s",
+            "attach_token_ttl",
+            "attach_token_max_ttl",
+            "max_header_bytes",
+            "header_timeout_s",
+            "max_connections",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"BROKER_{name.upper()} must be positive")
@@ -194,10 +212,15 @@ class Settings:
 
 
 # Durations read as seconds, or with a unit: 500ms, 30s, 15m, 24h, 7d.
-DURATIONS = frozenset({
-    "stream_ttl", "tombstone_ttl", "session_retry_window", "attach_token_ttl",
-    "attach_token_max_ttl",
-})  # fmt: skip
+DURATIONS = frozenset(
+    {
+        "stream_ttl",
+        "tombstone_ttl",
+        "session_retry_window",
+        "attach_token_ttl",
+        "attach_token_max_ttl",
+    }
+)
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 

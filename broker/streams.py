@@ -184,9 +184,18 @@ class _Subscription:
     """One reader's place on its feed's tape."""
 
     __slots__ = (
-        "after", "closed", "deadline", "feed", "index", "overflowed", "position", "sink",
-        "ticked", "timeout", "waiter",
-    )  # fmt: skip
+        "after",
+        "closed",
+        "deadline",
+        "feed",
+        "index",
+        "overflowed",
+        "position",
+        "sink",
+        "ticked",
+        "timeout",
+        "waiter",
+    )
 
     def __init__(self, feed: _Feed) -> None:
         self.feed = feed

@@ -137,17 +137,27 @@ class ToolRegistry:
         for entry in entries:
             if not isinstance(entry, dict):
                 raise ToolConfigError(f"{file}: every tool must be an object")
-            unknown = set(entry) - {"name", "class", "schema", "endpoint", "timeout_s",
-                                    "description"}  # fmt: skip
+            unknown = set(entry) - {
+                "name",
+                "class",
+                "schema",
+                "endpoint",
+                "timeout_s",
+                "description",
+            }
             if unknown:
                 raise ToolConfigError(f"{file}: unknown tool fields {sorted(unknown)}")
             try:
-                tools.append(Tool(
-                    name=entry["name"], kind=entry["class"],
-                    schema=entry.get("schema", {"type": "object"}),
-                    endpoint=entry.get("endpoint"), timeout_s=float(entry.get("timeout_s", 30)),
-                    description=str(entry.get("description", "")),
-                ))  # fmt: skip
+                tools.append(
+                    Tool(
+                        name=entry["name"],
+                        kind=entry["class"],
+                        schema=entry.get("schema", {"type": "object"}),
+                        endpoint=entry.get("endpoint"),
+                        timeout_s=float(entry.get("timeout_s", 30)),
+                        description=str(entry.get("description", "")),
+                    )
+                )
             except KeyError as exc:
                 raise ToolConfigError(f"{file}: a tool lacks {exc.args[0]!r}") from None
         return cls(tools)
@@ -179,12 +189,16 @@ async def invoke(
         except ToolError:
             raise
         except TimeoutError:
-            raise ToolError("tool_timeout", f"{tool.name} took longer than {tool.timeout_s} s",
-                            outcome_known=False) from None  # fmt: skip
+            raise ToolError(
+                "tool_timeout",
+                f"{tool.name} took longer than {tool.timeout_s} s",
+                outcome_known=False,
+            ) from None
         except Exception as exc:
             # A write that raised may have acted first: only a read's failure is certain.
-            raise ToolError("tool_error", f"{type(exc).__name__}: {exc}",
-                            outcome_known=tool.kind == "read") from None  # fmt: skip
+            raise ToolError(
+                "tool_error", f"{type(exc).__name__}: {exc}", outcome_known=tool.kind == "read"
+            ) from None
     assert tool.endpoint is not None
     try:
         response = await http.post(
@@ -199,12 +213,16 @@ async def invoke(
     except httpx.HTTPError as exc:
         raise ToolError(
             "tool_timeout" if isinstance(exc, httpx.TimeoutException) else "tool_transport",
-            f"{type(exc).__name__} calling {tool.endpoint}", outcome_known=False,
-        ) from None  # fmt: skip
+            f"{type(exc).__name__} calling {tool.endpoint}",
+            outcome_known=False,
+        ) from None
     if response.status_code >= 500:
         # The endpoint may have acted before failing: for a write, the outcome is unknown.
-        raise ToolError("tool_error", f"HTTP {response.status_code} from {tool.endpoint}",
-                        outcome_known=tool.kind == "read")  # fmt: skip
+        raise ToolError(
+            "tool_error",
+            f"HTTP {response.status_code} from {tool.endpoint}",
+            outcome_known=tool.kind == "read",
+        )
     if response.status_code >= 400:
         raise ToolError("tool_rejected", f"HTTP {response.status_code}: {response.text[:300]}")
     try:

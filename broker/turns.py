@@ -178,16 +178,32 @@ class Turns:
         keys = self._keys
         index_ttl_ms = int((self._settings.stream_ttl + self._settings.tombstone_ttl) * 1000)
         stream_id = f"st_{secrets.token_hex(16)}"
-        record = {"n": 1, "strategy": "initial", "status": "queued", "reason": None,
-                  "canonical": False, "base": ""}  # fmt: skip
+        record = {
+            "n": 1,
+            "strategy": "initial",
+            "status": "queued",
+            "reason": None,
+            "canonical": False,
+            "base": "",
+        }
         reply = await self._scripts(
             "create_turn",
-            [keys.turn(conversation_id, turn_id), keys.tombstone(conversation_id, turn_id),
-             keys.conversation_turns(conversation_id)],
-            [fp, stream_id, conversation_id, turn_id, canonical_json(body).decode(),
-             session, orjson.dumps(record).decode(),
-             request.response_format],
-        )  # fmt: skip
+            [
+                keys.turn(conversation_id, turn_id),
+                keys.tombstone(conversation_id, turn_id),
+                keys.conversation_turns(conversation_id),
+            ],
+            [
+                fp,
+                stream_id,
+                conversation_id,
+                turn_id,
+                canonical_json(body).decode(),
+                session,
+                orjson.dumps(record).decode(),
+                request.response_format,
+            ],
+        )
         result = reply[0]
         if result == "expired":
             raise Gone(
@@ -206,17 +222,26 @@ class Turns:
             await self._enqueue(conversation_id, turn_id, attempt)
             self._metrics.turns_started.inc()
             log.info(
-                "turn %s started in conversation %s, stream %s", turn_id, conversation_id,
-                stream_id, extra={"event": "turn_started", "turn_id": turn_id,
-                                  "conversation_id": conversation_id, "stream_id": stream_id},
-            )  # fmt: skip
+                "turn %s started in conversation %s, stream %s",
+                turn_id,
+                conversation_id,
+                stream_id,
+                extra={
+                    "event": "turn_started",
+                    "turn_id": turn_id,
+                    "conversation_id": conversation_id,
+                    "stream_id": stream_id,
+                },
+            )
         else:
             # The first request may still be between its two steps: make sure a reader finds
             # the stream before we hand out its id, and rescue a turn a crash left unqueued.
             await self._redis.set(
-                keys.stream_index(stream_id), f"{conversation_id} {turn_id}",
-                nx=True, px=index_ttl_ms,
-            )  # fmt: skip
+                keys.stream_index(stream_id),
+                f"{conversation_id} {turn_id}",
+                nx=True,
+                px=index_ttl_ms,
+            )
             if status == "queued" and reply[5] != "1":
                 await self._rescue(conversation_id, turn_id, attempt)
             self._metrics.turns_deduplicated.inc()
@@ -292,8 +317,9 @@ class Turns:
         finally:
             await self._admission.release_if_done(conversation_id, turn_id, expected)
         if reply[0] == "busy":
-            raise Conflict(f"turn {turn_id!r} is {reply[1]}: wait for it, or stop it first",
-                           code="turn_busy")  # fmt: skip
+            raise Conflict(
+                f"turn {turn_id!r} is {reply[1]}: wait for it, or stop it first", code="turn_busy"
+            )
         if reply[0] == "not_allowed":
             raise NotAllowed(str(reply[1]), code="strategy_not_allowed")
         if reply[0] == "missing":
@@ -309,10 +335,14 @@ class Turns:
         keys, settings = self._keys, self._settings
         reply = await self._scripts(
             "cancel_turn",
-            [keys.turn(conversation_id, turn_id), keys.events(conversation_id, turn_id),
-             keys.tombstone(conversation_id, turn_id), keys.conversation_turns(conversation_id)],
+            [
+                keys.turn(conversation_id, turn_id),
+                keys.events(conversation_id, turn_id),
+                keys.tombstone(conversation_id, turn_id),
+                keys.conversation_turns(conversation_id),
+            ],
             [int(settings.stream_ttl * 1000), int(settings.tombstone_ttl * 1000)],
-        )  # fmt: skip
+        )
         if reply[0] == "missing":
             raise Gone(f"turn {turn_id!r} expired", code="expired")
         self._metrics.cancels.labels(reply[0]).inc()
@@ -373,8 +403,10 @@ class Turns:
         turn_ids = await rc.zrange_all(self._redis, keys.conversation_turns(conversation_id))
         async with self._redis.pipeline(transaction=False) as pipe:
             for turn_id in turn_ids:
-                pipe.hmget(keys.turn(conversation_id, turn_id),
-                           ["request", "status", "canonical", "attempt"])  # fmt: skip
+                pipe.hmget(
+                    keys.turn(conversation_id, turn_id),
+                    ["request", "status", "canonical", "attempt"],
+                )
             rows: list[list[str | None]] = await pipe.execute()
         messages: list[dict[str, Any]] = []
         turns: list[dict[str, Any]] = []
@@ -387,9 +419,10 @@ class Turns:
             entry: dict[str, Any] = {"turn_id": turn_id, "status": status, "canonical": None}
             if canonical:
                 text, record = await rc.hmget(
-                    self._redis, keys.turn(conversation_id, turn_id),
+                    self._redis,
+                    keys.turn(conversation_id, turn_id),
                     [f"text:{canonical}", f"attempt:{canonical}"],
-                )  # fmt: skip
+                )
                 attempt_status = orjson.loads(record or "{}").get("status")
                 answer: dict[str, Any] = {"role": "assistant", "content": text or ""}
                 if attempt_status != "complete":

@@ -117,8 +117,10 @@ class Worker:
         if self._tasks:
             log.info(
                 "draining: %d running generation(s) get %.0f s to finish before they are "
-                "interrupted", len(self._tasks), drain_timeout_s,
-            )  # fmt: skip
+                "interrupted",
+                len(self._tasks),
+                drain_timeout_s,
+            )
             _, pending = await asyncio.wait(set(self._tasks), timeout=drain_timeout_s)
             for run in list(self._runs.values()):
                 run.request_stop(SHUTDOWN)  # each writes its `end` (interrupted, shutdown)
@@ -168,9 +170,14 @@ class Worker:
         # Redis scans only COUNT x 10 pending entries per call: walk the whole list with a cursor,
         # or dead jobs behind many live ones would never be reached.
         cursor, claimed, deleted = await rc.xautoclaim(
-            self._redis, self._keys.jobs, JOB_GROUP, self.name,
-            self._settings.reclaim_idle_ms, count, self._reclaim_cursor,
-        )  # fmt: skip
+            self._redis,
+            self._keys.jobs,
+            JOB_GROUP,
+            self.name,
+            self._settings.reclaim_idle_ms,
+            count,
+            self._reclaim_cursor,
+        )
         self._reclaim_cursor = cursor
         for job_id, fields in claimed:
             if (fields.get("conversation_id"), fields.get("turn_id")) in self._runs:
@@ -186,9 +193,14 @@ class Worker:
         worker, or of this one's successor, which reclaims as it starts) takes it."""
         with contextlib.suppress(RedisError, OSError):  # else it is reclaimed when it idles
             await self._redis.xclaim(
-                self._keys.jobs, JOB_GROUP, self.name, 0, [job_id],
-                idle=self._settings.reclaim_idle_ms, justid=True,
-            )  # fmt: skip
+                self._keys.jobs,
+                JOB_GROUP,
+                self.name,
+                0,
+                [job_id],
+                idle=self._settings.reclaim_idle_ms,
+                justid=True,
+            )
 
     def _spawn(self, job_id: str, fields: dict[str, str]) -> None:
         task = asyncio.create_task(self._handle(job_id, fields), name=f"job-{job_id}")
@@ -219,8 +231,10 @@ class Worker:
             self._metrics.redis_errors.inc()
             log.warning(
                 "turn %s attempt %d stopped on a Redis error: %s; left for a reclaim",
-                turn_id, attempt, exc,
-            )  # fmt: skip
+                turn_id,
+                attempt,
+                exc,
+            )
             return
         finally:
             # Whatever happened, an attempt that is no longer live frees its tenant's slot.
@@ -250,8 +264,10 @@ class Worker:
                 self._metrics.redis_errors.inc()
                 log.warning(
                     "turn %s attempt %d stopped on a Redis error (%s): running it again",
-                    turn_id, attempt, exc,
-                )  # fmt: skip
+                    turn_id,
+                    attempt,
+                    exc,
+                )
                 with contextlib.suppress(RedisError, OSError):
                     await drop_idle_connections(self._redis)
                 await asyncio.sleep(random.uniform(0, delay))
@@ -275,11 +291,16 @@ class Worker:
     ) -> bool:
         settings = self._settings
         writer = TurnWriter(
-            self._scripts, self._keys, self._metrics, conversation_id, turn_id,
-            max_events=settings.max_stream_events, lease_ttl_ms=settings.lease_ttl_ms,
+            self._scripts,
+            self._keys,
+            self._metrics,
+            conversation_id,
+            turn_id,
+            max_events=settings.max_stream_events,
+            lease_ttl_ms=settings.lease_ttl_ms,
             retention_ms=int(settings.stream_ttl * 1000),
             tombstone_ms=int(settings.tombstone_ttl * 1000),
-        )  # fmt: skip
+        )
         claim = await writer.claim(self.name, attempt)
         if claim.result in ("missing", "stale"):
             return True
@@ -287,9 +308,15 @@ class Worker:
             return False  # a live worker owns the turn and refreshes its job itself
         run = Run(conversation_id, turn_id, attempt, job_id, writer, claim)
         generation = Generation(
-            self._redis, self._keys, settings, self._providers, self._metrics, self._retry, run,
+            self._redis,
+            self._keys,
+            settings,
+            self._providers,
+            self._metrics,
+            self._retry,
+            run,
             self._dispatcher,
-        )  # fmt: skip
+        )
         run.task = asyncio.create_task(generation.run(), name=f"turn {turn_id}")
         self._runs[(conversation_id, turn_id)] = run
         heartbeat = Periodic(

@@ -14,10 +14,16 @@ from playwright.sync_api import Browser, sync_playwright
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = [
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--disable-dev-shm-usage",
-]  # fmt: skip
+]
 
 
 @contextlib.contextmanager

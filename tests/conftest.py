@@ -191,9 +191,12 @@ def spawn_broker(env: dict[str, str], timeout: float = 30) -> BrokerProcess:
     full_env = {**os.environ, "BROKER_LOG_LEVEL": "INFO", **env}
     process = subprocess.Popen(
         [sys.executable, "-m", "broker", "serve", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
         cwd=Path(__file__).resolve().parent.parent,
-    )  # fmt: skip
+    )
     lines: list[str] = []
     assert process.stdout is not None
     deadline = time.monotonic() + timeout

@@ -145,8 +145,11 @@ class FakeAnthropic:
         stop_reason: str = "end_turn",
     ) -> None:
         """A text answer made of ``pieces``, then its usage and ``message_stop``."""
-        self.push(Behaviour([Block("text", list(pieces))], stop_reason, input_tokens,
-                            output_tokens, interval))  # fmt: skip
+        self.push(
+            Behaviour(
+                [Block("text", list(pieces))], stop_reason, input_tokens, output_tokens, interval
+            )
+        )
 
     def tool_use(
         self,
@@ -171,8 +174,14 @@ class FakeAnthropic:
     ) -> None:
         """An HTTP error answer with Anthropic's error body (and ``retry-after`` if given)."""
         headers = {"retry-after": retry_after} if retry_after is not None else {}
-        self.push(Behaviour(status=status, error_type=error_type, headers=headers,
-                            message=message or f"fake {status}"))  # fmt: skip
+        self.push(
+            Behaviour(
+                status=status,
+                error_type=error_type,
+                headers=headers,
+                message=message or f"fake {status}",
+            )
+        )
 
     def _cut(self, cut: Cut, n: int, pieces: list[str] | None, interval: float) -> None:
         text = pieces if pieces is not None else words(n + 20)
@@ -207,9 +216,14 @@ class FakeAnthropic:
     def start(self) -> FakeAnthropic:
         logging.getLogger("uvicorn.error").addFilter(_filter)
         config = uvicorn.Config(
-            self._app, host="127.0.0.1", port=0, interface="asgi3", lifespan="off",
-            log_config=None, timeout_graceful_shutdown=2,
-        )  # fmt: skip
+            self._app,
+            host="127.0.0.1",
+            port=0,
+            interface="asgi3",
+            lifespan="off",
+            log_config=None,
+            timeout_graceful_shutdown=2,
+        )
         server = uvicorn.Server(config)
         self._server = server
         ready = threading.Event()
@@ -276,8 +290,14 @@ class FakeAnthropic:
             return
         behaviour = self._script.popleft() if self._script else Behaviour([Block("text", ["ok"])])
         if behaviour.status != 200:
-            await self._error(call, send, behaviour.status, behaviour.error_type,
-                              behaviour.message, behaviour.headers)  # fmt: skip
+            await self._error(
+                call,
+                send,
+                behaviour.status,
+                behaviour.error_type,
+                behaviour.message,
+                behaviour.headers,
+            )
             return
         gone = asyncio.Event()
         self._open.add(gone)
@@ -317,10 +337,17 @@ class FakeAnthropic:
         call.completed = True
 
     async def _stream(self, call: Call, b: Behaviour, send: Send, gone: asyncio.Event) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"), (b"request-id", _request_id().encode()),
-        ]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"request-id", _request_id().encode()),
+                ],
+            }
+        )
 
         async def emit(event: str, data: dict[str, Any]) -> bool:
             """Send one event; False once the client is gone."""
@@ -352,24 +379,36 @@ class FakeAnthropic:
                     await asyncio.wait_for(gone.wait(), 60)
 
         model = str(call.body.get("model", ""))
-        usage = {"input_tokens": b.input_tokens, "output_tokens": 1,
-                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
-        start = {"type": "message_start", "message": {
-            "id": f"msg_fake{next(_ids):06d}", "type": "message", "role": "assistant",
-            "content": [], "model": model, "stop_reason": None, "stop_sequence": None,
-            "usage": usage,
-        }}  # fmt: skip
+        usage = {
+            "input_tokens": b.input_tokens,
+            "output_tokens": 1,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
+        start = {
+            "type": "message_start",
+            "message": {
+                "id": f"msg_fake{next(_ids):06d}",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": model,
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": usage,
+            },
+        }
         if not (await emit("message_start", start) and await emit("ping", {"type": "ping"})):
             return
         for index, block in enumerate(b.blocks):
             if block.kind == "text":
                 content: dict[str, Any] = {"type": "text", "text": ""}
             else:
-                content = {"type": "tool_use", "id": block.tool_id, "name": block.name,
-                           "input": {}}  # fmt: skip
-            if not await emit("content_block_start",
-                              {"type": "content_block_start", "index": index,
-                               "content_block": content}):  # fmt: skip
+                content = {"type": "tool_use", "id": block.tool_id, "name": block.name, "input": {}}
+            if not await emit(
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": content},
+            ):
                 return
             for piece in block.pieces:
                 if b.cut_after is not None and call.deltas_sent >= b.cut_after:
@@ -386,7 +425,7 @@ class FakeAnthropic:
                     "content_block_delta",
                     {"type": "content_block_delta", "index": index, "delta": delta},
                 ):
-                    return  # fmt: skip
+                    return
                 call.deltas_sent += 1
             if not await emit("content_block_stop", {"type": "content_block_stop", "index": index}):
                 return
@@ -394,11 +433,14 @@ class FakeAnthropic:
             await cut()
             return
         output = b.output_tokens if b.output_tokens is not None else max(1, call.deltas_sent)
-        if await emit("message_delta", {
-            "type": "message_delta",
-            "delta": {"stop_reason": b.stop_reason, "stop_sequence": None},
-            "usage": {"output_tokens": output},
-        }) and await emit("message_stop", {"type": "message_stop"}):  # fmt: skip
+        if await emit(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": b.stop_reason, "stop_sequence": None},
+                "usage": {"output_tokens": output},
+            },
+        ) and await emit("message_stop", {"type": "message_stop"}):
             await end()
 
 
@@ -452,8 +494,10 @@ def _check_body(body: dict[str, Any]) -> tuple[int, str] | None:
         results = {b.get("tool_use_id") for b in blocks if b.get("type") == "tool_result"}
         if previous_tool_ids - results:
             missing = ", ".join(sorted(previous_tool_ids - results))
-            return 400, (f"messages.{i}: `tool_use` ids were found without `tool_result` "
-                         f"blocks immediately after: {missing}")  # fmt: skip
+            return 400, (
+                f"messages.{i}: `tool_use` ids were found without `tool_result` "
+                f"blocks immediately after: {missing}"
+            )
         if results - previous_tool_ids:
             return 400, f"messages.{i}: unexpected `tool_use_id` found in `tool_result` blocks"
         for block in blocks:

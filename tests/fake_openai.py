@@ -129,18 +129,27 @@ class FakeOpenAI:
         """Answer an HTTP error. A 401 without ``message`` names the key it got, in full, as a
         careless server might: the adapter must not pass it on."""
         self._script.append(
-            Behaviour(status=status, retry_after=retry_after, retry_after_ms=retry_after_ms,
-                      message=message)
-        )  # fmt: skip
+            Behaviour(
+                status=status,
+                retry_after=retry_after,
+                retry_after_ms=retry_after_ms,
+                message=message,
+            )
+        )
 
     def error_event_after(
         self, n_deltas: int, *, status: int | None = None, message: str = "the model crashed"
     ) -> None:
         """Stream ``n_deltas`` deltas, then a ``data: {"error": ...}`` event (and ``[DONE]``)."""
         self._script.append(
-            Behaviour(_words(n_deltas), fault="error_event", fault_after=n_deltas,
-                      error_status=status, message=message)
-        )  # fmt: skip
+            Behaviour(
+                _words(n_deltas),
+                fault="error_event",
+                fault_after=n_deltas,
+                error_status=status,
+                message=message,
+            )
+        )
 
     def truncate_after(self, n_deltas: int, *, abrupt: bool = False) -> None:
         """Stream ``n_deltas`` deltas and end without ``finish_reason`` or ``[DONE]``: a clean
@@ -168,9 +177,15 @@ class FakeOpenAI:
 
     def start(self) -> FakeOpenAI:
         config = uvicorn.Config(
-            self, host="127.0.0.1", port=0, lifespan="off", log_config=None, log_level=None,
-            access_log=False, timeout_graceful_shutdown=2,
-        )  # fmt: skip
+            self,
+            host="127.0.0.1",
+            port=0,
+            lifespan="off",
+            log_config=None,
+            log_level=None,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
         server = uvicorn.Server(config)
         self._server = server
         self._thread = threading.Thread(
@@ -235,10 +250,12 @@ class FakeOpenAI:
             message = known.get(status, f"HTTP {status}")
         extra = [
             (name, value.encode())
-            for name, value in ((b"retry-after", behaviour.retry_after),
-                                (b"retry-after-ms", behaviour.retry_after_ms))
+            for name, value in (
+                (b"retry-after", behaviour.retry_after),
+                (b"retry-after-ms", behaviour.retry_after_ms),
+            )
             if value is not None
-        ]  # fmt: skip
+        ]
         await _json(send, status, _error(message, status), extra)
 
     async def _stream(
@@ -255,11 +272,15 @@ class FakeOpenAI:
 
         def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
             data: dict[str, Any] = {
-                "id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": model, "system_fingerprint": "fp_fake",
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": finish_reason}],
-            }  # fmt: skip
+                "id": chunk_id,
+                "object": "chat.completion.chunk",
+                "created": int(time.time()),
+                "model": model,
+                "system_fingerprint": "fp_fake",
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                ],
+            }
             if include_usage:
                 data["usage"] = None
             return data
@@ -270,16 +291,28 @@ class FakeOpenAI:
                 return self._gone(record)
             line = data if isinstance(data, str) else json.dumps(data)
             try:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": f"data: {line}\n\n".encode()})  # fmt: skip
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": f"data: {line}\n\n".encode(),
+                    }
+                )
             except OSError:
                 return self._gone(record)
             return True
 
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"), (b"x-request-id", chunk_id.encode()),
-        ]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-request-id", chunk_id.encode()),
+                ],
+            }
+        )
         if not await emit(chunk({"role": "assistant", "content": ""})):
             return
         for text in behaviour.deltas:
@@ -300,8 +333,12 @@ class FakeOpenAI:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         if behaviour.fault == "error_event":
-            error = {"message": behaviour.message, "type": "server_error", "param": None,
-                     "code": behaviour.error_status}  # fmt: skip
+            error = {
+                "message": behaviour.message,
+                "type": "server_error",
+                "param": None,
+                "code": behaviour.error_status,
+            }
             if await emit({"error": error}) and await emit("[DONE]"):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
@@ -309,8 +346,12 @@ class FakeOpenAI:
         parts = len(behaviour.deltas)
         if behaviour.tool_call is not None:
             call_id, name, arguments = behaviour.tool_call
-            first = {"index": 0, "id": call_id, "type": "function",
-                     "function": {"name": name, "arguments": ""}}  # fmt: skip
+            first = {
+                "index": 0,
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
             if not await emit(chunk({"tool_calls": [first]})):
                 return
             for part in arguments:
@@ -323,8 +364,11 @@ class FakeOpenAI:
         if include_usage:
             prompt, completion = behaviour.usage
             completion = completion or parts
-            usage = {"prompt_tokens": prompt, "completion_tokens": completion,
-                     "total_tokens": prompt + completion}  # fmt: skip
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
             final = {**chunk({}), "choices": [], "usage": usage}
             if not await emit(final):
                 return
@@ -348,10 +392,17 @@ async def _json(
     send: Send, status: int, payload: dict[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
     data = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-        *headers,
-    ]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 

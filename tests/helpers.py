@@ -61,9 +61,12 @@ def read_sse(
     data: list[str] = []
     deadline = time.monotonic() + timeout
     with httpx.stream(
-        "GET", f"{base_url}/v1/streams/{stream_id}", params=params, headers=headers,
+        "GET",
+        f"{base_url}/v1/streams/{stream_id}",
+        params=params,
+        headers=headers,
         timeout=httpx.Timeout(timeout),
-    ) as response:  # fmt: skip
+    ) as response:
         if response.status_code == 204:  # at rest, nothing after the resume point
             return Read([], None, 0, None, True, response.headers)
         assert response.status_code == 200, response.read()
@@ -74,9 +77,12 @@ def read_sse(
                     last_id = fields["id"]
                 if data:
                     events.append(
-                        SSEEvent(fields.get("id", ""), fields.get("event", "message"),
-                                 orjson.loads("\n".join(data)))
-                    )  # fmt: skip
+                        SSEEvent(
+                            fields.get("id", ""),
+                            fields.get("event", "message"),
+                            orjson.loads("\n".join(data)),
+                        )
+                    )
                 fields, data = {}, []
                 if stop_after is not None and len(events) >= stop_after:
                     return Read(events, retry, comments, last_id, False, response.headers)
@@ -168,8 +174,7 @@ class ToolEndpoint:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = orjson.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                endpoint.requests.append({"key": self.headers.get("Idempotency-Key"),
-                                          "body": body})  # fmt: skip
+                endpoint.requests.append({"key": self.headers.get("Idempotency-Key"), "body": body})
                 answer = orjson.dumps(reply(len(endpoint.requests)))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")

@@ -59,9 +59,13 @@ def serve_example(broker_url: str) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
     env = {**os.environ, "BROKER_URL": broker_url, "PORT": str(port)}
     process = subprocess.Popen(
-        [node, "serve.mjs"], cwd=EXAMPLE, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [node, "serve.mjs"],
+        cwd=EXAMPLE,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines: queue.Queue[str] = queue.Queue()
     assert process.stdout is not None
     stdout = process.stdout

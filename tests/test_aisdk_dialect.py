@@ -34,17 +34,32 @@ def test_the_ai_sdk_transport_and_reader_against_a_live_broker(
     node = _node()
     weather = ToolEndpoint("/weather", lambda n: {"sky": "clear", "call": n})
     tools = tmp_path / "tools.json"
-    tools.write_text(json.dumps({"tools": [
-        {"name": "get_weather", "class": "read", "schema": {"type": "object"},
-         "endpoint": weather.url},
-    ]}))  # fmt: skip
+    tools.write_text(
+        json.dumps(
+            {
+                "tools": [
+                    {
+                        "name": "get_weather",
+                        "class": "read",
+                        "schema": {"type": "object"},
+                        "endpoint": weather.url,
+                    },
+                ]
+            }
+        )
+    )
     broker = broker_factory(tools=str(tools))
     env = {**os.environ, "BROKER_URL": broker.base_url}
     try:
         result = subprocess.run(
             [node, "--test", "--test-timeout=60000", "test/chat.test.mjs"],
-            cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
+            cwd=NODE_DIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
     finally:
         weather.close()
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
@@ -104,18 +119,31 @@ BAD_BODIES: list[tuple[str, object]] = [
     ("unknown trigger", {**_chat("c1", "m1"), "trigger": "resume-stream"}),
     ("message without parts", {**_chat("c1", "m1"), "messages": [{"id": "m1", "role": "user"}]}),
     ("bad role", {**_chat("c1", "m1"), "messages": [{"id": "m1", "role": "robot", "parts": []}]}),
-    ("text part without text", {**_chat("c1", "m1"),
-                                "messages": [{"id": "m1", "role": "user",
-                                              "parts": [{"type": "text"}]}]}),
-    ("parts not a list", {**_chat("c1", "m1"),
-                          "messages": [{"id": "m1", "role": "user", "parts": "hi"}]}),
-    ("last message not the user's", {**_chat("c1", "m1"), "messages": [
-        {"id": "m1", "role": "assistant", "parts": [{"type": "text", "text": "x"}]}]}),
+    (
+        "text part without text",
+        {
+            **_chat("c1", "m1"),
+            "messages": [{"id": "m1", "role": "user", "parts": [{"type": "text"}]}],
+        },
+    ),
+    (
+        "parts not a list",
+        {**_chat("c1", "m1"), "messages": [{"id": "m1", "role": "user", "parts": "hi"}]},
+    ),
+    (
+        "last message not the user's",
+        {
+            **_chat("c1", "m1"),
+            "messages": [
+                {"id": "m1", "role": "assistant", "parts": [{"type": "text", "text": "x"}]}
+            ],
+        },
+    ),
     ("unusable message id", _chat("c1", "m 1/../x")),
     ("unusable chat id", _chat("c 1/x", "m1")),
     ("unknown body field", {**_chat("c1", "m1"), "temperature": 2}),
     ("unknown simulate knob", {**_chat("c1", "m1"), "params": {"simulate": {"nope": 1}}}),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("case", "body"), BAD_BODIES, ids=[c for c, _ in BAD_BODIES])

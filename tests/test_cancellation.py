@@ -83,9 +83,7 @@ def test_readers_whose_clients_left_cost_nothing_afterwards(broker_factory: Brok
     wait_until(lambda: all(not feed.subscriptions for feed in hub._feeds.values()))
     wait_until(lambda: reading_tasks(broker) == 0)
     # The broker still serves readers after the churn.
-    with httpx.stream(
-        "GET", f"{broker.base_url}/v1/streams/{stream_id}", timeout=10
-    ) as response:  # fmt: skip
+    with httpx.stream("GET", f"{broker.base_url}/v1/streams/{stream_id}", timeout=10) as response:
         assert response.status_code == 200
         assert next(response.iter_bytes())
     httpx.post(f"{broker.base_url}/v1/turns/{turn_id}/cancel", timeout=10)
@@ -169,14 +167,20 @@ def dialect_reads(broker: RunningBroker) -> list[str]:
     slow = {"simulate": {"tokens": 50, "tokens_per_s": 100, "stall_after_deltas": 3}}
     created = httpx.post(
         f"{base}/v1/responses",
-        json={"model": "simulated", "input": "a long answer", "background": True,
-              "broker": {"params": slow}},
+        json={
+            "model": "simulated",
+            "input": "a long answer",
+            "background": True,
+            "broker": {"params": slow},
+        },
         timeout=10,
-    ).json()  # fmt: skip
+    ).json()
     chat = {
-        "id": "churn-chat", "trigger": "submit-message", "params": slow,
+        "id": "churn-chat",
+        "trigger": "submit-message",
+        "params": slow,
         "messages": [{"id": "u1", "role": "user", "parts": [{"type": "text", "text": "hi"}]}],
-    }  # fmt: skip
+    }
     with httpx.stream("POST", f"{base}/v1/ui/chat", json=chat, timeout=10) as response:
         assert response.status_code == 200
         next(response.iter_bytes())  # the chat's turn runs: its stream can be resumed

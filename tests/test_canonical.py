@@ -25,7 +25,7 @@ from broker.canonical import canonical_json, fingerprint
         ([True, False, None], b"[true,false,null]"),
         ({"amount": 12.50, "currency": "EUR"}, b'{"amount":12.5,"currency":"EUR"}'),
     ],
-)  # fmt: skip
+)
 def test_exact_bytes(value: Any, expected: bytes) -> None:
     assert canonical_json(value) == expected
 
@@ -48,12 +48,16 @@ def test_non_finite_numbers_are_refused(bad: float) -> None:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4)
+    ),
     max_leaves=20,
-)  # fmt: skip
+)
 
 
 @given(json_values)

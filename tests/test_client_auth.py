@@ -58,8 +58,14 @@ async def read_all(
 def forged(stream_id: str, *, secret: str = ATTACH_SECRET, expires_in: int = 300) -> str:
     """An attach token as the broker signs them (the tests know its secret)."""
     now = int(time.time())
-    claims = {"aud": "broker-attach", "sid": stream_id, "ten": "acme", "iat": now,
-              "exp": now + expires_in, "jti": "forged0000000000"}  # fmt: skip
+    claims = {
+        "aud": "broker-attach",
+        "sid": stream_id,
+        "ten": "acme",
+        "iat": now,
+        "exp": now + expires_in,
+        "jti": "forged0000000000",
+    }
     return jwt.encode(claims, secret, algorithm="HS256")
 
 
@@ -89,8 +95,10 @@ async def test_a_minted_token_reads_the_stream_without_a_key(
         )
         minted = await owner.mint_attach_token("shared", ttl_s=120)
         assert (minted.turn_id, minted.stream_id, minted.one_viewer) == (
-            "shared", turn.stream_id, False,
-        )  # fmt: skip
+            "shared",
+            turn.stream_id,
+            False,
+        )
         assert time.time() + 100 < minted.expires_at <= time.time() + 121
         assert minted.stream_url.startswith(f"{broker.base_url}/v1/streams/{turn.stream_id}?")
 

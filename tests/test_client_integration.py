@@ -52,9 +52,11 @@ async def test_attach_reattaches_across_an_api_restart(split: RestartableApi) ->
     ids: list[str] = []
     async with BrokerClient(split.url, policy=FAST) as client:
         turn = await client.start_turn(
-            "conv-r", messages, turn_id="restart",
+            "conv-r",
+            messages,
+            turn_id="restart",
             params={"simulate": {"tokens": 60, "tokens_per_s": 40}},
-        )  # fmt: skip
+        )
         assert turn.created
         async for event in client.attach(turn.stream_id, stats=stats):
             text.feed(event)
@@ -83,17 +85,29 @@ async def test_start_turn_is_idempotent_and_conflicts_raise(broker: RunningBroke
 
 def test_tail_prints_the_whole_answer_across_a_broker_restart(split: RestartableApi) -> None:
     body = {
-        "conversation_id": "conv-t", "turn_id": "tailed",
+        "conversation_id": "conv-t",
+        "turn_id": "tailed",
         "messages": [{"role": "user", "content": "tail me"}],
         "params": {"simulate": {"tokens": 60, "tokens_per_s": 30}},
-    }  # fmt: skip
+    }
     turn = httpx.post(f"{split.url}/v1/turns", json=body, timeout=10).json()
     tail = subprocess.Popen(
-        [sys.executable, "-m", "broker_client", "tail", turn["stream_id"], "--url", split.url,
-         "--max-retries", "100"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "broker_client",
+            "tail",
+            turn["stream_id"],
+            "--url",
+            split.url,
+            "--max-retries",
+            "100",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     assert tail.stdout is not None
     printed: list[str] = []
     started = threading.Event()

@@ -42,9 +42,13 @@ def test_tail_of_an_interrupted_turn_after_its_end_reports_interrupted_and_exits
     broker: RunningBroker, capsys: pytest.CaptureFixture[str]
 ) -> None:
     turn = start_turn(
-        broker.base_url, "tail-i", turn_id="broken", tokens=10, tokens_per_s=0,
+        broker.base_url,
+        "tail-i",
+        turn_id="broken",
+        tokens=10,
+        tokens_per_s=0,
         fail_after_deltas=3,
-    )  # fmt: skip
+    )
     final = wait_final(broker.base_url, "broken")
     assert final["status"] == "interrupted"
 

@@ -54,12 +54,31 @@ def cluster_port() -> Iterator[int]:
         for port in ports:
             node = base / str(port)
             node.mkdir()
-            processes.append(subprocess.Popen(
-                [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-                 "--dir", str(node), "--save", "", "--appendonly", "no"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))  # fmt: skip
+            processes.append(
+                subprocess.Popen(
+                    [
+                        binary,
+                        "--port",
+                        str(port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "2000",
+                        "--dir",
+                        str(node),
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         clients = [redis_lib.Redis(port=p, decode_responses=True) for p in ports]
         deadline = time.monotonic() + 20
         while True:
@@ -105,13 +124,25 @@ async def test_the_turn_scripts_run_on_a_cluster(cluster: Redis) -> None:
     record = orjson.dumps({"n": 1, "strategy": "initial"}).decode()
     created = await scripts(
         "create_turn",
-        [keys.turn(conversation, turn), keys.tombstone(conversation, turn),
-         keys.conversation_turns(conversation)],
+        [
+            keys.turn(conversation, turn),
+            keys.tombstone(conversation, turn),
+            keys.conversation_turns(conversation),
+        ],
         ["fp", "st_x", conversation, turn, "{}", conversation, record, "text"],
-    )  # fmt: skip
+    )
     assert created[0] == "created"
-    writer = TurnWriter(scripts, keys, Metrics(), conversation, turn, max_events=100,
-                        lease_ttl_ms=10_000, retention_ms=60_000, tombstone_ms=60_000)  # fmt: skip
+    writer = TurnWriter(
+        scripts,
+        keys,
+        Metrics(),
+        conversation,
+        turn,
+        max_events=100,
+        lease_ttl_ms=10_000,
+        retention_ms=60_000,
+        tombstone_ms=60_000,
+    )
     assert (await writer.claim("w1", 1)).result == "claimed"
     assert await writer.release() is True  # handed back: claimed again at once, new token
     assert await writer.release() is False
@@ -119,19 +150,30 @@ async def test_the_turn_scripts_run_on_a_cluster(cluster: Redis) -> None:
     assert await writer.renew() is False
     ids = await writer.append([("attempt", {"attempt": 1}), ("delta", {"attempt": 1, "text": "a"})])
     assert len(ids) == 2
-    promoted = await writer.finish(record={"n": 1, "strategy": "initial"}, status="complete",
-                                   reason=None, text="a", promote=True, base="")  # fmt: skip
+    promoted = await writer.finish(
+        record={"n": 1, "strategy": "initial"},
+        status="complete",
+        reason=None,
+        text="a",
+        promote=True,
+        base="",
+    )
     assert promoted == 1
     turn_key = keys.turn(conversation, turn)
-    started = await scripts("start_attempt", [turn_key, keys.events(conversation, turn)],
-                            ["regenerate"])  # fmt: skip
+    started = await scripts(
+        "start_attempt", [turn_key, keys.events(conversation, turn)], ["regenerate"]
+    )
     assert started == ["started", "2"]
     cancelled = await scripts(
         "cancel_turn",
-        [turn_key, keys.events(conversation, turn), keys.tombstone(conversation, turn),
-         keys.conversation_turns(conversation)],
+        [
+            turn_key,
+            keys.events(conversation, turn),
+            keys.tombstone(conversation, turn),
+            keys.conversation_turns(conversation),
+        ],
         [60_000, 60_000],
-    )  # fmt: skip
+    )
     assert cancelled[0] == "cancelled"
     assert (await scripts("promote_attempt", [turn_key], [1, "1"]))[0] == "promoted"
     budget = await scripts("take_retry_budget", [keys.retry_budget("s")], [5, 60_000, "m1"])
@@ -176,8 +218,12 @@ async def test_keys_of_two_conversations_land_in_their_own_slots(cluster: Redis)
     for conversation in ("conv-a", "conv-b", "another"):
         slots = {
             cluster_client.keyslot(key)
-            for key in (keys.turn(conversation, "t"), keys.lease(conversation, "t"),
-                        keys.events(conversation, "t"), keys.tool_slot(conversation, "t", "x", 0),
-                        keys.conversation_turns(conversation))
-        }  # fmt: skip
+            for key in (
+                keys.turn(conversation, "t"),
+                keys.lease(conversation, "t"),
+                keys.events(conversation, "t"),
+                keys.tool_slot(conversation, "t", "x", 0),
+                keys.conversation_turns(conversation),
+            )
+        }
         assert len(slots) == 1

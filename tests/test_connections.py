@@ -38,12 +38,14 @@ _prefixes = itertools.count()
 
 @contextlib.contextmanager
 def serving(redis_url: str, **env: str) -> Iterator[BrokerProcess]:
-    process = spawn_broker({
-        "BROKER_REDIS_URL": redis_url,
-        "BROKER_KEY_PREFIX": f"conn{os.getpid()}-{next(_prefixes)}",
-        "BROKER_DRAIN_TIMEOUT_S": "1",
-        **env,
-    })  # fmt: skip
+    process = spawn_broker(
+        {
+            "BROKER_REDIS_URL": redis_url,
+            "BROKER_KEY_PREFIX": f"conn{os.getpid()}-{next(_prefixes)}",
+            "BROKER_DRAIN_TIMEOUT_S": "1",
+            **env,
+        }
+    )
     try:
         yield process
     finally:
@@ -239,11 +241,14 @@ def test_connections_past_the_maximum_get_a_503_while_admitted_ones_keep_working
     with serving(redis_url, BROKER_MAX_CONNECTIONS="4", BROKER_HEADER_TIMEOUT_S="60") as broker:
         admitted = [Raw(broker) for _ in range(4)]
         streaming = admitted[0]
-        body = orjson.dumps({
-            "conversation_id": "capped", "turn_id": "capped",
-            "messages": [{"role": "user", "content": "hi"}],
-            "params": {"simulate": {"tokens": 200, "tokens_per_s": 40}},
-        })  # fmt: skip
+        body = orjson.dumps(
+            {
+                "conversation_id": "capped",
+                "turn_id": "capped",
+                "messages": [{"role": "user", "content": "hi"}],
+                "params": {"simulate": {"tokens": 200, "tokens_per_s": 40}},
+            }
+        )
         assert streaming.send(
             b"POST /v1/turns HTTP/1.1\r\nHost: broker\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body

@@ -13,13 +13,39 @@ def test_broker_public_api() -> None:
 
 
 def test_client_public_api() -> None:
-    assert sorted(broker_client.__all__) == sorted([
-        "AttachPolicy", "AttachStats", "AttachToken", "BadRequest", "BrokerClient",
-        "BrokerClientError", "BrokerConnectionError", "BrokerHTTPError", "Conflict", "Event",
-        "Forbidden", "NotFound", "Page", "RateLimited", "Unauthorized", "ProtocolError",
-        "ReattachExhausted", "ReconnectInfo", "ResponseEnded", "SSEDecoder",
-        "ServerError", "ServerSentEvent", "StreamExpired", "StreamNotFound", "Turn",
-        "TurnNotFound", "TurnText", "__version__", "backoff_delay", "decode_all",
-    ])  # fmt: skip
+    assert sorted(broker_client.__all__) == sorted(
+        [
+            "AttachPolicy",
+            "AttachStats",
+            "AttachToken",
+            "BadRequest",
+            "BrokerClient",
+            "BrokerClientError",
+            "BrokerConnectionError",
+            "BrokerHTTPError",
+            "Conflict",
+            "Event",
+            "Forbidden",
+            "NotFound",
+            "Page",
+            "RateLimited",
+            "Unauthorized",
+            "ProtocolError",
+            "ReattachExhausted",
+            "ReconnectInfo",
+            "ResponseEnded",
+            "SSEDecoder",
+            "ServerError",
+            "ServerSentEvent",
+            "StreamExpired",
+            "StreamNotFound",
+            "Turn",
+            "TurnNotFound",
+            "TurnText",
+            "__version__",
+            "backoff_delay",
+            "decode_all",
+        ]
+    )
     for name in broker_client.__all__:
         assert hasattr(broker_client, name)

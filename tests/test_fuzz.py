@@ -41,9 +41,14 @@ def not_a_server_error(ctx: Any, response: Any, case: Any) -> bool:
 def fuzzed(redis_url: str) -> Iterator[RunningBroker]:
     # Limits on and small, so that the fuzzer also meets 429s and the admission code.
     broker = start_broker(
-        redis_url, api_keys=f"fuzz={KEY}", max_body_bytes=65_536, turn_rate_per_s=20,
-        turn_burst=20, max_streams_per_tenant=4, simulate_max_tokens_per_s=0,
-    )  # fmt: skip
+        redis_url,
+        api_keys=f"fuzz={KEY}",
+        max_body_bytes=65_536,
+        turn_rate_per_s=20,
+        turn_burst=20,
+        max_streams_per_tenant=4,
+        simulate_max_tokens_per_s=0,
+    )
     try:
         yield broker
     finally:
@@ -70,17 +75,23 @@ def fuzz(
     label = f"{mode.value} {operation.method.upper()} {operation.path}"
 
     @settings(
-        max_examples=examples, deadline=None, database=None,
+        max_examples=examples,
+        deadline=None,
+        database=None,
         suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: Any) -> None:
         response = case.call(base_url=base_url, headers=bearer(credential), timeout=15)
         case.validate_response(
             response,
-            checks=[not_a_server_error, status_code_conformance, content_type_conformance,
-                    response_schema_conformance],
-        )  # fmt: skip
+            checks=[
+                not_a_server_error,
+                status_code_conformance,
+                content_type_conformance,
+                response_schema_conformance,
+            ],
+        )
         checked[label] = checked.get(label, 0) + 1
 
     try:
@@ -114,11 +125,16 @@ def test_without_good_credentials_every_answer_is_documented_too(
 
 def _try_start(base_url: str) -> dict[str, Any] | None:
     response = httpx.post(
-        f"{base_url}/v1/turns", headers=bearer(KEY), timeout=10,
-        json={"conversation_id": "after-fuzz", "turn_id": "after-fuzz-turn",
-              "messages": [{"role": "user", "content": "hello"}],
-              "params": {"simulate": {"tokens": 25, "seed": 4}}},
-    )  # fmt: skip
+        f"{base_url}/v1/turns",
+        headers=bearer(KEY),
+        timeout=10,
+        json={
+            "conversation_id": "after-fuzz",
+            "turn_id": "after-fuzz-turn",
+            "messages": [{"role": "user", "content": "hello"}],
+            "params": {"simulate": {"tokens": 25, "seed": 4}},
+        },
+    )
     assert response.status_code in (200, 201, 429), response.text
     return response.json() if response.status_code != 429 else None
 

@@ -393,11 +393,14 @@ STARTED = "broker_turns_started_total"
 
 def run_turn(broker: RunningBroker, turn_id: str, session: str, fail_before_first: int) -> str:
     body = {
-        "conversation_id": "grafana", "turn_id": turn_id, "session_id": session,
+        "conversation_id": "grafana",
+        "turn_id": turn_id,
+        "session_id": session,
         "messages": [{"role": "user", "content": turn_id}],
-        "params": {"simulate": {"fail_before_first": fail_before_first, "tokens": 3,
-                                "tokens_per_s": 0}},
-    }  # fmt: skip
+        "params": {
+            "simulate": {"fail_before_first": fail_before_first, "tokens": 3, "tokens_per_s": 0}
+        },
+    }
     response = httpx.post(f"{broker.base_url}/v1/turns", json=body, timeout=10)
     assert response.status_code == 201, response.text
     turn = wait_final(broker.base_url, turn_id)
@@ -422,9 +425,11 @@ def test_forced_retries_and_exhaustions_move_exactly_their_counters(
     broker_factory: BrokerFactory,
 ) -> None:
     broker = broker_factory(
-        max_attempts_per_turn=2, session_retry_budget=1,
-        retry_backoff_min_ms=1, retry_backoff_max_ms=3,
-    )  # fmt: skip
+        max_attempts_per_turn=2,
+        session_retry_budget=1,
+        retry_backoff_min_ms=1,
+        retry_backoff_max_ms=3,
+    )
     # One failure before the first delta: retried silently, within both limits.
     before = counters(broker)
     assert run_turn(broker, "g1", "alice", fail_before_first=1) == "complete/None"

@@ -19,8 +19,7 @@ def test_a_fast_answer_takes_fewer_appends_than_deltas_and_reads_the_same(
     fast = start_turn(broker.base_url, "c", prompt="same", tokens=600, tokens_per_s=0, seed=7)
     assert wait_final(broker.base_url, fast["turn_id"])["status"] == "complete"
     used = appends(broker) - before
-    paced = start_turn(broker.base_url, "d", prompt="same", tokens=600, tokens_per_s=5000,
-                       seed=7)  # fmt: skip
+    paced = start_turn(broker.base_url, "d", prompt="same", tokens=600, tokens_per_s=5000, seed=7)
     assert wait_final(broker.base_url, paced["turn_id"])["status"] == "complete"
     fast_events = read_sse(broker.base_url, fast["stream_id"]).events
     paced_events = read_sse(broker.base_url, paced["stream_id"]).events

@@ -362,8 +362,9 @@ async def test_stream_reads_accept_both_reply_shapes(
         from_raw = [Entry.from_redis(i, f) for i, f in raw]
         assert from_raw == [Entry.from_redis(i, f) for i, f in parsed]
         assert [(e.kind, e.data) for e in from_raw] == [
-            ("delta", '{"text": "a"}'), ("delta", '{"text": "b"}'),
-        ]  # fmt: skip
+            ("delta", '{"text": "a"}'),
+            ("delta", '{"text": "b"}'),
+        ]
         assert await rc.xrange(broker_client, key, "-") == await rc.xrange(aredis, key, "-")
         fed = await rc.xread(broker_client, key, "0-0", 10, 10)
         assert [Entry.from_redis(i, f) for i, f in fed] == from_raw

@@ -19,8 +19,12 @@ def test_js_client_unit_tests() -> None:
         missing_tool("node is not installed (the JS client's tests need Node >= 20)")
     result = subprocess.run(
         [node, "--test", "clients/js/test/"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
 
 
@@ -47,8 +51,12 @@ def _npm(*args: str, cwd: Path) -> str:
         missing_tool("npm is not installed (packing the JS client needs Node >= 20 and npm)")
     result = subprocess.run(
         [npm, *args, "--no-audit", "--no-fund", "--offline"],
-        cwd=cwd, capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert result.returncode == 0, f"npm {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -58,8 +66,12 @@ def _exports(node: str, cwd: Path, specifier: str) -> list[str]:
     script += "console.log(JSON.stringify(Object.keys(m).sort()));"
     result = subprocess.run(
         [node, "--input-type=module", "-e", script],
-        cwd=cwd, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, f"import {specifier} failed:\n{result.stderr}"
     names: list[str] = json.loads(result.stdout)
     return names

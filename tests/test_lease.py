@@ -40,8 +40,17 @@ async def new_turn(aredis: Redis, keys: Keys, scripts: Scripts) -> tuple[str, st
 
 
 def writer(scripts: Scripts, keys: Keys, conversation: str, turn: str, ttl_ms: int) -> TurnWriter:
-    return TurnWriter(scripts, keys, Metrics(), conversation, turn, max_events=100,
-                      lease_ttl_ms=ttl_ms, retention_ms=60_000, tombstone_ms=60_000)  # fmt: skip
+    return TurnWriter(
+        scripts,
+        keys,
+        Metrics(),
+        conversation,
+        turn,
+        max_events=100,
+        lease_ttl_ms=ttl_ms,
+        retention_ms=60_000,
+        tombstone_ms=60_000,
+    )
 
 
 @pytest.fixture
@@ -129,7 +138,8 @@ def test_a_worker_whose_lease_is_taken_over_stops_writing(
     # would have added about 15 entries had it gone on.
     time.sleep(0.3)
     assert raw_redis.xlen(events) == length
-    page = httpx.get(f"{broker.base_url}/v1/streams/{turn['stream_id']}",
-                     params={"format": "json"}, timeout=5).json()  # fmt: skip
+    page = httpx.get(
+        f"{broker.base_url}/v1/streams/{turn['stream_id']}", params={"format": "json"}, timeout=5
+    ).json()
     assert all(e["event"] != "end" for e in page["events"])
     assert raw_redis.hget(lease, "owner") == "intruder"

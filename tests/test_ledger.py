@@ -203,7 +203,12 @@ def ledger_machine(redis_url: str) -> type[LedgerMachine]:
 
 
 def test_random_interleavings_keep_the_ledger_sound(ledger_machine: type[LedgerMachine]) -> None:
-    run_state_machine_as_test(ledger_machine, settings=settings(
-        max_examples=60, stateful_step_count=25, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    ))  # fmt: skip
+    run_state_machine_as_test(
+        ledger_machine,
+        settings=settings(
+            max_examples=60,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )

@@ -44,8 +44,9 @@ def reference_text(broker: RunningBroker, **knobs: Any) -> str:
 
 
 def test_a_failure_before_the_first_delta_is_retried_silently(fast: RunningBroker) -> None:
-    turn = start_turn(fast.base_url, turn_id="r1", seed=4, tokens=12, tokens_per_s=0,
-                      fail_before_first=1)  # fmt: skip
+    turn = start_turn(
+        fast.base_url, turn_id="r1", seed=4, tokens=12, tokens_per_s=0, fail_before_first=1
+    )
     events = read_sse(fast.base_url, turn["stream_id"]).events
     kinds = [e.event for e in events]
     assert kinds[0] == "attempt"
@@ -59,8 +60,7 @@ def test_a_failure_before_the_first_delta_is_retried_silently(fast: RunningBroke
 
 def test_nothing_reaches_the_stream_before_a_retry(broker_factory: BrokerFactory) -> None:
     broker = broker_factory(retry_backoff_min_ms=300, retry_backoff_max_ms=300)
-    turn = start_turn(broker.base_url, turn_id="r2", tokens=3, tokens_per_s=0,
-                      fail_before_first=1)  # fmt: skip
+    turn = start_turn(broker.base_url, turn_id="r2", tokens=3, tokens_per_s=0, fail_before_first=1)
     events = read_sse(broker.base_url, turn["stream_id"]).events
     attempt, first_delta = events[0], events[1]
     assert (attempt.event, first_delta.event) == ("attempt", "delta")
@@ -93,10 +93,12 @@ def test_retries_stop_when_the_session_budget_is_spent(broker_factory: BrokerFac
 
     def run(turn_id: str, session: str) -> dict[str, Any]:
         body = {
-            "conversation_id": "budget", "turn_id": turn_id, "session_id": session,
+            "conversation_id": "budget",
+            "turn_id": turn_id,
+            "session_id": session,
             "messages": [{"role": "user", "content": turn_id}],
             "params": {"simulate": {"fail_before_first": 1, "tokens": 3, "tokens_per_s": 0}},
-        }  # fmt: skip
+        }
         assert post(broker, "/v1/turns", body).status_code == 201
         return wait_final(broker.base_url, turn_id)
 
@@ -124,8 +126,9 @@ def test_a_silent_upstream_after_deltas_is_an_interruption(
     broker_factory: BrokerFactory,
 ) -> None:
     broker = broker_factory(upstream_idle_timeout_s=0.2)
-    turn = start_turn(broker.base_url, turn_id="stall", tokens=10, tokens_per_s=0,
-                      stall_after_deltas=3)  # fmt: skip
+    turn = start_turn(
+        broker.base_url, turn_id="stall", tokens=10, tokens_per_s=0, stall_after_deltas=3
+    )
     events = read_sse(broker.base_url, turn["stream_id"]).events
     assert [e.event for e in events].count("delta") == 3
     assert events[-1].data == {"attempt": 1, "status": "interrupted", "reason": "upstream_timeout"}
@@ -134,8 +137,9 @@ def test_a_silent_upstream_after_deltas_is_an_interruption(
 
 
 def test_continue_carries_on_from_the_delivered_text(fast: RunningBroker) -> None:
-    turn = start_turn(fast.base_url, turn_id="cont", seed=9, tokens=20, tokens_per_s=0,
-                      fail_after_deltas=6)  # fmt: skip
+    turn = start_turn(
+        fast.base_url, turn_id="cont", seed=9, tokens=20, tokens_per_s=0, fail_after_deltas=6
+    )
     first = read_sse(fast.base_url, turn["stream_id"])
     partial = text_of(first.events)
     assert first.events[-1].data["status"] == "interrupted"
@@ -183,10 +187,12 @@ def test_new_attempts_are_refused_while_running_or_when_they_do_not_fit(
 def test_json_output_must_parse_and_cannot_be_continued(fast: RunningBroker) -> None:
     def json_turn(turn_id: str, **knobs: Any) -> dict[str, Any]:
         body = {
-            "conversation_id": "json", "turn_id": turn_id, "response_format": "json",
+            "conversation_id": "json",
+            "turn_id": turn_id,
+            "response_format": "json",
             "messages": [{"role": "user", "content": "as json"}],
             "params": {"simulate": {"tokens": 6, "tokens_per_s": 0, **knobs}},
-        }  # fmt: skip
+        }
         assert post(fast, "/v1/turns", body).status_code == 201
         return wait_final(fast.base_url, turn_id)
 
@@ -210,10 +216,12 @@ def test_concurrent_promotions_exactly_one_wins(fast: RunningBroker) -> None:
     assert post(fast, "/v1/turns/pick/attempts", {"strategy": "regenerate"}).status_code == 201
     wait_final(fast.base_url, "pick")
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
-        responses = list(pool.map(
-            lambda _: post(fast, "/v1/turns/pick/canonical", {"attempt": 1, "expected": 2}),
-            range(10),
-        ))  # fmt: skip
+        responses = list(
+            pool.map(
+                lambda _: post(fast, "/v1/turns/pick/canonical", {"attempt": 1, "expected": 2}),
+                range(10),
+            )
+        )
     assert sorted(r.status_code for r in responses) == [200] + [409] * 9
     assert {r.json()["error"]["code"] for r in responses if r.status_code == 409} == {
         "canonical_changed"
@@ -305,8 +313,12 @@ def test_a_reader_without_live_notifications_still_ends(
 
 def test_history_has_one_canonical_answer_per_turn(fast: RunningBroker) -> None:
     def turn(turn_id: str, messages: list[dict[str, Any]], **knobs: Any) -> dict[str, Any]:
-        body = {"conversation_id": "hist", "turn_id": turn_id, "messages": messages,
-                "params": {"simulate": {"tokens": 5, "tokens_per_s": 0, **knobs}}}  # fmt: skip
+        body = {
+            "conversation_id": "hist",
+            "turn_id": turn_id,
+            "messages": messages,
+            "params": {"simulate": {"tokens": 5, "tokens_per_s": 0, **knobs}},
+        }
         assert post(fast, "/v1/turns", body).status_code == 201
         return wait_final(fast.base_url, turn_id)
 

@@ -46,10 +46,25 @@ def test_a_mixed_run_ends_every_turn_as_its_kind_intends(
     capsys.readouterr()  # drop the broker's own start-up line
     # Each turn lasts a second (20 deltas at 20/s); a cancelled one is stopped after 5 deltas.
     args = parse(
-        "--url", broker.base_url, "--turns", "10", "--rate", "50", "--concurrency", "10",
-        "--mix", "normal=2,retried=2,interrupted=2,cancelled=2,tool=2",
-        "--tokens", "20", "--tokens-per-s", "20", "--timeout", "30", "--json", "--progress",
-    )  # fmt: skip
+        "--url",
+        broker.base_url,
+        "--turns",
+        "10",
+        "--rate",
+        "50",
+        "--concurrency",
+        "10",
+        "--mix",
+        "normal=2,retried=2,interrupted=2,cancelled=2,tool=2",
+        "--tokens",
+        "20",
+        "--tokens-per-s",
+        "20",
+        "--timeout",
+        "30",
+        "--json",
+        "--progress",
+    )
     code = loadgen.run(args)
     out, err = capsys.readouterr()
     summary: dict[str, Any] = json.loads(out)
@@ -82,9 +97,20 @@ def test_the_text_summary_names_each_kind(
     broker: RunningBroker, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = parse(
-        "--url", broker.base_url, "--turns", "2", "--rate", "100", "--mix", "normal,tool",
-        "--tokens", "8", "--tokens-per-s", "0", "--no-progress",
-    )  # fmt: skip
+        "--url",
+        broker.base_url,
+        "--turns",
+        "2",
+        "--rate",
+        "100",
+        "--mix",
+        "normal,tool",
+        "--tokens",
+        "8",
+        "--tokens-per-s",
+        "0",
+        "--no-progress",
+    )
     assert loadgen.run(args) == 0
     out, err = capsys.readouterr()
     assert err == ""
@@ -140,8 +166,12 @@ def test_the_schedule_follows_the_weights_exactly_and_spreads_kinds() -> None:
     mix = loadgen.parse_mix("normal=5,retried=2,interrupted=1,cancelled=1,tool=1")
     order = loadgen.schedule(mix, 20)
     assert Counter(order) == {
-        "normal": 10, "retried": 4, "interrupted": 2, "cancelled": 2, "tool": 2,
-    }  # fmt: skip
+        "normal": 10,
+        "retried": 4,
+        "interrupted": 2,
+        "cancelled": 2,
+        "tool": 2,
+    }
     assert all(a != b for a, b in itertools.pairwise(order) if a != "normal")  # interleaved
     for turns in range(1, 30):
         counts = Counter(loadgen.schedule(mix, turns))

@@ -15,8 +15,9 @@ from tests.helpers import read_sse, start_turn, wait_until
 
 
 def test_json_records_carry_their_context() -> None:
-    record = logging.LogRecord("broker.x", logging.INFO, __file__, 1, "turn %s ended", ("t1",),
-                               None)  # fmt: skip
+    record = logging.LogRecord(
+        "broker.x", logging.INFO, __file__, 1, "turn %s ended", ("t1",), None
+    )
     record.turn_id = "t1"
     record.attempt = 2
     record.event = "attempt_ended"
@@ -31,10 +32,13 @@ def test_json_records_carry_their_context() -> None:
 def test_a_broker_logs_one_json_line_per_attempt_outcome(
     broker_processes: Callable[[dict[str, str]], BrokerProcess], redis_url: str
 ) -> None:
-    proc = broker_processes({
-        "BROKER_REDIS_URL": redis_url, "BROKER_KEY_PREFIX": f"logs{os.getpid()}",
-        "BROKER_LOG_FORMAT": "json",
-    })  # fmt: skip
+    proc = broker_processes(
+        {
+            "BROKER_REDIS_URL": redis_url,
+            "BROKER_KEY_PREFIX": f"logs{os.getpid()}",
+            "BROKER_LOG_FORMAT": "json",
+        }
+    )
     turn = start_turn(proc.base_url, turn_id="logged", tokens=3, tokens_per_s=0)
     read_sse(proc.base_url, turn["stream_id"])
 

@@ -13,8 +13,12 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_resume_benchmark_runs_and_reports_its_median() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.openai_resume", "--events", "400", "--tries", "3"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr
     assert re.search(r"first event p50 [0-9.]+ ms", run.stdout), run.stdout
     assert "native resume at the same point" in run.stdout

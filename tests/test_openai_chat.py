@@ -37,9 +37,12 @@ def content(chunks: list[ChatCompletionChunk]) -> str:
 def test_a_streamed_completion_parses_and_ends_with_usage(broker: RunningBroker) -> None:
     with client(broker) as sdk:
         raw = sdk.chat.completions.with_raw_response.create(
-            model="simulated", messages=MESSAGES, stream=True,
-            stream_options={"include_usage": True}, extra_body=simulate(tokens=25),
-        )  # fmt: skip
+            model="simulated",
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=simulate(tokens=25),
+        )
         chunks = [checked(c) for c in raw.parse()]
     turn_id = raw.headers["x-broker-turn-id"]
     assert raw.headers["x-broker-stream-id"].startswith("st_")
@@ -80,9 +83,11 @@ def test_a_cut_stream_reattaches_with_the_key_and_last_event_id(broker: RunningB
         for round_ in range(4):
             key = f"chat-reattach-{round_}"
             ask: dict[str, Any] = {
-                "model": "simulated", "messages": MESSAGES, "stream": True,
+                "model": "simulated",
+                "messages": MESSAGES,
+                "stream": True,
                 "extra_body": simulate(tokens=50, tokens_per_s=400, seed=round_),
-            }  # fmt: skip
+            }
             stream = sdk.chat.completions.create(**ask, extra_headers={"Idempotency-Key": key})
             cut = rng.randrange(1, 50)
             first: list[ChatCompletionChunk] = []
@@ -113,10 +118,14 @@ def test_chat_errors_have_openai_shape(broker: RunningBroker) -> None:
         with pytest.raises(openai.BadRequestError) as empty:
             sdk.chat.completions.create(model="simulated", messages=[])
         with pytest.raises(openai.BadRequestError) as offset:
-            list(sdk.chat.completions.create(
-                model="simulated", messages=MESSAGES, stream=True,
-                extra_headers={"Last-Event-ID": "garbage"},
-            ))  # fmt: skip
+            list(
+                sdk.chat.completions.create(
+                    model="simulated",
+                    messages=MESSAGES,
+                    stream=True,
+                    extra_headers={"Last-Event-ID": "garbage"},
+                )
+            )
     assert unknown.value.param == "frobnicate"
     assert empty.value.param == "messages"
     assert offset.value.code == "bad_offset"
@@ -130,13 +139,17 @@ def test_bearer_keys_work_and_tenants_never_share_a_completion(
     key = {"Idempotency-Key": "shared-name"}
     with client(broker, mine) as a, client(broker, theirs) as b:
         first = a.chat.completions.with_raw_response.create(
-            model="simulated", messages=MESSAGES, extra_headers=key,
+            model="simulated",
+            messages=MESSAGES,
+            extra_headers=key,
             extra_body=simulate(tokens=6, seed=1),
-        )  # fmt: skip
+        )
         other = b.chat.completions.with_raw_response.create(
-            model="simulated", messages=MESSAGES, extra_headers=key,
+            model="simulated",
+            messages=MESSAGES,
+            extra_headers=key,
             extra_body=simulate(tokens=6, seed=2),
-        )  # fmt: skip
+        )
     # The same key names two turns, one per tenant: b neither attached to a's nor saw its text.
     assert first.headers["x-broker-stream-id"] != other.headers["x-broker-stream-id"]
     assert first.parse().choices[0].message.content != other.parse().choices[0].message.content
@@ -152,14 +165,22 @@ def test_a_broker_streams_through_another_brokers_chat_completions(
     upstream_key = "key-upstream-0123456789abcdef"
     b = broker_factory(api_keys=f"relay={upstream_key}")
     a = broker_factory(
-        openai_base_url=f"{b.base_url}/v1", openai_models="simulated",
+        openai_base_url=f"{b.base_url}/v1",
+        openai_models="simulated",
         openai_api_key=upstream_key,
-    )  # fmt: skip
+    )
     messages: list[Any] = [{"role": "user", "content": "through two brokers"}]
-    created = httpx.post(f"{a.base_url}/v1/turns", timeout=10, json={
-        "conversation_id": "relay", "messages": messages, "provider": "openai",
-        "model": "simulated", "params": {"seed": 5},
-    })  # fmt: skip
+    created = httpx.post(
+        f"{a.base_url}/v1/turns",
+        timeout=10,
+        json={
+            "conversation_id": "relay",
+            "messages": messages,
+            "provider": "openai",
+            "model": "simulated",
+            "params": {"seed": 5},
+        },
+    )
     assert created.status_code == 201, created.text
     final = wait_final(a.base_url, created.json()["turn_id"], timeout=30)
     assert final["status"] == "complete", final
@@ -177,20 +198,30 @@ def test_an_interrupted_stream_finishes_length_and_a_failed_one_raises(
     broker: RunningBroker,
 ) -> None:
     with client(broker) as sdk:
-        cut = [checked(c) for c in sdk.chat.completions.create(
-            model="simulated", messages=MESSAGES, stream=True,
-            extra_body=simulate(tokens=20, fail_after_deltas=5),
-        )]  # fmt: skip
+        cut = [
+            checked(c)
+            for c in sdk.chat.completions.create(
+                model="simulated",
+                messages=MESSAGES,
+                stream=True,
+                extra_body=simulate(tokens=20, fail_after_deltas=5),
+            )
+        ]
         with pytest.raises(openai.APIError) as failed:
-            list(sdk.chat.completions.create(
-                model="simulated", messages=MESSAGES, stream=True,
-                extra_body=simulate(tokens=20, fail_before_first=1, error="fatal"),
-            ))  # fmt: skip
+            list(
+                sdk.chat.completions.create(
+                    model="simulated",
+                    messages=MESSAGES,
+                    stream=True,
+                    extra_body=simulate(tokens=20, fail_before_first=1, error="fatal"),
+                )
+            )
         with pytest.raises(openai.APIStatusError) as failed_whole:
             sdk.chat.completions.create(
-                model="simulated", messages=MESSAGES,
+                model="simulated",
+                messages=MESSAGES,
                 extra_body=simulate(tokens=20, fail_before_first=1, error="fatal"),
-            )  # fmt: skip
+            )
     assert cut[-1].choices[0].finish_reason == "length"
     assert len(content(cut)) > 0
     assert "failed" in str(failed.value)
@@ -199,9 +230,11 @@ def test_an_interrupted_stream_finishes_length_and_a_failed_one_raises(
 
 async def test_the_async_client_reattaches_a_cut_completion(broker: RunningBroker) -> None:
     ask: dict[str, Any] = {
-        "model": "simulated", "messages": MESSAGES, "stream": True,
+        "model": "simulated",
+        "messages": MESSAGES,
+        "stream": True,
         "extra_body": simulate(tokens=30, tokens_per_s=300, seed=9),
-    }  # fmt: skip
+    }
     key = {"Idempotency-Key": "chat-async-1"}
     async with async_client(broker) as sdk:
         first: list[ChatCompletionChunk] = []

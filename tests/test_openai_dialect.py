@@ -63,15 +63,26 @@ def test_a_streamed_response_parses_into_the_sdk_types_and_ends_completed(
 ) -> None:
     with client(broker) as sdk:
         stream = sdk.responses.create(
-            model="simulated", input="tell me", stream=True, background=True,
+            model="simulated",
+            input="tell me",
+            stream=True,
+            background=True,
             extra_body=simulate(tokens=30, tokens_per_s=300),
-        )  # fmt: skip
+        )
         events = [checked(e) for e in stream]
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", "response.completed"]  # fmt: skip
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert kinds.count("response.output_text.delta") == 30
     assert [e.sequence_number for e in events] == list(range(len(events)))
     response_id = events[0].response.id
@@ -92,9 +103,12 @@ def test_a_reader_cut_anywhere_resumes_with_starting_after_byte_identical(
     with client(broker) as sdk:
         for _ in range(6):
             stream = sdk.responses.create(
-                model="simulated", input="a long answer", stream=True, background=True,
+                model="simulated",
+                input="a long answer",
+                stream=True,
+                background=True,
                 extra_body=simulate(tokens=60, tokens_per_s=400, seed=rng.randrange(1000)),
-            )  # fmt: skip
+            )
             cut = rng.randrange(1, 66)
             first: list[Any] = []
             for event in stream:
@@ -122,9 +136,12 @@ def test_a_reader_cut_anywhere_resumes_with_starting_after_byte_identical(
 async def test_the_async_client_cuts_and_resumes_too(broker: RunningBroker) -> None:
     async with async_client(broker) as sdk:
         stream = await sdk.responses.create(
-            model="simulated", input="async", stream=True, background=True,
+            model="simulated",
+            input="async",
+            stream=True,
+            background=True,
             extra_body=simulate(tokens=40, tokens_per_s=300),
-        )  # fmt: skip
+        )
         first: list[Any] = []
         async for event in stream:
             first.append(checked(event))
@@ -142,14 +159,21 @@ async def test_the_async_client_cuts_and_resumes_too(broker: RunningBroker) -> N
 
 def test_resuming_after_the_last_event_sends_nothing_and_ends(broker: RunningBroker) -> None:
     with client(broker) as sdk:
-        events: list[Any] = list(sdk.responses.create(
-            model="simulated", input="x", stream=True, extra_body=simulate(tokens=5),
-        ))  # fmt: skip
+        events: list[Any] = list(
+            sdk.responses.create(
+                model="simulated",
+                input="x",
+                stream=True,
+                extra_body=simulate(tokens=5),
+            )
+        )
         last = events[-1].sequence_number
-        after = list(sdk.responses.retrieve(events[0].response.id, stream=True,
-                                            starting_after=last))  # fmt: skip
-        middle = list(sdk.responses.retrieve(events[0].response.id, stream=True,
-                                             starting_after=last - 2))  # fmt: skip
+        after = list(
+            sdk.responses.retrieve(events[0].response.id, stream=True, starting_after=last)
+        )
+        middle = list(
+            sdk.responses.retrieve(events[0].response.id, stream=True, starting_after=last - 2)
+        )
     assert after == []
     assert [e.sequence_number for e in middle] == [last - 1, last]
 
@@ -157,9 +181,11 @@ def test_resuming_after_the_last_event_sends_nothing_and_ends(broker: RunningBro
 def test_retrieve_returns_the_response_object_with_its_text(broker: RunningBroker) -> None:
     with client(broker) as sdk:
         created = sdk.responses.create(
-            model="simulated", input="poll me", background=True,
+            model="simulated",
+            input="poll me",
+            background=True,
             extra_body=simulate(tokens=20, tokens_per_s=200),
-        )  # fmt: skip
+        )
         assert isinstance(created, Response)
         assert created.status in ("queued", "in_progress")
 
@@ -191,23 +217,35 @@ def test_the_same_idempotency_key_attaches_and_a_different_body_is_a_conflict(
     key = {"Idempotency-Key": "resp-double-click-1"}
     with client(broker) as sdk:
         first = sdk.responses.create(
-            model="simulated", input="once", background=True, extra_headers=key,
+            model="simulated",
+            input="once",
+            background=True,
+            extra_headers=key,
             extra_body=simulate(tokens=10),
-        )  # fmt: skip
+        )
         second = sdk.responses.create(
-            model="simulated", input="once", background=True, extra_headers=key,
+            model="simulated",
+            input="once",
+            background=True,
+            extra_headers=key,
             extra_body=simulate(tokens=10),
-        )  # fmt: skip
+        )
         assert first.id == second.id == "resp-double-click-1"
         with pytest.raises(openai.ConflictError) as conflict:
             sdk.responses.create(
-                model="simulated", input="twice", background=True, extra_headers=key,
+                model="simulated",
+                input="twice",
+                background=True,
+                extra_headers=key,
                 extra_body=simulate(tokens=10),
-            )  # fmt: skip
+            )
         via_metadata = sdk.responses.create(
-            model="simulated", input="meta", background=True,
-            metadata={"turn_id": "resp-by-metadata"}, extra_body=simulate(tokens=3),
-        )  # fmt: skip
+            model="simulated",
+            input="meta",
+            background=True,
+            metadata={"turn_id": "resp-by-metadata"},
+            extra_body=simulate(tokens=3),
+        )
     assert conflict.value.body is not None
     assert set(conflict.value.response.json()["error"]) == {"message", "type", "param", "code"}
     assert via_metadata.id == "resp-by-metadata"
@@ -221,9 +259,12 @@ def test_the_same_idempotency_key_attaches_and_a_different_body_is_a_conflict(
 def test_cancel_stops_a_running_response_and_is_idempotent(broker: RunningBroker) -> None:
     with client(broker) as sdk:
         stream = sdk.responses.create(
-            model="simulated", input="slow", stream=True, background=True,
+            model="simulated",
+            input="slow",
+            stream=True,
+            background=True,
             extra_body=simulate(tokens=400, tokens_per_s=40),
-        )  # fmt: skip
+        )
         seen: list[Any] = []
         for event in stream:
             seen.append(checked(event))
@@ -283,14 +324,16 @@ def test_auth_and_tenants_hold_on_the_responses_routes(broker_factory: BrokerFac
         with pytest.raises(openai.NotFoundError):
             list(theirs.responses.retrieve(created.id, stream=True))
         with pytest.raises(openai.BadRequestError):
-            theirs.responses.create(model="simulated", input="x",
-                                    previous_response_id=created.id)  # fmt: skip
+            theirs.responses.create(model="simulated", input="x", previous_response_id=created.id)
     with client(broker, "wrong-key") as nobody, pytest.raises(openai.AuthenticationError) as exc:
         nobody.responses.retrieve(created.id)
     assert exc.value.response.json()["error"]["type"] == "authentication_error"
     paths = httpx.get(f"{broker.base_url}/openapi.json").json()["paths"]
-    for path in ("/v1/responses", "/v1/responses/{response_id}",
-                 "/v1/responses/{response_id}/cancel"):  # fmt: skip
+    for path in (
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
+    ):
         assert path in paths
 
 
@@ -302,9 +345,11 @@ def test_previous_response_id_sends_the_canonical_history_plus_the_new_input(
             model="simulated", input="first question", extra_body=simulate(tokens=6)
         )
         second = sdk.responses.create(
-            model="simulated", input=[{"role": "user", "content": "second question"}],
-            previous_response_id=first.id, extra_body=simulate(tokens=6),
-        )  # fmt: skip
+            model="simulated",
+            input=[{"role": "user", "content": "second question"}],
+            previous_response_id=first.id,
+            extra_body=simulate(tokens=6),
+        )
     assert second.status == "completed"
     history = httpx.get(f"{broker.base_url}/v1/conversations/{first.id}/messages").json()
     assert history["messages"] == [
@@ -318,9 +363,10 @@ def test_previous_response_id_sends_the_canonical_history_plus_the_new_input(
 
 def _item_text(events: list[Any], output_index: int) -> str:
     return "".join(
-        e.delta for e in events
+        e.delta
+        for e in events
         if e.type == "response.output_text.delta" and e.output_index == output_index
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("strategy", ["regenerate", "continue"])
@@ -329,9 +375,12 @@ def test_an_interrupted_response_and_its_next_attempt_never_double_the_text(
 ) -> None:
     with client(broker) as sdk:
         stream = sdk.responses.create(
-            model="simulated", input="break", stream=True, background=True,
+            model="simulated",
+            input="break",
+            stream=True,
+            background=True,
             extra_body=simulate(tokens=30, fail_after_deltas=8),
-        )  # fmt: skip
+        )
         first = [checked(e) for e in stream]
         response_id = first[0].response.id
         assert first[-1].type == "response.incomplete"
@@ -384,8 +433,10 @@ def test_resuming_at_any_point_of_a_long_response_sends_exactly_what_follows(
         assert [e["sequence_number"] for e in full] == list(range(len(full)))
         points = [*rng.sample(range(len(full)), 25), 0, 1, 2, 3, len(full) - 2, len(full) - 1]
         for after in points:
-            got = [e.to_dict() for e in sdk.responses.retrieve(
-                created.id, stream=True, starting_after=after)]  # fmt: skip
+            got = [
+                e.to_dict()
+                for e in sdk.responses.retrieve(created.id, stream=True, starting_after=after)
+            ]
             assert got == full[after + 1 :], after
     key = broker.runtime.keys.events(created.id, created.id) + ":responses-seq"
     assert raw_redis.zcard(key) >= 700 // 64 - 1  # the walks left checkpoints behind
@@ -418,8 +469,9 @@ def test_input_text_parts_and_model_errors(broker: RunningBroker) -> None:
         response = sdk.responses.create(
             model="simulated",
             input=[{"role": "user", "content": [{"type": "input_text", "text": "in parts"}]}],
-            instructions="be brief", extra_body=simulate(tokens=4),
-        )  # fmt: skip
+            instructions="be brief",
+            extra_body=simulate(tokens=4),
+        )
         with pytest.raises(openai.BadRequestError) as unknown_model:
             sdk.responses.create(model="no-such-model", input="x")
         with pytest.raises(openai.BadRequestError) as unknown_provider:
@@ -439,11 +491,18 @@ def test_the_dialect_package_exports_its_router_only(broker: RunningBroker) -> N
 
     assert dialect.__all__ == ["router"]
     paths = httpx.get(f"{broker.base_url}/openapi.json").json()["paths"]
-    mine = {(path, method) for path, item in paths.items() for method in item
-            if path.startswith(("/v1/responses", "/v1/chat"))}  # fmt: skip
-    assert mine == {("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),
-                    ("/v1/responses/{response_id}/cancel", "post"),
-                    ("/v1/chat/completions", "post")}  # fmt: skip
+    mine = {
+        (path, method)
+        for path, item in paths.items()
+        for method in item
+        if path.startswith(("/v1/responses", "/v1/chat"))
+    }
+    assert mine == {
+        ("/v1/responses", "post"),
+        ("/v1/responses/{response_id}", "get"),
+        ("/v1/responses/{response_id}/cancel", "post"),
+        ("/v1/chat/completions", "post"),
+    }
 
 
 def test_concurrent_creates_with_one_key_start_one_generation(broker: RunningBroker) -> None:
@@ -452,10 +511,12 @@ def test_concurrent_creates_with_one_key_start_one_generation(broker: RunningBro
     def create(_: int) -> str:
         with client(broker) as sdk:
             return sdk.responses.create(
-                model="simulated", input="same", background=True,
+                model="simulated",
+                input="same",
+                background=True,
                 extra_headers={"Idempotency-Key": "resp-concurrent"},
                 extra_body=simulate(tokens=5),
-            ).id  # fmt: skip
+            ).id
 
     with ThreadPoolExecutor(8) as pool:
         ids = list(pool.map(create, range(8)))
@@ -472,10 +533,12 @@ def test_a_repeated_follow_up_with_its_key_attaches_instead_of_conflicting(
             model="simulated", input="first", extra_body=simulate(tokens=4)
         )
         ask: dict[str, Any] = {
-            "model": "simulated", "input": "second", "previous_response_id": first.id,
+            "model": "simulated",
+            "input": "second",
+            "previous_response_id": first.id,
             "extra_headers": {"Idempotency-Key": "resp-follow-up"},
             "extra_body": simulate(tokens=4),
-        }  # fmt: skip
+        }
         one = sdk.responses.create(**ask)
         two = sdk.responses.create(**ask)
         with pytest.raises(openai.ConflictError):

@@ -57,9 +57,11 @@ CHAT_KEYS = [
     "user",
 ]
 MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "x"]),
-     "content": st.text(max_size=10) | json_values},
-)  # fmt: skip
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "x"]),
+        "content": st.text(max_size=10) | json_values,
+    },
+)
 
 
 GOOD_MESSAGE = st.fixed_dictionaries(
@@ -67,14 +69,22 @@ GOOD_MESSAGE = st.fixed_dictionaries(
 )
 # Values the routes take, so that some generated bodies are valid and start real turns.
 SANE: dict[str, st.SearchStrategy[Any]] = {
-    "stream": st.booleans(), "background": st.booleans(), "store": st.just(True),
-    "temperature": st.floats(0, 2), "top_p": st.floats(0, 1),
-    "max_output_tokens": st.integers(1, 50), "max_tokens": st.integers(1, 50),
-    "max_completion_tokens": st.integers(1, 50), "seed": st.integers(0, 99), "n": st.just(1),
-    "instructions": st.text(max_size=8), "user": st.text(max_size=8), "stop": st.text(max_size=3),
+    "stream": st.booleans(),
+    "background": st.booleans(),
+    "store": st.just(True),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1),
+    "max_output_tokens": st.integers(1, 50),
+    "max_tokens": st.integers(1, 50),
+    "max_completion_tokens": st.integers(1, 50),
+    "seed": st.integers(0, 99),
+    "n": st.just(1),
+    "instructions": st.text(max_size=8),
+    "user": st.text(max_size=8),
+    "stop": st.text(max_size=3),
     "metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
     "stream_options": st.just({"include_usage": True}),
-}  # fmt: skip
+}
 
 
 def bodies(keys: list[str], messages_key: str) -> st.SearchStrategy[Any]:
@@ -86,13 +96,17 @@ def bodies(keys: list[str], messages_key: str) -> st.SearchStrategy[Any]:
         | st.text(max_size=10)
         | json_values,
     }
-    value = {k: (SANE[k] | json_values) if k in SANE else plausible.get(k, json_values)
-             for k in keys}  # fmt: skip
+    value = {
+        k: (SANE[k] | json_values) if k in SANE else plausible.get(k, json_values) for k in keys
+    }
     near = st.fixed_dictionaries(
         {"model": value["model"], messages_key: value[messages_key]},
-        optional={**{k: v for k, v in value.items() if k not in ("model", messages_key)},
-                  "broker": st.just(FAST) | json_values, "extra_thing": json_values},
-    )  # fmt: skip
+        optional={
+            **{k: v for k, v in value.items() if k not in ("model", messages_key)},
+            "broker": st.just(FAST) | json_values,
+            "extra_thing": json_values,
+        },
+    )
     return near | json_values
 
 
@@ -108,9 +122,12 @@ def fuzzed(redis_url: str) -> Iterator[RunningBroker]:
 def send(broker: RunningBroker, path: str, body: Any, headers: dict[str, str]) -> int:
     raw = json.dumps(body).encode()  # (big integers and NaN too: the server must refuse them)
     with httpx.stream(
-        "POST", f"{broker.base_url}{path}", content=raw, timeout=30,
+        "POST",
+        f"{broker.base_url}{path}",
+        content=raw,
+        timeout=30,
         headers={**bearer(KEY), "Content-Type": "application/json", **headers},
-    ) as answer:  # fmt: skip
+    ) as answer:
         assert answer.status_code < 500, (body, answer.read())
         if answer.status_code >= 400:
             error = orjson.loads(answer.read())["error"]
@@ -121,22 +138,25 @@ def send(broker: RunningBroker, path: str, body: Any, headers: dict[str, str]) -
 
 
 HEADERS = st.fixed_dictionaries(
-    {}, optional={"Idempotency-Key": st.sampled_from(["k1", "k 2", "", "x" * 200, "k3"]),
-                  "Last-Event-ID": st.sampled_from(["-1", "now", "bad", "0-0"])},
-)  # fmt: skip
+    {},
+    optional={
+        "Idempotency-Key": st.sampled_from(["k1", "k 2", "", "x" * 200, "k3"]),
+        "Last-Event-ID": st.sampled_from(["-1", "now", "bad", "0-0"]),
+    },
+)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     ("path", "keys", "messages_key"),
-    [("/v1/responses", RESPONSES_KEYS, "input"),
-     ("/v1/chat/completions", CHAT_KEYS, "messages")],
-)  # fmt: skip
+    [("/v1/responses", RESPONSES_KEYS, "input"), ("/v1/chat/completions", CHAT_KEYS, "messages")],
+)
 def test_generated_bodies_never_get_a_5xx_and_errors_have_openai_shape(
     fuzzed: RunningBroker, path: str, keys: list[str], messages_key: str
 ) -> None:
-    @settings(max_examples=150, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(body=bodies(keys, messages_key), headers=HEADERS)
     def run(body: Any, headers: dict[str, str]) -> None:
         statuses.add(send(fuzzed, path, body, headers))

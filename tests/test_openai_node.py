@@ -21,8 +21,12 @@ def test_the_node_sdk_cuts_and_resumes_a_response_and_a_completion(broker: Runni
         missing_tool("tests/node/openai has no node_modules: run `npm ci` in it")
     result = subprocess.run(
         [node, "--test", "test/"],
-        cwd=FOLDER, capture_output=True, text=True, timeout=180, check=False,
+        cwd=FOLDER,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
         env={**os.environ, "BROKER_URL": broker.base_url},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
     assert "# pass 3" in result.stdout, result.stdout

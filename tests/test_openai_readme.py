@@ -25,8 +25,12 @@ def test_the_openai_sdk_snippet_cuts_resumes_and_cancels(
     )
     run = subprocess.run(
         [sys.executable, "-c", code.replace("http://127.0.0.1:8000", broker.base_url)],
-        capture_output=True, text=True, timeout=120, check=False, env=dict(os.environ),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=dict(os.environ),
+    )
     assert run.returncode == 0, run.stderr
     # (The snippet asserts that the resumed text is the response's; the answers span lines.)
     *answers, status = run.stdout.splitlines()

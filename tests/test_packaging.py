@@ -330,8 +330,9 @@ def test_prometheus_loads_the_rules_and_not_their_unit_tests() -> None:
 
 def test_prometheus_sends_its_alerts_to_the_alertmanager_service() -> None:
     alerting = prometheus_config()["alerting"]["alertmanagers"]
-    targets = {t for manager in alerting for group in manager["static_configs"]
-               for t in group["targets"]}  # fmt: skip
+    targets = {
+        t for manager in alerting for group in manager["static_configs"] for t in group["targets"]
+    }
     assert targets == {f"alertmanager:{ALERTMANAGER_PORT}"}
     alertmanager = services()["alertmanager"]
     assert [published(m)[2] for m in alertmanager["ports"]] == [str(ALERTMANAGER_PORT)]
@@ -350,8 +351,11 @@ def test_amtool_accepts_the_alertmanager_config() -> None:
         missing_tool("amtool not found: set AMTOOL or put it on PATH (.ci/run installs it)")
     done = subprocess.run(
         [amtool, "check-config", str(ROOT / "grafana/alertmanager.yml")],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, f"amtool check-config failed:\n{done.stdout}{done.stderr}"
     assert "SUCCESS" in done.stdout
 

@@ -101,9 +101,13 @@ def test_embedded_server_logs_its_binary_and_version(broker_processes: Spawn) ->
 def test_unreachable_redis_url_fails_with_one_clear_line() -> None:
     env = {**os.environ, "BROKER_REDIS_URL": "redis://127.0.0.1:1/0"}
     result = subprocess.run(
-        [sys.executable, "-m", "broker", "serve", "--port", "0"], env=env,
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "broker", "serve", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("broker: cannot connect to Redis at redis://127.0.0.1:1/0")
@@ -111,12 +115,19 @@ def test_unreachable_redis_url_fails_with_one_clear_line() -> None:
 
 
 def test_bad_settings_fail_with_one_clear_line() -> None:
-    env = {**os.environ, "BROKER_REDIS_URL": "http://user:hunter2@example.invalid",
-           "BROKER_PORT": "0"}  # fmt: skip
+    env = {
+        **os.environ,
+        "BROKER_REDIS_URL": "http://user:hunter2@example.invalid",
+        "BROKER_PORT": "0",
+    }
     result = subprocess.run(
-        [sys.executable, "-m", "broker", "serve"], env=env,
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "broker", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "broker: BROKER_REDIS_URL must start with redis://, rediss:// or unix://, "
@@ -176,9 +187,12 @@ def test_sigterm_hands_back_a_generation_that_delivered_nothing_yet(
     }
     first = broker_processes(env)
     turn = start_turn(
-        first.base_url, turn_id="slow-start", tokens=12, tokens_per_s=0,
+        first.base_url,
+        turn_id="slow-start",
+        tokens=12,
+        tokens_per_s=0,
         first_delta_after_ms=60_000,
-    )  # fmt: skip
+    )
     wait_until(lambda: get_turn(first.base_url, "slow-start")["status"] == "streaming", 10)
     assert first.stop(signal.SIGTERM) == 0
     assert any("handed back" in line for line in first.lines)

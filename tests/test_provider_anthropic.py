@@ -57,9 +57,13 @@ def claude_broker(factory: BrokerFactory, fake: FakeAnthropic, **overrides: Any)
     re-check.
     """
     settings: dict[str, Any] = {
-        "anthropic_base_url": fake.url, "anthropic_api_key": KEY, "anthropic_models": MODELS,
-        "retry_backoff_min_ms": 1, "retry_backoff_max_ms": 5, "sse_heartbeat_s": 1.0,
-    }  # fmt: skip
+        "anthropic_base_url": fake.url,
+        "anthropic_api_key": KEY,
+        "anthropic_models": MODELS,
+        "retry_backoff_min_ms": 1,
+        "retry_backoff_max_ms": 5,
+        "sse_heartbeat_s": 1.0,
+    }
     return factory(**{**settings, **overrides})
 
 
@@ -70,9 +74,12 @@ def claude(broker_factory: BrokerFactory, fake: FakeAnthropic) -> RunningBroker:
 
 def post_turn(broker: RunningBroker, turn_id: str, **fields: Any) -> httpx.Response:
     body: dict[str, Any] = {
-        "conversation_id": f"conv-{turn_id}", "turn_id": turn_id, "provider": "anthropic",
-        "messages": [{"role": "user", "content": "Tell me about tunnels"}], **fields,
-    }  # fmt: skip
+        "conversation_id": f"conv-{turn_id}",
+        "turn_id": turn_id,
+        "provider": "anthropic",
+        "messages": [{"role": "user", "content": "Tell me about tunnels"}],
+        **fields,
+    }
     return httpx.post(f"{broker.base_url}/v1/turns", json=body, timeout=10)
 
 
@@ -92,10 +99,14 @@ def kinds(events: list[SSEEvent]) -> list[str]:
 
 def test_a_turn_streams_text_and_usage(claude: RunningBroker, fake: FakeAnthropic) -> None:
     fake.text("Tunnels", " are", " dug.", input_tokens=12, output_tokens=3)
-    events = run_turn(claude, "plain", messages=[
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Tell me about tunnels", "name": "ana"},
-    ])  # fmt: skip
+    events = run_turn(
+        claude,
+        "plain",
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Tell me about tunnels", "name": "ana"},
+        ],
+    )
     assert kinds(events) == ["attempt", "delta", "delta", "delta", "usage", "end"]
     assert text_of(events) == "Tunnels are dug."
     assert events[4].data == {"attempt": 1, "input_tokens": 12, "output_tokens": 3}
@@ -106,9 +117,12 @@ def test_a_turn_streams_text_and_usage(claude: RunningBroker, fake: FakeAnthropi
     }
     (call,) = fake.calls
     assert call.body == {
-        "model": "claude-test", "max_tokens": 4096, "stream": True, "system": "Be brief.",
+        "model": "claude-test",
+        "max_tokens": 4096,
+        "stream": True,
+        "system": "Be brief.",
         "messages": [{"role": "user", "content": "Tell me about tunnels"}],
-    }  # fmt: skip
+    }
     assert call.headers["authorization"] == f"Bearer {KEY}"
     assert call.headers["anthropic-version"]
 
@@ -127,8 +141,14 @@ def test_params_model_and_json_mode_shape_the_request(
         {"role": "user", "content": "three"},
     ]
     params = {"temperature": 0.2, "top_p": 0.9, "top_k": 5, "max_tokens": 64, "stop": "END"}
-    events = run_turn(claude, "shaped", messages=history, model="claude-other", params=params,
-                      response_format="json")  # fmt: skip
+    events = run_turn(
+        claude,
+        "shaped",
+        messages=history,
+        model="claude-other",
+        params=params,
+        response_format="json",
+    )
     assert events[-1].data["status"] == "complete"
     assert json.loads(text_of(events)) == {"tunnels": 3}
     (call,) = fake.calls
@@ -137,12 +157,17 @@ def test_params_model_and_json_mode_shape_the_request(
     assert call.messages == [
         {"role": "user", "content": "one"},
         {"role": "assistant", "content": "a partial answer"},
-        {"role": "user", "content": [{"type": "text", "text": "two"},
-                                     {"type": "text", "text": "three"}]},
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "two"}, {"type": "text", "text": "three"}],
+        },
+    ]
     assert {k: call.body[k] for k in ("temperature", "top_p", "top_k", "max_tokens")} == {
-        "temperature": 0.2, "top_p": 0.9, "top_k": 5, "max_tokens": 64,
-    }  # fmt: skip
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 5,
+        "max_tokens": 64,
+    }
     assert call.body["stop_sequences"] == ["END"]
 
 
@@ -175,36 +200,76 @@ def test_a_tool_call_runs_and_the_next_request_carries_use_and_result(
     broker_factory: BrokerFactory, fake: FakeAnthropic, weather: ToolEndpoint, tmp_path: Path
 ) -> None:
     tools_file = tmp_path / "tools.json"
-    tools_file.write_text(json.dumps({"tools": [{
-        "name": "get_weather", "class": "read", "schema": WEATHER_SCHEMA, "endpoint": weather.url,
-    }]}))  # fmt: skip
+    tools_file.write_text(
+        json.dumps(
+            {
+                "tools": [
+                    {
+                        "name": "get_weather",
+                        "class": "read",
+                        "schema": WEATHER_SCHEMA,
+                        "endpoint": weather.url,
+                    }
+                ]
+            }
+        )
+    )
     broker = claude_broker(broker_factory, fake, tools=str(tools_file))
-    fake.tool_use("get_weather", ['{"city": ', '"Par', 'is"}'], tool_id="toolu_01A",
-                  text=["Let me check", "."])  # fmt: skip
+    fake.tool_use(
+        "get_weather",
+        ['{"city": ', '"Par', 'is"}'],
+        tool_id="toolu_01A",
+        text=["Let me check", "."],
+    )
     fake.text("It is 21 °C", " and clear.")
     function = {"name": "get_weather", "description": "Weather now", "parameters": WEATHER_SCHEMA}
     events = run_turn(broker, "tools", tools=[{"type": "function", "function": function}])
-    assert kinds(events) == ["attempt", "delta", "delta", "tool_call", "tool_result", "usage",
-                             "delta", "delta", "usage", "end"]  # fmt: skip
+    assert kinds(events) == [
+        "attempt",
+        "delta",
+        "delta",
+        "tool_call",
+        "tool_result",
+        "usage",
+        "delta",
+        "delta",
+        "usage",
+        "end",
+    ]
     call_event, result_event = events[3].data, events[4].data
     assert call_event == {
-        "attempt": 1, "call_id": "toolu_01A", "name": "get_weather", "args": {"city": "Paris"},
-        "ordinal": 0, "status": "dispatched",
-    }  # fmt: skip
+        "attempt": 1,
+        "call_id": "toolu_01A",
+        "name": "get_weather",
+        "args": {"city": "Paris"},
+        "ordinal": 0,
+        "status": "dispatched",
+    }
     assert (result_event["source"], result_event["result"]) == ("ran", WEATHER)
     assert events[-1].data["status"] == "complete"
     assert text_of(events) == "Let me check.It is 21 °C and clear."
     assert weather.bodies == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
     first, follow_up = fake.calls
-    anthropic_tool = {"name": "get_weather", "description": "Weather now",
-                      "input_schema": WEATHER_SCHEMA}  # fmt: skip
+    anthropic_tool = {
+        "name": "get_weather",
+        "description": "Weather now",
+        "input_schema": WEATHER_SCHEMA,
+    }
     assert first.body["tools"] == follow_up.body["tools"] == [anthropic_tool]
     assert follow_up.messages[:-2] == first.messages
     assistant, user = follow_up.messages[-2:]
-    assert assistant == {"role": "assistant", "content": [
-        {"type": "text", "text": "Let me check."},
-        {"type": "tool_use", "id": "toolu_01A", "name": "get_weather", "input": {"city": "Paris"}},
-    ]}  # fmt: skip
+    assert assistant == {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "Let me check."},
+            {
+                "type": "tool_use",
+                "id": "toolu_01A",
+                "name": "get_weather",
+                "input": {"city": "Paris"},
+            },
+        ],
+    }
     (result,) = user["content"]
     assert user["role"] == "user"
     assert (result["type"], result["tool_use_id"]) == ("tool_result", "toolu_01A")
@@ -290,8 +355,9 @@ def test_an_error_event_after_100_deltas_interrupts(
     assert len(fake.calls) == 1
 
 
-@pytest.mark.parametrize(("cut", "code"), [("truncate", "upstream_incomplete"),
-                                           ("drop", "upstream_connection")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cut", "code"), [("truncate", "upstream_incomplete"), ("drop", "upstream_connection")]
+)
 def test_a_stream_cut_before_message_stop_interrupts(
     claude: RunningBroker, fake: FakeAnthropic, cut: str, code: str
 ) -> None:
@@ -351,8 +417,9 @@ def test_continue_sends_the_partial_as_a_native_prefill(
     assert partial == "Once upon a time, "
     assert first[-1].data["status"] == "interrupted"
     fake.text(" there", " was", " a broker.")
-    response = httpx.post(f"{claude.base_url}/v1/turns/story/attempts",
-                          json={"strategy": "continue"}, timeout=10)  # fmt: skip
+    response = httpx.post(
+        f"{claude.base_url}/v1/turns/story/attempts", json={"strategy": "continue"}, timeout=10
+    )
     assert response.status_code == 201
     stream_id = get_turn(claude.base_url, "story")["stream_id"]
     rest = read_sse(claude.base_url, stream_id, last_event_id=first[-1].id).events
@@ -367,8 +434,9 @@ def test_continue_sends_the_partial_as_a_native_prefill(
     ]
     assert text_of(rest) == "there was a broker."
     assert get_turn(claude.base_url, "story")["canonical"] == {
-        "attempt": 2, "text": "Once upon a time, there was a broker.",
-    }  # fmt: skip
+        "attempt": 2,
+        "text": "Once upon a time, there was a broker.",
+    }
 
 
 # --- the adapter on its own ----------------------------------------------------------------------
@@ -376,10 +444,16 @@ def test_continue_sends_the_partial_as_a_native_prefill(
 
 def request(**fields: Any) -> GenerationRequest:
     values: dict[str, Any] = {
-        "conversation_id": "c", "turn_id": "t", "attempt": 1, "strategy": "initial",
-        "messages": [{"role": "user", "content": "hi"}], "model": "claude-test", "params": {},
-        "response_format": "text", "upstream_call": 0,
-    }  # fmt: skip
+        "conversation_id": "c",
+        "turn_id": "t",
+        "attempt": 1,
+        "strategy": "initial",
+        "messages": [{"role": "user", "content": "hi"}],
+        "model": "claude-test",
+        "params": {},
+        "response_format": "text",
+        "upstream_call": 0,
+    }
     return GenerationRequest(**{**values, **fields})
 
 
@@ -412,37 +486,56 @@ async def test_a_finished_answer_leaves_its_connection_for_the_next(fake: FakeAn
 def test_tool_formats_steps_and_tool_messages_map_to_anthropic_blocks() -> None:
     native = {"name": "lookup", "description": "Find", "input_schema": {"type": "object"}}
     step = ToolStep(
-        "", [{"id": "toolu_1", "name": "lookup", "arguments": '{"q": "x"}'}],
+        "",
+        [{"id": "toolu_1", "name": "lookup", "arguments": '{"q": "x"}'}],
         [{"id": "toolu_1", "name": "lookup", "content": '{"hits": 2}'}],
-    )  # fmt: skip
-    body, stripped = build_body(request(
-        messages=[{"role": "user", "content": "find x"},
-                  {"role": "tool", "name": "lookup", "content": "earlier result"},
-                  {"role": "assistant", "content": "Looking "}],
-        tools=[native, {"type": "function", "function": {"name": "plain"}}], tool_steps=[step],
-    ), 100)  # fmt: skip
+    )
+    body, stripped = build_body(
+        request(
+            messages=[
+                {"role": "user", "content": "find x"},
+                {"role": "tool", "name": "lookup", "content": "earlier result"},
+                {"role": "assistant", "content": "Looking "},
+            ],
+            tools=[native, {"type": "function", "function": {"name": "plain"}}],
+            tool_steps=[step],
+        ),
+        100,
+    )
     assert stripped == ""  # the last message is the tool results, not a prefill
     assert body["tools"] == [
         native,
         {"name": "plain", "input_schema": {"type": "object", "properties": {}}},
     ]
     assert body["messages"] == [
-        {"role": "user", "content": [{"type": "text", "text": "find x"},
-                                     {"type": "text", "text": "[result of the tool lookup]\n"
-                                                              "earlier result"}]},
-        {"role": "assistant", "content": [
-            {"type": "text", "text": "Looking "},
-            {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "x"}},
-        ]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                      "content": '{"hits": 2}'}]},
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "find x"},
+                {"type": "text", "text": "[result of the tool lookup]\nearlier result"},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Looking "},
+                {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "x"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": '{"hits": 2}'}
+            ],
+        },
+    ]
     assert body["max_tokens"] == 100
 
 
 def test_the_description_shows_where_but_never_the_key() -> None:
-    provider = AnthropicProvider(base_url="https://user:pw@llm.example:8443/", api_key=KEY,
-                                 models=("claude-test",))  # fmt: skip
+    provider = AnthropicProvider(
+        base_url="https://user:pw@llm.example:8443/", api_key=KEY, models=("claude-test",)
+    )
     assert provider.description == "Anthropic Messages API at https://llm.example:8443/"
     assert KEY not in provider.description
     with pytest.raises(BadRequest, match="simulate"):

@@ -52,10 +52,12 @@ def openai_broker(
     broker_factory: BrokerFactory, fake: FakeOpenAI, **overrides: Any
 ) -> RunningBroker:
     settings: dict[str, Any] = {
-        "openai_base_url": fake.url + "/v1", "openai_api_key": KEY,
-        "openai_models": "gpt-test,gpt-other", "retry_backoff_min_ms": 1,
+        "openai_base_url": fake.url + "/v1",
+        "openai_api_key": KEY,
+        "openai_models": "gpt-test,gpt-other",
+        "retry_backoff_min_ms": 1,
         "retry_backoff_max_ms": 5,
-    }  # fmt: skip
+    }
     return broker_factory(**{**settings, **overrides})
 
 
@@ -67,8 +69,13 @@ def broker(broker_factory: BrokerFactory, fake: FakeOpenAI) -> RunningBroker:
 def post_turn(
     broker: RunningBroker, turn_id: str, *, expect: int = 201, **fields: Any
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {"conversation_id": "conv-oa", "turn_id": turn_id,
-                            "provider": "openai", "messages": PROMPT, **fields}  # fmt: skip
+    body: dict[str, Any] = {
+        "conversation_id": "conv-oa",
+        "turn_id": turn_id,
+        "provider": "openai",
+        "messages": PROMPT,
+        **fields,
+    }
     response = httpx.post(f"{broker.base_url}/v1/turns", json=body, timeout=10)
     assert response.status_code == expect, response.text
     result: dict[str, Any] = response.json()
@@ -111,25 +118,40 @@ def test_a_turn_streams_text_then_usage(broker: RunningBroker, fake: FakeOpenAI)
     assert (request.method, request.path) == ("POST", "/v1/chat/completions")
     assert request.headers["authorization"] == f"Bearer {KEY}"
     assert request.body == {
-        "model": "gpt-test", "stream": True, "stream_options": {"include_usage": True},
+        "model": "gpt-test",
+        "stream": True,
+        "stream_options": {"include_usage": True},
         "messages": PROMPT,
-    }  # fmt: skip
+    }
 
 
 def test_params_model_format_and_messages_reach_the_upstream(
     broker: RunningBroker, fake: FakeOpenAI
 ) -> None:
     fake.respond_text(['{"answer"', ": 42}"])
-    params = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 64, "stop": ["\n\n"], "seed": 7,
-              "presence_penalty": 0.1, "frequency_penalty": -0.5}  # fmt: skip
+    params = {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "max_tokens": 64,
+        "stop": ["\n\n"],
+        "seed": 7,
+        "presence_penalty": 0.1,
+        "frequency_penalty": -0.5,
+    }
     messages = [
         {"role": "system", "content": "Answer in JSON."},
         {"role": "user", "content": "Hi", "name": "ann"},
         {"role": "assistant", "content": "Half an ans", "partial": True},
         {"role": "user", "content": "The meaning of life?"},
     ]
-    events = run_turn(broker, "params", model="gpt-other", params=params, messages=messages,
-                      response_format="json")  # fmt: skip
+    events = run_turn(
+        broker,
+        "params",
+        model="gpt-other",
+        params=params,
+        messages=messages,
+        response_format="json",
+    )
     assert end_of(events)["status"] == "complete"
     body = fake.bodies[0]
     assert body["model"] == "gpt-other"
@@ -154,30 +176,55 @@ def weather() -> Iterator[ToolEndpoint]:
 
 WEATHER_TOOL = {
     "type": "function",
-    "function": {"name": "get_weather", "description": "The weather in a city",
-                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
-}  # fmt: skip
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 def test_tool_calls_run_and_their_results_go_back_to_the_model(
     broker_factory: BrokerFactory, fake: FakeOpenAI, weather: ToolEndpoint, tmp_path: Path
 ) -> None:
     tools = tmp_path / "tools.json"
-    tools.write_text(json.dumps({"tools": [
-        {"name": "get_weather", "class": "read", "schema": {"type": "object"},
-         "endpoint": weather.url},
-    ]}))  # fmt: skip
+    tools.write_text(
+        json.dumps(
+            {
+                "tools": [
+                    {
+                        "name": "get_weather",
+                        "class": "read",
+                        "schema": {"type": "object"},
+                        "endpoint": weather.url,
+                    },
+                ]
+            }
+        )
+    )
     broker = openai_broker(broker_factory, fake, tools=str(tools))
-    fake.respond_tool_call("get_weather", ['{"city":', ' "Par', 'is"}'], call_id="call_w1",
-                           text=["Let me look."])  # fmt: skip
+    fake.respond_tool_call(
+        "get_weather", ['{"city":', ' "Par', 'is"}'], call_id="call_w1", text=["Let me look."]
+    )
     fake.respond_text(["Clear", " and 21 °C."])
     events = run_turn(broker, "tools", tools=[WEATHER_TOOL])
     assert kinds(events) == [
-        "attempt", "delta", "usage", "tool_call", "tool_result", "delta", "delta", "usage", "end",
-    ]  # fmt: skip
+        "attempt",
+        "delta",
+        "usage",
+        "tool_call",
+        "tool_result",
+        "delta",
+        "delta",
+        "usage",
+        "end",
+    ]
     call, result = events[3].data, events[4].data
-    assert (call["call_id"], call["name"], call["args"]) == ("call_w1", "get_weather",
-                                                             {"city": "Paris"})  # fmt: skip
+    assert (call["call_id"], call["name"], call["args"]) == (
+        "call_w1",
+        "get_weather",
+        {"city": "Paris"},
+    )
     assert (result["source"], result["result"]) == ("ran", {"sky": "clear", "celsius": 21})
     assert weather.bodies == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
     assert end_of(events) == {"attempt": 1, "status": "complete", "reason": None}
@@ -185,12 +232,19 @@ def test_tool_calls_run_and_their_results_go_back_to_the_model(
     assert first["tools"] == second["tools"] == [WEATHER_TOOL]
     assert second["messages"] == [
         *PROMPT,
-        {"role": "assistant", "content": "Let me look.", "tool_calls": [
-            {"id": "call_w1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {
+                    "id": "call_w1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_w1", "content": '{"sky":"clear","celsius":21}'},
-    ]  # fmt: skip
+    ]
 
 
 def test_a_rate_limit_before_the_first_delta_is_retried_silently(
@@ -268,8 +322,9 @@ def test_an_admission_error_event_before_any_delta_fails_at_once(
     assert len(fake.requests) == 1
 
 
-@pytest.mark.parametrize(("abrupt", "code"), [(False, "upstream_incomplete"),
-                                              (True, "upstream_connection")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("abrupt", "code"), [(False, "upstream_incomplete"), (True, "upstream_connection")]
+)
 def test_a_stream_cut_after_deltas_is_interrupted(
     broker: RunningBroker, fake: FakeOpenAI, abrupt: bool, code: str
 ) -> None:
@@ -328,8 +383,9 @@ def interrupt_then_continue(broker: RunningBroker, fake: FakeOpenAI, turn_id: st
     fake.respond_text([" there", " was", " a", " broker."])
     first = run_turn(broker, turn_id)
     assert end_of(first)["status"] == "interrupted"
-    response = httpx.post(f"{broker.base_url}/v1/turns/{turn_id}/attempts",
-                          json={"strategy": "continue"}, timeout=10)  # fmt: skip
+    response = httpx.post(
+        f"{broker.base_url}/v1/turns/{turn_id}/attempts", json={"strategy": "continue"}, timeout=10
+    )
     assert response.status_code == 201, response.text
     turn = get_turn(broker.base_url, turn_id)
     rest = read_sse(broker.base_url, turn["stream_id"], last_event_id=first[-1].id).events
@@ -395,10 +451,16 @@ def test_unknown_or_malformed_params_are_refused(
 
 def request_for(**fields: Any) -> GenerationRequest:
     values: dict[str, Any] = {
-        "conversation_id": "c", "turn_id": "t", "attempt": 1, "strategy": "initial",
-        "messages": list(PROMPT), "model": "gpt-test", "params": {}, "response_format": "text",
+        "conversation_id": "c",
+        "turn_id": "t",
+        "attempt": 1,
+        "strategy": "initial",
+        "messages": list(PROMPT),
+        "model": "gpt-test",
+        "params": {},
+        "response_format": "text",
         "upstream_call": 0,
-    }  # fmt: skip
+    }
     return GenerationRequest(**{**values, **fields})
 
 
@@ -464,9 +526,14 @@ async def test_a_stream_without_its_terminal_event_does_not_finish(
     ],
 )
 async def test_status_answers_follow_the_taxonomy(
-    provider: OpenAIProvider, fake: FakeOpenAI, status: int, retry_after: str | None, code: str,
-    retryable: bool, wait: float | None,
-) -> None:  # fmt: skip
+    provider: OpenAIProvider,
+    fake: FakeOpenAI,
+    status: int,
+    retry_after: str | None,
+    code: str,
+    retryable: bool,
+    wait: float | None,
+) -> None:
     fake.fail_status(status, retry_after=retry_after)
     error = await failure(provider, request_for())
     assert (error.code, error.retryable, error.retry_after_s) == (code, retryable, wait)
@@ -491,8 +558,9 @@ async def test_an_error_event_with_an_admission_status_is_not_retryable(
 
 
 async def test_an_unreachable_upstream_is_a_retryable_connection_error() -> None:
-    adapter = OpenAIProvider(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key=KEY,
-                             models=("gpt-test",))  # fmt: skip
+    adapter = OpenAIProvider(
+        base_url=f"http://127.0.0.1:{free_port()}/v1", api_key=KEY, models=("gpt-test",)
+    )
     error = await failure(adapter, request_for())
     await adapter.aclose()
     assert (error.code, error.retryable) == ("upstream_connection", True)
@@ -517,34 +585,53 @@ async def test_closing_the_generator_closes_the_connection(
 
 def test_tool_steps_render_as_assistant_calls_and_tool_results() -> None:
     steps = [
-        ToolStep("", [{"id": "c1", "name": "a", "arguments": "{}"},
-                      {"id": "c2", "name": "b", "arguments": '{"x":1}'}],
-                 [{"id": "c1", "name": "a", "content": "1"},
-                  {"id": "c2", "name": "b", "content": '{"error":"no"}'}]),
-        ToolStep("Then", [{"id": "c3", "name": "a", "arguments": "{}"}],
-                 [{"id": "c3", "name": "a", "content": "3"}]),
-    ]  # fmt: skip
+        ToolStep(
+            "",
+            [
+                {"id": "c1", "name": "a", "arguments": "{}"},
+                {"id": "c2", "name": "b", "arguments": '{"x":1}'},
+            ],
+            [
+                {"id": "c1", "name": "a", "content": "1"},
+                {"id": "c2", "name": "b", "content": '{"error":"no"}'},
+            ],
+        ),
+        ToolStep(
+            "Then",
+            [{"id": "c3", "name": "a", "arguments": "{}"}],
+            [{"id": "c3", "name": "a", "content": "3"}],
+        ),
+    ]
     messages = [{"role": "user", "content": "go", "name": None, "partial": None}]
     rendered = render_messages(request_for(messages=messages, tool_steps=steps))
     call = {"type": "function"}
     assert rendered == [
         {"role": "user", "content": "go"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", **call, "function": {"name": "a", "arguments": "{}"}},
-            {"id": "c2", **call, "function": {"name": "b", "arguments": '{"x":1}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", **call, "function": {"name": "a", "arguments": "{}"}},
+                {"id": "c2", **call, "function": {"name": "b", "arguments": '{"x":1}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "1"},
         {"role": "tool", "tool_call_id": "c2", "content": '{"error":"no"}'},
-        {"role": "assistant", "content": "Then", "tool_calls": [
-            {"id": "c3", **call, "function": {"name": "a", "arguments": "{}"}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "Then",
+            "tool_calls": [
+                {"id": "c3", **call, "function": {"name": "a", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c3", "content": "3"},
-    ]  # fmt: skip
+    ]
 
 
 def test_the_description_names_the_url_but_never_a_secret() -> None:
-    provider = OpenAIProvider(base_url="https://proxy:hunter22@llm.example:8443/v1/",
-                              api_key=KEY, models=("m",))  # fmt: skip
+    provider = OpenAIProvider(
+        base_url="https://proxy:hunter22@llm.example:8443/v1/", api_key=KEY, models=("m",)
+    )
     assert provider.description.endswith(" at https://llm.example:8443/v1")
     assert "hunter22" not in provider.description
     with pytest.raises(BadRequest, match="unknown params for the openai provider: simulate"):

@@ -138,15 +138,24 @@ class Terminal:
         keep = f"declare -p {' '.join(names)} >>{shlex.quote(str(self.state))}" if names else ""
         full = f"[ -f state.sh ] && source state.sh\n{script}\nstatus=$?\n{keep}\nexit $status\n"
         return subprocess.run(
-            ["bash", "-c", full], cwd=self.cwd, env=self.env, capture_output=True, text=True,
-            timeout=BLOCK_TIMEOUT_S, check=False,
-        )  # fmt: skip
+            ["bash", "-c", full],
+            cwd=self.cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=BLOCK_TIMEOUT_S,
+            check=False,
+        )
 
     def variable(self, name: str) -> str:
         done = subprocess.run(
-            ["bash", "-c", f"source state.sh && printf %s \"${name}\""],
-            cwd=self.cwd, capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
+            ["bash", "-c", f'source state.sh && printf %s "${name}"'],
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
         return done.stdout
 
 
@@ -193,9 +202,13 @@ class FirstTerminal:
 
     def start_server(self, argv: list[str]) -> None:
         process = subprocess.Popen(
-            argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            argv,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        )
         self.servers.append(process)
         assert process.stdout is not None
         started = threading.Event()
@@ -295,9 +308,11 @@ def test_the_readme_examples_run_verbatim_in_order(
 
     [both] = outputs(ok(shell.run(stop[2])))  # returns once the continue has ended
     assert statuses(both) == [
-        ("attempt", "initial"), ("end", "interrupted"),
-        ("attempt", "continue"), ("end", "complete"),
-    ]  # fmt: skip
+        ("attempt", "initial"),
+        ("end", "interrupted"),
+        ("attempt", "continue"),
+        ("end", "complete"),
+    ]
     turn_3 = api(first_terminal, "/v1/turns/turn-3")
     assert turn_3["status"] == "complete"
     assert [a["status"] for a in turn_3["attempts"]] == ["partial", "complete"]
@@ -313,9 +328,11 @@ def test_the_readme_examples_run_verbatim_in_order(
     paid = events_of(first_read)[0][1]["result"]
     assert (regenerated["turn_id"], regenerated["attempt"]) == ("pay-1", 2)
     assert statuses(second_read) == [
-        ("tool_result", "ran"), ("end", "interrupted"),
-        ("tool_result", "replayed"), ("end", "complete"),
-    ]  # fmt: skip
+        ("tool_result", "ran"),
+        ("end", "interrupted"),
+        ("tool_result", "replayed"),
+        ("end", "complete"),
+    ]
     assert events_of(second_read)[2][1]["result"] == paid  # the stored result, not a new payment
     rows = ledger["tool_calls"]
     assert [(row["tool"], row["state"]) for row in rows] == [("send_payment", "completed")]
@@ -329,9 +346,14 @@ def test_the_readme_examples_run_verbatim_in_order(
     assert "http://127.0.0.1:8000" in example
     code = example.replace("http://127.0.0.1:8000", f"http://127.0.0.1:{first_terminal.port}")
     ran = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-        timeout=BLOCK_TIMEOUT_S, check=False, env=shell.env,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+        check=False,
+        env=shell.env,
+    )
     assert ran.returncode == 0, ran.stderr  # a reused turn id answers 409 and raises
     assert ran.stdout.rstrip().endswith("complete")
     turns = api(first_terminal, "/v1/conversations/demo/messages")["turns"]
@@ -353,8 +375,10 @@ def test_payments_example_counts_each_payment_and_binds_loopback(tmp_path: Path)
     """The example endpoint on its own: it counts every POST, whatever its Idempotency-Key."""
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "examples/payments/server.py"), "--port", "0"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert process.stdout is not None
         line = process.stdout.readline()

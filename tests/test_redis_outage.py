@@ -44,11 +44,22 @@ class RestartableRedis:
 
     def start(self) -> None:
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.directory), "--save", "",
-            "--appendonly", "yes" if self.aof else "no", "--appendfsync", "always",
-            "--maxmemory-policy", "noeviction",
-        ]  # fmt: skip
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.directory),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.aof else "no",
+            "--appendfsync",
+            "always",
+            "--maxmemory-policy",
+            "noeviction",
+        ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(self._accepting, timeout=10)
 

@@ -135,8 +135,10 @@ def test_hs256_jwts_name_the_tenant_by_their_claim(broker_factory: BrokerFactory
     turn = start_turn(broker.base_url, "c", auth=token, tokens=3)
     # The same tenant through an API key sees the turn; another tenant does not.
     assert get_turn(broker.base_url, turn["turn_id"], KEY_A)["status"] in (
-        "queued", "streaming", "complete",
-    )  # fmt: skip
+        "queued",
+        "streaming",
+        "complete",
+    )
     assert call(broker, "GET", f"/v1/turns/{turn['turn_id']}", KEY_B).status_code == 404
 
     # Any audience is fine while BROKER_JWT_AUDIENCE is unset; IdP-style subjects are tenants.
@@ -148,8 +150,12 @@ def test_hs256_jwts_name_the_tenant_by_their_claim(broker_factory: BrokerFactory
     forged = user_jwt({"sub": "acme"}, key="another-secret-" + "x" * 32)
     no_claim = user_jwt({"name": "acme"})
     bad_tenant = user_jwt({"sub": "acme/evil"})
-    for credential, code in ((expired, "token_expired"), (forged, "bad_token"),
-                             (no_claim, "bad_token"), (bad_tenant, "bad_token")):  # fmt: skip
+    for credential, code in (
+        (expired, "token_expired"),
+        (forged, "bad_token"),
+        (no_claim, "bad_token"),
+        (bad_tenant, "bad_token"),
+    ):
         response = call(broker, "GET", f"/v1/turns/{turn['turn_id']}", credential)
         assert response.status_code == 401, response.text
         assert error_code(response) == code
@@ -182,8 +188,9 @@ def test_rs256_jwts_are_checked_with_the_public_key(
 
 def test_another_tenants_turn_is_not_found_by_any_route(broker_factory: BrokerFactory) -> None:
     broker = secured(broker_factory)
-    turn = start_turn(broker.base_url, "shared-conv", turn_id="shared-turn", auth=KEY_A,
-                      tokens=4, seed=1)  # fmt: skip
+    turn = start_turn(
+        broker.base_url, "shared-conv", turn_id="shared-turn", auth=KEY_A, tokens=4, seed=1
+    )
     wait_final(broker.base_url, "shared-turn", auth=KEY_A)
     stream = f"/v1/streams/{turn['stream_id']}"
     probes: list[tuple[str, str, dict[str, Any]]] = [
@@ -213,10 +220,18 @@ def test_another_tenants_turn_is_not_found_by_any_route(broker_factory: BrokerFa
 
 def test_tenants_may_use_the_same_ids_without_meeting(broker_factory: BrokerFactory) -> None:
     broker = secured(broker_factory)
-    a = start_turn(broker.base_url, "conv", turn_id="turn-1", prompt="from acme", auth=KEY_A,
-                   tokens=5, seed=1)  # fmt: skip
-    b = start_turn(broker.base_url, "conv", turn_id="turn-1", prompt="from globex", auth=KEY_B,
-                   tokens=5, seed=2)  # fmt: skip
+    a = start_turn(
+        broker.base_url, "conv", turn_id="turn-1", prompt="from acme", auth=KEY_A, tokens=5, seed=1
+    )
+    b = start_turn(
+        broker.base_url,
+        "conv",
+        turn_id="turn-1",
+        prompt="from globex",
+        auth=KEY_B,
+        tokens=5,
+        seed=2,
+    )
     assert a["stream_id"] != b["stream_id"]
     assert a["conversation_id"] == b["conversation_id"] == "conv"
     wait_final(broker.base_url, "turn-1", auth=KEY_A)
@@ -253,8 +268,12 @@ def test_an_attach_token_reads_its_stream_by_query_or_header(
     by_query = read_sse(broker.base_url, turn["stream_id"], token=minted["token"])
     by_header = read_sse(broker.base_url, turn["stream_id"], auth=minted["token"])
     assert text_of(by_query.events) == text_of(by_header.events) == owner != ""
-    page = call(broker, "GET", f"/v1/streams/{turn['stream_id']}",
-                params={"format": "json", "token": minted["token"]})  # fmt: skip
+    page = call(
+        broker,
+        "GET",
+        f"/v1/streams/{turn['stream_id']}",
+        params={"format": "json", "token": minted["token"]},
+    )
     assert page.status_code == 200
     assert page.json()["closed"] is True
 
@@ -383,11 +402,16 @@ def test_attach_tokens_work_on_an_open_broker_too(broker: RunningBroker) -> None
     assert text_of(read.events) == text_of(read_sse(broker.base_url, turn["stream_id"]).events)
     # A share link keeps its limits even here: its token is checked and scoped.
     other = start_turn(broker.base_url, "c", tokens=2)
-    wrong = call(broker, "GET", f"/v1/streams/{other['stream_id']}",
-                 params={"token": minted["token"]})  # fmt: skip
+    wrong = call(
+        broker, "GET", f"/v1/streams/{other['stream_id']}", params={"token": minted["token"]}
+    )
     assert wrong.status_code == 403
-    forged = call(broker, "GET", f"/v1/streams/{turn['stream_id']}",
-                  params={"token": minted["token"][:-4] + "AAAA"})  # fmt: skip
+    forged = call(
+        broker,
+        "GET",
+        f"/v1/streams/{turn['stream_id']}",
+        params={"token": minted["token"][:-4] + "AAAA"},
+    )
     assert forged.status_code == 401
 
 
@@ -400,8 +424,13 @@ def test_turn_creation_is_rate_limited_per_tenant_with_retry_after(
     broker = secured(broker_factory, turn_rate_per_s=0.2, turn_burst=2)
     for n in range(2):
         start_turn(broker.base_url, "c", turn_id=f"ok-{n}", auth=KEY_A, tokens=2)
-    refused = call(broker, "POST", "/v1/turns", KEY_A,
-                   json={"conversation_id": "c", "turn_id": "late", "messages": USER})  # fmt: skip
+    refused = call(
+        broker,
+        "POST",
+        "/v1/turns",
+        KEY_A,
+        json={"conversation_id": "c", "turn_id": "late", "messages": USER},
+    )
     assert refused.status_code == 429
     assert error_code(refused) == "rate_limited"
     assert 1 <= int(refused.headers["retry-after"]) <= 5
@@ -425,12 +454,17 @@ def test_live_streams_per_tenant_are_capped_and_freed_when_turns_end(
 ) -> None:
     broker = secured(broker_factory, max_streams_per_tenant=2)
     slow = [
-        start_turn(broker.base_url, "c", turn_id=f"slow-{n}", auth=KEY_A, tokens=500,
-                   tokens_per_s=20)
+        start_turn(
+            broker.base_url, "c", turn_id=f"slow-{n}", auth=KEY_A, tokens=500, tokens_per_s=20
+        )
         for n in range(2)
-    ]  # fmt: skip
-    body = {"conversation_id": "c", "turn_id": "third", "messages": USER,
-            "params": {"simulate": {"tokens": 2}}}  # fmt: skip
+    ]
+    body = {
+        "conversation_id": "c",
+        "turn_id": "third",
+        "messages": USER,
+        "params": {"simulate": {"tokens": 2}},
+    }
     refused = call(broker, "POST", "/v1/turns", KEY_A, json=body)
     assert refused.status_code == 429
     assert error_code(refused) == "too_many_streams"
@@ -440,13 +474,15 @@ def test_live_streams_per_tenant_are_capped_and_freed_when_turns_end(
     wait_final(broker.base_url, slow[0]["turn_id"], auth=KEY_A)
     wait_until(
         lambda: call(broker, "POST", "/v1/turns", KEY_A, json=body).status_code == 201,
-        timeout=10, interval=0.05,
-    )  # fmt: skip
+        timeout=10,
+        interval=0.05,
+    )
     # A new attempt of a finished turn needs a slot too; the cap is full again (slow-1, third
     # may still run), so wait for the short one to finish first.
     wait_final(broker.base_url, "third", auth=KEY_A)
-    response = call(broker, "POST", "/v1/turns/third/attempts", KEY_A,
-                    json={"strategy": "regenerate"})  # fmt: skip
+    response = call(
+        broker, "POST", "/v1/turns/third/attempts", KEY_A, json={"strategy": "regenerate"}
+    )
     assert response.status_code == 201, response.text
     call(broker, "POST", f"/v1/turns/{slow[1]['turn_id']}/cancel", KEY_A)
 
@@ -469,15 +505,20 @@ def test_oversized_headers_are_431_and_bad_ids_and_offsets_are_400(
         assert call(broker, "POST", "/v1/turns", KEY_A, json=body).status_code == 400
     turn = start_turn(broker.base_url, "c", auth=KEY_A, tokens=2)
     for offset in ("12", "abc", "-2", "0000000000000001-x"):
-        response = call(broker, "GET", f"/v1/streams/{turn['stream_id']}", KEY_A,
-                        params={"offset": offset})  # fmt: skip
+        response = call(
+            broker, "GET", f"/v1/streams/{turn['stream_id']}", KEY_A, params={"offset": offset}
+        )
         assert response.status_code == 400, offset
     bad_bodies: list[dict[str, Any]] = [
-        {"ttl_s": -1}, {"ttl_s": "soon"}, {"one_viewer": "maybe"}, {"other": 1},
-    ]  # fmt: skip
+        {"ttl_s": -1},
+        {"ttl_s": "soon"},
+        {"one_viewer": "maybe"},
+        {"other": 1},
+    ]
     for body in bad_bodies:
-        response = call(broker, "POST", f"/v1/turns/{turn['turn_id']}/attach-tokens", KEY_A,
-                        json=body)  # fmt: skip
+        response = call(
+            broker, "POST", f"/v1/turns/{turn['turn_id']}/attach-tokens", KEY_A, json=body
+        )
         assert response.status_code == 400, body
 
 
@@ -511,11 +552,17 @@ def test_cors_answers_only_the_configured_origins(broker_factory: BrokerFactory)
     assert allowed.status_code == 200
     assert allowed.headers["access-control-allow-origin"] == "https://app.example"
     assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
-    denied = call(broker, "OPTIONS", "/v1/turns",
-                  headers={**preflight, "Origin": "https://evil.example"})  # fmt: skip
+    denied = call(
+        broker, "OPTIONS", "/v1/turns", headers={**preflight, "Origin": "https://evil.example"}
+    )
     assert "access-control-allow-origin" not in denied.headers
-    limited = call(broker, "POST", "/v1/turns", headers={"Origin": "https://other.example"},
-                   json={"conversation_id": "c", "messages": USER})  # fmt: skip
+    limited = call(
+        broker,
+        "POST",
+        "/v1/turns",
+        headers={"Origin": "https://other.example"},
+        json={"conversation_id": "c", "messages": USER},
+    )
     assert limited.status_code == 401  # CORS is not authentication
     assert limited.headers["access-control-allow-origin"] == "https://other.example"
     plain = broker_factory()
@@ -579,9 +626,12 @@ def test_bad_security_settings_stop_the_start_with_one_clear_line(
     env.update({f"BROKER_{k.upper()}": v for k, v in overrides.items()})
     env["BROKER_PORT"] = "0"
     done = subprocess.run(
-        [sys.executable, "-m", "broker", "serve"], env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "broker", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=30,
-    )  # fmt: skip
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -607,8 +657,9 @@ def test_an_attach_token_never_outlives_the_jwt_that_minted_it(
     turn = start_turn(broker.base_url, "c", auth=token, tokens=2)
     minted = mint(broker, turn["turn_id"], auth=token, ttl_s=3600)
     assert minted["expires_at"] <= exp
-    claims = jwt.decode(minted["token"], ATTACH_SECRET, algorithms=["HS256"],
-                        audience="broker-attach")  # fmt: skip
+    claims = jwt.decode(
+        minted["token"], ATTACH_SECRET, algorithms=["HS256"], audience="broker-attach"
+    )
     assert claims["exp"] <= exp
 
 
@@ -630,8 +681,9 @@ def test_tokens_minted_while_open_are_refused_once_keys_are_on(
     path = f"/v1/streams/{turn['stream_id']}"
     assert call(open_broker, "GET", path, params={"token": token}).status_code == 200
     open_broker.stop()
-    now_secured = broker_factory(key_prefix=open_broker.settings.key_prefix,
-                                 api_keys=f"acme={KEY_A}")  # fmt: skip
+    now_secured = broker_factory(
+        key_prefix=open_broker.settings.key_prefix, api_keys=f"acme={KEY_A}"
+    )
     refused = call(now_secured, "GET", path, params={"token": token})
     assert refused.status_code == 401
     assert error_code(refused) == "bad_token"

@@ -16,11 +16,16 @@ def test_defaults_need_no_environment() -> None:
 
 
 def test_variables_are_read_and_typed() -> None:
-    settings = Settings.from_env({
-        "BROKER_PORT": "9001", "BROKER_STREAM_TTL": "2h", "BROKER_TOMBSTONE_TTL": "90",
-        "BROKER_SSE_HEARTBEAT_S": "0.5", "BROKER_REDIS_URL": "unix:///tmp/r.sock",
-        "BROKER_ROLE": "worker",
-    })  # fmt: skip
+    settings = Settings.from_env(
+        {
+            "BROKER_PORT": "9001",
+            "BROKER_STREAM_TTL": "2h",
+            "BROKER_TOMBSTONE_TTL": "90",
+            "BROKER_SSE_HEARTBEAT_S": "0.5",
+            "BROKER_REDIS_URL": "unix:///tmp/r.sock",
+            "BROKER_ROLE": "worker",
+        }
+    )
     assert settings.port == 9001
     assert settings.stream_ttl == 7200
     assert settings.tombstone_ttl == 90
@@ -45,10 +50,12 @@ def test_explicit_overrides_win_over_the_environment() -> None:
         ({"BROKER_REDIS_URL": "localhost:6379"}, "BROKER_REDIS_URL must start with"),
         ({"BROKER_MAX_STREAM_EVENTS": "0"}, "BROKER_MAX_STREAM_EVENTS must be positive"),
         ({"BROKER_KEY_PREFIX": "a{b}"}, "BROKER_KEY_PREFIX"),
-        ({"BROKER_LEASE_TTL_MS": "5000", "BROKER_JOB_RECLAIM_IDLE_MS": "4000"},
-         "must exceed BROKER_LEASE_TTL_MS"),
+        (
+            {"BROKER_LEASE_TTL_MS": "5000", "BROKER_JOB_RECLAIM_IDLE_MS": "4000"},
+            "must exceed BROKER_LEASE_TTL_MS",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_values_are_refused_with_the_variable_named(env: dict[str, str], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         Settings.from_env(env)

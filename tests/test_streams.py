@@ -67,9 +67,10 @@ def shared_broker(redis_url: str) -> object:
 
 
 @settings(
-    max_examples=20, deadline=None,
+    max_examples=20,
+    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)  # fmt: skip
+)
 @given(
     cuts=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=6),
     by=st.sampled_from(["header", "query"]),
@@ -80,9 +81,12 @@ def test_reattach_at_any_cut_point_gives_the_same_bytes(
 ) -> None:
     broker = shared_broker
     turn = start_turn(
-        broker.base_url, turn_id=f"cut-{next(_turns)}", seed=next(_turns), tokens=30,
+        broker.base_url,
+        turn_id=f"cut-{next(_turns)}",
+        seed=next(_turns),
+        tokens=30,
         tokens_per_s=300 if live else 0,
-    )  # fmt: skip
+    )
     stream_id = turn["stream_id"]
     seen = read_with_cuts(broker, stream_id, cuts, by)
     whole = reference(broker, stream_id)
@@ -133,8 +137,9 @@ def test_replay_is_exclusive_of_the_given_offset(broker: RunningBroker) -> None:
 def test_last_event_id_wins_over_the_offset_query(broker: RunningBroker) -> None:
     turn = start_turn(broker.base_url, turn_id="prec", tokens=8, tokens_per_s=0)
     events = reference(broker, turn["stream_id"])
-    read = read_sse(broker.base_url, turn["stream_id"], offset=events[1].id,
-                    last_event_id=events[5].id)  # fmt: skip
+    read = read_sse(
+        broker.base_url, turn["stream_id"], offset=events[1].id, last_event_id=events[5].id
+    )
     assert read.events == events[6:]
 
 
@@ -197,8 +202,9 @@ def test_many_viewers_in_one_process_share_one_redis_read(
 
     before = xread_calls()
     with concurrent.futures.ThreadPoolExecutor(viewers) as pool:
-        reads = list(pool.map(lambda _: read_sse(broker.base_url, turn["stream_id"]),
-                              range(viewers)))  # fmt: skip
+        reads = list(
+            pool.map(lambda _: read_sse(broker.base_url, turn["stream_id"]), range(viewers))
+        )
     calls = xread_calls() - before
     assert all(r.events == reads[0].events for r in reads)
     deltas = sum(1 for e in reads[0].events if e.event == "delta")
@@ -288,8 +294,12 @@ def test_malformed_reads_are_400(
     broker: RunningBroker, params: dict[str, str], headers: dict[str, str], status: int, code: str
 ) -> None:
     turn = start_turn(broker.base_url, tokens=2, tokens_per_s=0)
-    response = httpx.get(f"{broker.base_url}/v1/streams/{turn['stream_id']}", params=params,
-                         headers=headers, timeout=5)  # fmt: skip
+    response = httpx.get(
+        f"{broker.base_url}/v1/streams/{turn['stream_id']}",
+        params=params,
+        headers=headers,
+        timeout=5,
+    )
     assert response.status_code == status
     assert response.json()["error"]["code"] == code
 
@@ -297,8 +307,9 @@ def test_malformed_reads_are_400(
 @pytest.mark.parametrize("stream_id", ["st_" + "0" * 32, "nope", "st_xyz", "x" * 300])
 def test_unknown_streams_are_404(broker: RunningBroker, stream_id: str) -> None:
     for fmt in ("sse", "json"):
-        response = httpx.get(f"{broker.base_url}/v1/streams/{stream_id}",
-                             params={"format": fmt}, timeout=5)  # fmt: skip
+        response = httpx.get(
+            f"{broker.base_url}/v1/streams/{stream_id}", params={"format": fmt}, timeout=5
+        )
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "not_found"
 

@@ -17,14 +17,20 @@ from broker.settings import Settings
 @pytest.mark.parametrize(
     ("status", "code", "retryable"),
     [
-        (400, "upstream_bad_request", False), (401, "upstream_unauthorized", False),
-        (403, "upstream_forbidden", False), (404, "upstream_not_found", False),
-        (422, "upstream_unprocessable", False), (408, "upstream_timeout", True),
-        (409, "upstream_conflict", True), (429, "upstream_rate_limited", True),
-        (500, "upstream_unavailable", True), (503, "upstream_unavailable", True),
-        (529, "upstream_overloaded", True), (418, "upstream_http_418", False),
+        (400, "upstream_bad_request", False),
+        (401, "upstream_unauthorized", False),
+        (403, "upstream_forbidden", False),
+        (404, "upstream_not_found", False),
+        (422, "upstream_unprocessable", False),
+        (408, "upstream_timeout", True),
+        (409, "upstream_conflict", True),
+        (429, "upstream_rate_limited", True),
+        (500, "upstream_unavailable", True),
+        (503, "upstream_unavailable", True),
+        (529, "upstream_overloaded", True),
+        (418, "upstream_http_418", False),
     ],
-)  # fmt: skip
+)
 def test_every_status_has_one_class(status: int, code: str, retryable: bool) -> None:
     assert classify_status(status) == (code, retryable)
 
@@ -50,14 +56,21 @@ def test_a_retry_after_is_held_within_the_backoff_window() -> None:
 
 def test_broker_providers_lists_models_and_never_keys() -> None:
     env = {
-        **os.environ, "BROKER_OPENAI_MODELS": "gpt-a,gpt-b", "BROKER_OPENAI_API_KEY": "sk-secret-1",
+        **os.environ,
+        "BROKER_OPENAI_MODELS": "gpt-a,gpt-b",
+        "BROKER_OPENAI_API_KEY": "sk-secret-1",
         "BROKER_OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
-        "BROKER_ANTHROPIC_MODELS": "claude-a", "BROKER_ANTHROPIC_API_KEY": "sk-ant-secret-2",
-    }  # fmt: skip
+        "BROKER_ANTHROPIC_MODELS": "claude-a",
+        "BROKER_ANTHROPIC_API_KEY": "sk-ant-secret-2",
+    }
     result = subprocess.run(
-        [sys.executable, "-m", "broker", "providers"], env=env, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "broker", "providers"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert "simulated" in result.stdout
     assert "gpt-a, gpt-b" in result.stdout

@@ -46,12 +46,27 @@ def payments() -> Iterator[ToolEndpoint]:
 @pytest.fixture
 def tools_file(tmp_path: Path, payments: ToolEndpoint) -> Path:
     path = tmp_path / "tools.json"
-    path.write_text(json.dumps({"tools": [
-        {"name": "send_payment", "class": "unkeyed_write", "schema": PAYMENT_SCHEMA,
-         "endpoint": payments.url, "timeout_s": 5},
-        {"name": "get_weather", "class": "read", "schema": {"type": "object"},
-         "endpoint": payments.url},
-    ]}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "tools": [
+                    {
+                        "name": "send_payment",
+                        "class": "unkeyed_write",
+                        "schema": PAYMENT_SCHEMA,
+                        "endpoint": payments.url,
+                        "timeout_s": 5,
+                    },
+                    {
+                        "name": "get_weather",
+                        "class": "read",
+                        "schema": {"type": "object"},
+                        "endpoint": payments.url,
+                    },
+                ]
+            }
+        )
+    )
     return path
 
 
@@ -103,8 +118,9 @@ def test_a_regenerated_turn_does_not_pay_twice(
 
 
 def post_attempt(broker: RunningBroker, turn_id: str, strategy: str) -> int:
-    return httpx.post(f"{broker.base_url}/v1/turns/{turn_id}/attempts",
-                      json={"strategy": strategy}, timeout=5).status_code  # fmt: skip
+    return httpx.post(
+        f"{broker.base_url}/v1/turns/{turn_id}/attempts", json={"strategy": strategy}, timeout=5
+    ).status_code
 
 
 def test_the_agent_loop_continues_with_the_tool_result(
@@ -130,8 +146,10 @@ def test_two_identical_calls_in_one_turn_are_two_ordinals_and_both_run(
     broker_factory: BrokerFactory, tools_file: Path, payments: ToolEndpoint
 ) -> None:
     broker = broker_factory(tools=str(tools_file))
-    script = [{"name": "send_payment", "args": PAY, "after": 1},
-              {"name": "send_payment", "args": PAY, "after": 2}]  # fmt: skip
+    script = [
+        {"name": "send_payment", "args": PAY, "after": 1},
+        {"name": "send_payment", "args": PAY, "after": 2},
+    ]
     turn = tool_turn(broker, "twice", tool_calls=script)
     events = events_of(broker, turn["stream_id"])
     assert events[-1].data["status"] == "complete"
@@ -165,8 +183,10 @@ def test_invalid_arguments_are_refused_to_the_model_not_sent(
     broker_factory: BrokerFactory, tools_file: Path, payments: ToolEndpoint
 ) -> None:
     broker = broker_factory(tools=str(tools_file))
-    script = [{"name": "send_payment", "args": {"to": "bob", "amount": -5}, "after": 1},
-              {"name": "launch_rockets", "args": {}, "after": 1}]  # fmt: skip
+    script = [
+        {"name": "send_payment", "args": {"to": "bob", "amount": -5}, "after": 1},
+        {"name": "launch_rockets", "args": {}, "after": 1},
+    ]
     turn = tool_turn(broker, "bad-args", tool_calls=script)
     events = events_of(broker, turn["stream_id"])
     errors = [e.data["error"]["code"] for e in events if e.event == "tool_result"]
@@ -292,8 +312,11 @@ async def test_an_unknown_outcome_of_an_unkeyed_write_fails_and_is_stored(aredis
 def test_the_audit_names_every_tool_and_its_protection(tools_file: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "broker", "tools", "audit", "--file", str(tools_file)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split()[:2] == ["tool", "class"]
@@ -312,11 +335,14 @@ def test_the_audit_names_every_tool_and_its_protection(tools_file: Path) -> None
         ('{"tools": [{"name": "x", "class": "read"}]}', "exactly one of endpoint or function"),
         ('{"tools": [{"name": "bad name", "class": "read", "endpoint": "http://a"}]}', "name"),
         ('{"tools": [{"class": "read", "endpoint": "http://a"}]}', "lacks 'name'"),
-        ('{"tools": [{"name": "x", "class": "read", "endpoint": "http://a", '
-         '"schema": {"type": 5}}]}', "invalid schema"),
+        (
+            '{"tools": [{"name": "x", "class": "read", "endpoint": "http://a", '
+            '"schema": {"type": 5}}]}',
+            "invalid schema",
+        ),
         ("not json", "cannot read"),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_files_are_refused_clearly(tmp_path: Path, content: str, message: str) -> None:
     path = tmp_path / "tools.json"
     path.write_text(content)
@@ -395,8 +421,13 @@ async def test_a_call_stopped_midway_is_recorded_not_left_in_flight(
 
 
 async def test_a_hanging_or_raising_callable_write_has_an_unknown_outcome(aredis: Redis) -> None:
-    hang = Tool(name="hang", kind="unkeyed_write", schema={"type": "object"},
-                function=Slow(30), timeout_s=0.1)  # fmt: skip
+    hang = Tool(
+        name="hang",
+        kind="unkeyed_write",
+        schema={"type": "object"},
+        function=Slow(30),
+        timeout_s=0.1,
+    )
 
     async def raises(arguments: dict[str, Any], key: str) -> Any:
         raise RuntimeError("socket closed after the charge")

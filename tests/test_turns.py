@@ -36,8 +36,12 @@ def test_new_turn_is_201_and_returns_ids_and_links(broker: RunningBroker) -> Non
 
 
 def test_same_turn_id_same_request_returns_the_existing_turn(broker: RunningBroker) -> None:
-    body = {"conversation_id": "c", "turn_id": "turn-a", "messages": USER,
-            "params": {"simulate": {"seed": 3, "tokens": 5}}}  # fmt: skip
+    body = {
+        "conversation_id": "c",
+        "turn_id": "turn-a",
+        "messages": USER,
+        "params": {"simulate": {"seed": 3, "tokens": 5}},
+    }
     first = post(broker, body)
     # Same request with other key order and whitespace: canonical JSON makes it the same.
     reordered = (
@@ -45,9 +49,11 @@ def test_same_turn_id_same_request_returns_the_existing_turn(broker: RunningBrok
         b'[{"content": "hello", "role": "user"}], "turn_id": "turn-a", "conversation_id": "c"}'
     )
     second = httpx.post(
-        f"{broker.base_url}/v1/turns", content=reordered,
-        headers={"content-type": "application/json"}, timeout=10,
-    )  # fmt: skip
+        f"{broker.base_url}/v1/turns",
+        content=reordered,
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
     assert first.status_code == 201
     assert second.status_code == 200
     assert second.json()["stream_id"] == first.json()["stream_id"]
@@ -65,8 +71,12 @@ def test_same_turn_id_different_request_is_409(broker: RunningBroker) -> None:
 
 
 def test_fifty_concurrent_posts_start_exactly_one_generation(broker: RunningBroker) -> None:
-    body = {"conversation_id": "c", "turn_id": "turn-race", "messages": USER,
-            "params": {"simulate": {"tokens": 5, "tokens_per_s": 0}}}  # fmt: skip
+    body = {
+        "conversation_id": "c",
+        "turn_id": "turn-race",
+        "messages": USER,
+        "params": {"simulate": {"tokens": 5, "tokens_per_s": 0}},
+    }
     with concurrent.futures.ThreadPoolExecutor(max_workers=50) as pool:
         responses = list(pool.map(lambda _: post(broker, body), range(50)))
     statuses = sorted(r.status_code for r in responses)
@@ -86,12 +96,22 @@ def test_finished_turn_reports_status_attempts_and_canonical_text(broker: Runnin
     final = wait_final(broker.base_url, "turn-c")
     streamed = text_of(read_sse(broker.base_url, turn["stream_id"]).events)
     assert final["status"] == "complete"
-    usage = next(e.data for e in read_sse(broker.base_url, turn["stream_id"]).events
-                 if e.event == "usage")  # fmt: skip
-    assert final["attempts"] == [{
-        "n": 1, "strategy": "initial", "status": "complete", "reason": None, "canonical": True,
-        "usage": {"input_tokens": usage["input_tokens"], "output_tokens": usage["output_tokens"]},
-    }]  # fmt: skip
+    usage = next(
+        e.data for e in read_sse(broker.base_url, turn["stream_id"]).events if e.event == "usage"
+    )
+    assert final["attempts"] == [
+        {
+            "n": 1,
+            "strategy": "initial",
+            "status": "complete",
+            "reason": None,
+            "canonical": True,
+            "usage": {
+                "input_tokens": usage["input_tokens"],
+                "output_tokens": usage["output_tokens"],
+            },
+        }
+    ]
     assert final["canonical"] == {"attempt": 1, "text": streamed}
     assert streamed
 
@@ -99,8 +119,9 @@ def test_finished_turn_reports_status_attempts_and_canonical_text(broker: Runnin
 def test_simulated_text_is_a_function_of_seed_and_prompt(broker: RunningBroker) -> None:
     texts = {}
     for turn_id, seed, prompt in [("s1", 7, "p"), ("s2", 7, "p"), ("s3", 8, "p"), ("s4", 7, "q")]:
-        turn = start_turn(broker.base_url, turn_id=turn_id, prompt=prompt, seed=seed,
-                          tokens=20, tokens_per_s=0)  # fmt: skip
+        turn = start_turn(
+            broker.base_url, turn_id=turn_id, prompt=prompt, seed=seed, tokens=20, tokens_per_s=0
+        )
         texts[turn_id] = text_of(read_sse(broker.base_url, turn["stream_id"]).events)
     assert texts["s1"] == texts["s2"]
     assert texts["s1"] != texts["s3"]
@@ -117,8 +138,9 @@ def test_a_fatal_upstream_error_fails_the_turn_with_an_error_event(broker: Runni
 
 
 def test_a_break_after_deltas_interrupts_and_keeps_the_partial_text(broker: RunningBroker) -> None:
-    turn = start_turn(broker.base_url, turn_id="cut", tokens=10, tokens_per_s=0,
-                      fail_after_deltas=4)  # fmt: skip
+    turn = start_turn(
+        broker.base_url, turn_id="cut", tokens=10, tokens_per_s=0, fail_after_deltas=4
+    )
     events = read_sse(broker.base_url, turn["stream_id"]).events
     assert [e.event for e in events].count("delta") == 4
     assert events[-1].data["status"] == "interrupted"
@@ -157,16 +179,22 @@ def error_of(response: httpx.Response, status: int, code: str | None = None) -> 
         ({"conversation_id": "c", "messages": USER, "response_format": "xml"}, "response_format"),
         ({"conversation_id": "c", "messages": USER, "provider": "nope"}, "nope"),
         ({"conversation_id": "c", "messages": USER, "params": {"simulate": {"speed": 1}}}, "speed"),
-        ({"conversation_id": "c", "messages": USER, "params": {"simulate": {"tokens": 0}}},
-         "tokens"),
-        ({"conversation_id": "c", "messages": USER, "params": {"simulate": {"tokens": "9"}}},
-         "tokens"),
-        ({"conversation_id": "c", "messages": USER, "params": {"simulate": {"error": "x"}}},
-         "error"),
+        (
+            {"conversation_id": "c", "messages": USER, "params": {"simulate": {"tokens": 0}}},
+            "tokens",
+        ),
+        (
+            {"conversation_id": "c", "messages": USER, "params": {"simulate": {"tokens": "9"}}},
+            "tokens",
+        ),
+        (
+            {"conversation_id": "c", "messages": USER, "params": {"simulate": {"error": "x"}}},
+            "error",
+        ),
         ({"conversation_id": "c", "messages": USER, "params": {"warp": 9}}, "warp"),
         ([1, 2, 3], "object"),
     ],
-)  # fmt: skip
+)
 def test_invalid_bodies_are_400_with_a_message_naming_the_problem(
     broker: RunningBroker, body: object, needle: str
 ) -> None:
@@ -175,9 +203,11 @@ def test_invalid_bodies_are_400_with_a_message_naming_the_problem(
 
 def test_malformed_json_is_400(broker: RunningBroker) -> None:
     response = httpx.post(
-        f"{broker.base_url}/v1/turns", content=b'{"conversation_id": ',
-        headers={"content-type": "application/json"}, timeout=10,
-    )  # fmt: skip
+        f"{broker.base_url}/v1/turns",
+        content=b'{"conversation_id": ',
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
     error_of(response, 400, "bad_json")
 
 
@@ -201,9 +231,11 @@ def test_oversized_bodies_are_413_declared_or_streamed(broker_factory: BrokerFac
 
     # No Content-Length: the guard counts bytes as they arrive.
     streamed = httpx.post(
-        f"{broker.base_url}/v1/turns", content=chunks(),  # type: ignore[arg-type]
-        headers={"content-type": "application/json"}, timeout=10,
-    )  # fmt: skip
+        f"{broker.base_url}/v1/turns",
+        content=chunks(),  # type: ignore[arg-type]
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
     error_of(streamed, 413, "too_large")
     # The broker still serves a normal turn afterwards.
     assert post(broker, {"conversation_id": "c", "messages": USER}).status_code == 201

@@ -28,10 +28,16 @@ def test_a_dead_workers_job_is_reclaimed_and_run_when_nothing_was_delivered(
     raw_redis.hset(keys.turn("conv-1", "orphan"), mapping={"status": "streaming", "calls:1": 1})
     raw_redis.hset(keys.lease("conv-1", "orphan"), mapping={"token": "1", "owner": "dead-worker"})
     raw_redis.pexpire(keys.lease("conv-1", "orphan"), 100)
-    workers = [broker_factory(
-        role="worker", key_prefix=api.settings.key_prefix, lease_ttl_ms=300,
-        job_reclaim_idle_ms=400, retry_backoff_min_ms=1, retry_backoff_max_ms=2,
-    )]  # fmt: skip
+    workers = [
+        broker_factory(
+            role="worker",
+            key_prefix=api.settings.key_prefix,
+            lease_ttl_ms=300,
+            job_reclaim_idle_ms=400,
+            retry_backoff_min_ms=1,
+            retry_backoff_max_ms=2,
+        )
+    ]
     final = wait_final(api.base_url, "orphan", timeout=15)
     assert final["status"] == "complete"
     events = read_sse(api.base_url, turn["stream_id"]).events

@@ -6,6 +6,11 @@ from broker.api.routes import api_router, ops_router
 from broker.api.security import SecurityHeaders, cors_origins
 
 __all__ = [
-    "BodySizeLimit", "HeaderSizeLimit", "SecurityHeaders", "api_router", "cors_origins",
-    "install_error_handlers", "ops_router",
-]  # fmt: skip
+    "BodySizeLimit",
+    "HeaderSizeLimit",
+    "SecurityHeaders",
+    "api_router",
+    "cors_origins",
+    "install_error_handlers",
+    "ops_router",
+]

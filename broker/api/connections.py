@@ -210,21 +210,28 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The app of a connection opened past ``BROKER_MAX_CONNECTIONS``."""
         self.limits.count("over_limit")
-        body = orjson.dumps({
-            "error": {
-                "code": "too_many_connections",
-                "message": f"this broker process serves at most {self.limits.max_connections} "
-                "connections; retry shortly",
+        body = orjson.dumps(
+            {
+                "error": {
+                    "code": "too_many_connections",
+                    "message": f"this broker process serves at most {self.limits.max_connections} "
+                    "connections; retry shortly",
+                }
             }
-        })  # fmt: skip
-        await send({
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [(b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"retry-after", str(REFUSAL_RETRY_AFTER_S).encode()),
-                        (b"connection", b"close"), *COMMON],
-        })  # fmt: skip
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", str(REFUSAL_RETRY_AFTER_S).encode()),
+                    (b"connection", b"close"),
+                    *COMMON,
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

@@ -22,9 +22,11 @@ class HeaderSizeLimit:
             size += sum(len(name) + len(value) + 4 for name, value in scope["headers"])
             if size > self.limit:
                 await BodySizeLimit._reply(
-                    send, 431, "headers_too_large",
+                    send,
+                    431,
+                    "headers_too_large",
                     f"request headers are larger than BROKER_MAX_HEADER_BYTES={self.limit}",
-                )  # fmt: skip
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -82,18 +84,24 @@ class BodySizeLimit:
 
     async def _too_large(self, send: Send) -> None:
         await self._reply(
-            send, 413, "too_large",
+            send,
+            413,
+            "too_large",
             f"request body is larger than BROKER_MAX_BODY_BYTES={self.limit}",
-        )  # fmt: skip
+        )
 
     @staticmethod
     async def _reply(send: Send, status: int, code: str, message: str) -> None:
         body = orjson.dumps({"error": {"code": code, "message": message}})
-        await send({
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"connection", b"close")],
-        })  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

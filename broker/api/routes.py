@@ -101,10 +101,12 @@ class AttachTokenRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ttl_s: float | None = Field(
-        default=None, gt=0, le=31_536_000,
+        default=None,
+        gt=0,
+        le=31_536_000,
         description="lifetime in seconds (default BROKER_ATTACH_TOKEN_TTL, capped at "
         "BROKER_ATTACH_TOKEN_MAX_TTL)",
-    )  # fmt: skip
+    )
     one_viewer: bool = Field(
         default=False, description="admit one SSE connection at a time (409 for a second)"
     )
@@ -142,9 +144,11 @@ def body_schema(model: type[BaseModel], *, required: bool = True) -> dict[str, A
     openapi_extra=body_schema(TurnRequest),
     status_code=201,
     response_model=TurnCreated,
-    responses={200: {"model": TurnCreated, "description": "the existing turn"},
-               **errors(409, 410, 429)},
-)  # fmt: skip
+    responses={
+        200: {"model": TurnCreated, "description": "the existing turn"},
+        **errors(409, 410, 429),
+    },
+)
 async def create_turn(request: Request, principal: Actor) -> Response:
     """Start a turn; the same ``turn_id`` with the same request returns the existing turn."""
     turn_request = await parse_body(request, TurnRequest)
@@ -199,9 +203,12 @@ async def mint_attach_token(request: Request, turn_id: str, principal: Actor) ->
     state = await rt.turns.get(turn_id, principal.tenant)
     stream_id = state["stream_id"]
     minted = rt.auth.mint_attach(
-        principal.tenant, stream_id, token_request.ttl_s, token_request.one_viewer,
+        principal.tenant,
+        stream_id,
+        token_request.ttl_s,
+        token_request.one_viewer,
         not_after=principal.expires_at,
-    )  # fmt: skip
+    )
     return json_response(
         {
             "token": minted.token,

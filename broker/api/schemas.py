@@ -30,9 +30,11 @@ def install_components(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = get_openapi(
-                title=app.title, version=app.version, description=app.description,
+                title=app.title,
+                version=app.version,
+                description=app.description,
                 routes=app.routes,
-            )  # fmt: skip
+            )
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in COMPONENTS.items():
                 schemas.setdefault(name, schema)

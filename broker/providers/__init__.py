@@ -58,18 +58,20 @@ class Providers:
             from broker.providers.openai import OpenAIProvider
 
             self._providers["openai"] = OpenAIProvider(
-                base_url=settings.openai_base_url, api_key=settings.openai_api_key,
+                base_url=settings.openai_base_url,
+                api_key=settings.openai_api_key,
                 models=_models(settings.openai_models),
                 continue_final_message=bool(settings.openai_continue_final_message),
-            )  # fmt: skip
+            )
         if _models(settings.anthropic_models):
             from broker.providers.anthropic import AnthropicProvider
 
             self._providers["anthropic"] = AnthropicProvider(
-                base_url=settings.anthropic_base_url, api_key=settings.anthropic_api_key,
+                base_url=settings.anthropic_base_url,
+                api_key=settings.anthropic_api_key,
                 models=_models(settings.anthropic_models),
                 max_tokens=settings.anthropic_max_tokens,
-            )  # fmt: skip
+            )
 
     def __iter__(self) -> Iterator[Provider]:
         return iter(self._providers.values())

@@ -138,21 +138,24 @@ class AnthropicProvider:
                 retryable=False,
             )
         body, stripped = build_body(request, self.max_tokens)
-        log.debug("turn %s: %s with %d messages", request.turn_id, body["model"],
-                  len(body["messages"]))  # fmt: skip
+        log.debug(
+            "turn %s: %s with %d messages", request.turn_id, body["model"], len(body["messages"])
+        )
         client = await self._get_client()
         translator = _Translator(stripped)
         upstream: anthropic.AsyncStream[RawMessageStreamEvent] | None = None
         try:
             with self._mapped_errors():
                 upstream = await client.messages.create(
-                    model=body["model"], max_tokens=body["max_tokens"],
-                    messages=body["messages"], system=body.get("system", anthropic.omit),
+                    model=body["model"],
+                    max_tokens=body["max_tokens"],
+                    messages=body["messages"],
+                    system=body.get("system", anthropic.omit),
                     stop_sequences=body.get("stop_sequences", anthropic.omit),
                     tools=body.get("tools", anthropic.omit),
                     extra_body={k: body[k] for k in SAMPLING if k in body} or None,
                     stream=True,
-                )  # fmt: skip
+                )
             while not translator.finished:
                 with self._mapped_errors():
                     event = await anext(upstream, None)
@@ -181,9 +184,11 @@ class AnthropicProvider:
         second (TLS setup), which would stall every stream on this loop."""
         if self._client is None:
             client = await asyncio.to_thread(
-                anthropic.AsyncAnthropic, base_url=self._base_url, api_key=self._api_key,
+                anthropic.AsyncAnthropic,
+                base_url=self._base_url,
+                api_key=self._api_key,
                 max_retries=0,
-            )  # fmt: skip
+            )
             if self._client is None:
                 self._client = client
             else:  # another turn made one meanwhile
@@ -325,10 +330,14 @@ def build_body(request: GenerationRequest, default_max_tokens: int) -> tuple[dic
             _append(messages, str(role), _blocks(content))
     for step in request.tool_steps:
         uses = [
-            {"type": "tool_use", "id": call["id"], "name": call["name"],
-             "input": _tool_input(call.get("arguments", ""))}
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": call["name"],
+                "input": _tool_input(call.get("arguments", "")),
+            }
             for call in step.calls
-        ]  # fmt: skip
+        ]
         _append(messages, "assistant", _blocks(step.text) + uses)
         results = [
             {"type": "tool_result", "tool_use_id": result["id"], "content": result["content"]}

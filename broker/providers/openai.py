@@ -176,14 +176,16 @@ class OpenAIProvider:
             ) from None
         except json.JSONDecodeError as exc:
             raise UpstreamError(
-                "upstream_bad_response", f"the upstream sent a chunk that is not JSON: {exc}",
+                "upstream_bad_response",
+                f"the upstream sent a chunk that is not JSON: {exc}",
                 retryable=True,
-            ) from None  # fmt: skip
+            ) from None
         except openai.OpenAIError as exc:  # the SDK refused the call before sending it
             raise UpstreamError(
-                "upstream_client_error", self._redact(f"{type(exc).__name__}: {exc}"),
+                "upstream_client_error",
+                self._redact(f"{type(exc).__name__}: {exc}"),
                 retryable=False,
-            ) from None  # fmt: skip
+            ) from None
         finally:
             if chunks is not None:
                 # On an abort (aclose: GeneratorExit, or a cancellation) this closes the
@@ -284,15 +286,20 @@ def render_messages(request: GenerationRequest) -> list[dict[str, Any]]:
         for message in request.messages
     ]
     for step in request.tool_steps:
-        messages.append({
-            "role": "assistant",
-            "content": step.text or None,
-            "tool_calls": [
-                {"id": call["id"], "type": "function",
-                 "function": {"name": call["name"], "arguments": call["arguments"]}}
-                for call in step.calls
-            ],
-        })  # fmt: skip
+        messages.append(
+            {
+                "role": "assistant",
+                "content": step.text or None,
+                "tool_calls": [
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": call["arguments"]},
+                    }
+                    for call in step.calls
+                ],
+            }
+        )
         messages.extend(
             {"role": "tool", "tool_call_id": result["id"], "content": result["content"]}
             for result in step.results

@@ -69,9 +69,11 @@ def status_error(status: int, message: str, retry_after_header: str | None = Non
     """The UpstreamError for an upstream HTTP error answer (message without secrets)."""
     code, retryable = classify_status(status)
     return UpstreamError(
-        code, f"HTTP {status}: {message}"[:500], retryable=retryable,
+        code,
+        f"HTTP {status}: {message}"[:500],
+        retryable=retryable,
         retry_after_s=retry_after(retry_after_header) if retryable else None,
-    )  # fmt: skip
+    )
 
 
 def transport_error(kind: str, message: str) -> UpstreamError:

@@ -65,8 +65,14 @@ class Renderer:
 
     def facts(self, offset: str, status: str, **extra: Any) -> Chunk:
         """The broker's own facts as one data part, updated in place (fixed ``id``)."""
-        data = {"turnId": self.turn_id, "streamId": self.stream_id, "attempt": self._attempt,
-                "offset": offset, "status": status, **extra}  # fmt: skip
+        data = {
+            "turnId": self.turn_id,
+            "streamId": self.stream_id,
+            "attempt": self._attempt,
+            "offset": offset,
+            "status": status,
+            **extra,
+        }
         return {"type": "data-broker", "id": "broker", "data": data}
 
     def render(self, entry: Entry, *, final: bool = False) -> list[Chunk]:
@@ -92,8 +98,14 @@ class Renderer:
                 self._parts += 1
                 self._text = f"{self._attempt}-{self._parts}"
                 chunks.append({"type": "text-start", "id": self._text})
-            chunks.append({"type": "text-delta", "id": self._text, "delta": str(data["text"]),
-                           "providerMetadata": {"broker": {"offset": entry.offset}}})  # fmt: skip
+            chunks.append(
+                {
+                    "type": "text-delta",
+                    "id": self._text,
+                    "delta": str(data["text"]),
+                    "providerMetadata": {"broker": {"offset": entry.offset}},
+                }
+            )
         elif kind == "tool_call":
             chunks += self._open_step() + self._close_text()
             chunks.append(self._tool_call(data))
@@ -129,11 +141,21 @@ class Renderer:
     def _tool_call(data: dict[str, Any]) -> Chunk:
         call_id, name = str(data.get("call_id")), str(data.get("name"))
         if data.get("status") == "dispatched":
-            return {"type": "tool-input-available", "toolCallId": call_id, "toolName": name,
-                    "input": data.get("args"), "providerExecuted": True}  # fmt: skip
-        return {"type": "tool-input-error", "toolCallId": call_id, "toolName": name,
-                "input": data.get("args"), "providerExecuted": True,
-                "errorText": f"{data.get('status')}: {data.get('reason')}"}  # fmt: skip
+            return {
+                "type": "tool-input-available",
+                "toolCallId": call_id,
+                "toolName": name,
+                "input": data.get("args"),
+                "providerExecuted": True,
+            }
+        return {
+            "type": "tool-input-error",
+            "toolCallId": call_id,
+            "toolName": name,
+            "input": data.get("args"),
+            "providerExecuted": True,
+            "errorText": f"{data.get('status')}: {data.get('reason')}",
+        }
 
     @staticmethod
     def _tool_result(data: dict[str, Any]) -> Chunk:
@@ -141,10 +163,18 @@ class Renderer:
         error = data.get("error")
         if error is not None:
             code = error.get("code") if isinstance(error, dict) else error
-            return {"type": "tool-output-error", "toolCallId": call_id,
-                    "errorText": str(code), "providerExecuted": True}  # fmt: skip
-        return {"type": "tool-output-available", "toolCallId": call_id,
-                "output": data.get("result"), "providerExecuted": True}  # fmt: skip
+            return {
+                "type": "tool-output-error",
+                "toolCallId": call_id,
+                "errorText": str(code),
+                "providerExecuted": True,
+            }
+        return {
+            "type": "tool-output-available",
+            "toolCallId": call_id,
+            "output": data.get("result"),
+            "providerExecuted": True,
+        }
 
     def _end(self, offset: str, data: dict[str, Any], final: bool) -> list[Chunk]:
         status, reason = str(data.get("status")), data.get("reason")

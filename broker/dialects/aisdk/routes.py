@@ -35,8 +35,9 @@ UI_STREAM_HEADERS: Final = [
     (b"cache-control", b"no-cache"),
     (b"x-vercel-ai-ui-message-stream", b"v1"),
 ]
-UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {200: {"content": {"text/event-stream": {}},
-                          "description": "the UI message stream"}}  # fmt: skip
+UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "the UI message stream"}
+}
 
 
 class UIMessageStreamResponse(EventStreamResponse):
@@ -115,8 +116,11 @@ async def _replay(rt: Runtime, stream_id: str, tenant: str | None) -> Response:
     return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))
 
 
-@router.post("/v1/ui/chat", openapi_extra=body_schema(ChatRequest),
-             responses={**UI_STREAM, **errors(409, 410, 422, 429)})  # fmt: skip
+@router.post(
+    "/v1/ui/chat",
+    openapi_extra=body_schema(ChatRequest),
+    responses={**UI_STREAM, **errors(409, 410, 422, 429)},
+)
 async def post_chat(request: Request, principal: Actor) -> Response:
     """Send a message (a turn) or regenerate the answer to one (an attempt); the answer streams
     as UI message chunks. The same user message sent again attaches to its turn."""
@@ -132,15 +136,18 @@ async def post_chat(request: Request, principal: Actor) -> Response:
         else:
             location = await rt.streams.locate(state["stream_id"], tenant)
             after = await rt.streams.start_after(location, NOW)
-            await rt.turns.start_attempt(chat.turn_id, AttemptRequest(strategy="regenerate"),
-                                         tenant)  # fmt: skip
+            await rt.turns.start_attempt(
+                chat.turn_id, AttemptRequest(strategy="regenerate"), tenant
+            )
             return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))
     _, turn = await rt.turns.create(turn_request, tenant)
     return await _replay(rt, turn["stream_id"], tenant)
 
 
-@router.get("/v1/ui/chat/{chat_id}/stream", responses={**UI_STREAM, 204: {"description":
-            "no turn of this chat is running"}, **errors(410)})  # fmt: skip
+@router.get(
+    "/v1/ui/chat/{chat_id}/stream",
+    responses={**UI_STREAM, 204: {"description": "no turn of this chat is running"}, **errors(410)},
+)
 async def resume_chat(
     request: Request,
     chat_id: str,

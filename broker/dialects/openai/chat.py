@@ -57,19 +57,28 @@ def _usage(record: dict[str, Any] | None) -> dict[str, int] | None:
         return None
     prompt = int(record.get("input_tokens") or 0)
     completion = int(record.get("output_tokens") or 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _headers(stored: Stored) -> dict[str, str]:
-    return {"x-broker-turn-id": stored.state["turn_id"],
-            "x-broker-stream-id": stored.state["stream_id"]}  # fmt: skip
+    return {
+        "x-broker-turn-id": stored.state["turn_id"],
+        "x-broker-stream-id": stored.state["stream_id"],
+    }
 
 
 def _failure(reason: str) -> bytes:
     """An error event in OpenAI's shape: the SDKs raise it from the stream."""
-    error = {"message": f"the generation failed: {reason}", "type": "server_error",
-             "param": None, "code": reason}  # fmt: skip
+    error = {
+        "message": f"the generation failed: {reason}",
+        "type": "server_error",
+        "param": None,
+        "code": reason,
+    }
     return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
 
 
@@ -84,18 +93,25 @@ class _Chunks:
 
     def chunk(self, offset: str, delta: dict[str, Any], finish: str | None = None) -> bytes:
         body = {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "broker_offset": offset,
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "broker_offset": offset,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-        }  # fmt: skip
+        }
         return b"id: " + offset.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
 
     def usage(self, offset: str, usage: dict[str, int] | None) -> bytes:
         body = {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "broker_offset": offset, "choices": [],
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "broker_offset": offset,
+            "choices": [],
             "usage": usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-        }  # fmt: skip
+        }
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
@@ -151,14 +167,21 @@ def _completion(stored: Stored) -> Response:
         reason = record.get("reason") or "the generation failed"
         return error_response(502, f"the generation failed: {reason}", str(reason))
     body = {
-        "id": state["turn_id"], "object": "chat.completion", "created": stored.head.created_at,
+        "id": state["turn_id"],
+        "object": "chat.completion",
+        "created": stored.head.created_at,
         "model": stored.head.model,
-        "choices": [{"index": 0, "finish_reason": FINISH[status], "logprobs": None,
-                     "message": {"role": "assistant",
-                                 "content": canonical["text"] if canonical else ""}}],
-        "usage": _usage(record.get("usage")) or
-                 {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-    }  # fmt: skip
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": FINISH[status],
+                "logprobs": None,
+                "message": {"role": "assistant", "content": canonical["text"] if canonical else ""},
+            }
+        ],
+        "usage": _usage(record.get("usage"))
+        or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+    }
     return json_response(body, headers=_headers(stored))
 
 
@@ -170,17 +193,23 @@ _ANSWERS: dict[int | str, dict[str, Any]] = {
             "text/event-stream": {"schema": {"type": "string"}},
         },
     },
-    502: {"description": "the generation failed (not streaming)",
-          "content": {"application/json": {"schema": {"type": "object"}}}},
-}  # fmt: skip
+    502: {
+        "description": "the generation failed (not streaming)",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    },
+}
 
 
 @router.post(
     "/v1/chat/completions",
-    openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": json_schema(ChatRequest)}}}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": json_schema(ChatRequest)}},
+        }
+    },
     responses={**_ANSWERS, **documented(409, 410, 429)},
-)  # fmt: skip
+)
 async def create_chat_completion(request: Request, _credentials: Credentials) -> Response:
     """Create a completion (a turn); the same ``Idempotency-Key`` and ``Last-Event-ID``
     reattach to it."""
@@ -189,8 +218,9 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
         rt = runtime(request)
         body, _ = await parse(request, ChatRequest)
         turn_id = turn_id_of(request, body.metadata, "chatcmpl-")
-        params = turn_params(body.broker, body.temperature, body.top_p,
-                             body.max_completion_tokens or body.max_tokens)  # fmt: skip
+        params = turn_params(
+            body.broker, body.temperature, body.top_p, body.max_completion_tokens or body.max_tokens
+        )
         if body.stop is not None:
             params["stop"] = body.stop
         if body.seed is not None:

@@ -42,9 +42,12 @@ class OpenAIErrorBody(BaseModel):
 
 
 def error_response(
-    status: int, message: str, code: str | None, param: str | None = None,
+    status: int,
+    message: str,
+    code: str | None,
+    param: str | None = None,
     headers: dict[str, str] | None = None,
-) -> Response:  # fmt: skip
+) -> Response:
     kind = TYPES.get(status, "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return Response(orjson.dumps(body), status, headers=headers, media_type="application/json")

@@ -156,11 +156,13 @@ def frame(event: dict[str, Any]) -> bytes:
 def opening(head: Head) -> list[dict[str, Any]]:
     """Events 0 and 1."""
     return [
-        {"type": "response.created", "sequence_number": 0,
-         "response": head.response("queued", [])},
-        {"type": "response.in_progress", "sequence_number": 1,
-         "response": head.response("in_progress", [])},
-    ]  # fmt: skip
+        {"type": "response.created", "sequence_number": 0, "response": head.response("queued", [])},
+        {
+            "type": "response.in_progress",
+            "sequence_number": 1,
+            "response": head.response("in_progress", []),
+        },
+    ]
 
 
 def expand(
@@ -172,21 +174,41 @@ def expand(
     point this read started from).
     """
     attempt = int(data.get("attempt") or 0)
-    common = {"item_id": item_id(head.response_id, attempt), "output_index": max(attempt - 1, 0),
-              "content_index": 0}  # fmt: skip
+    common = {
+        "item_id": item_id(head.response_id, attempt),
+        "output_index": max(attempt - 1, 0),
+        "content_index": 0,
+    }
     events: list[dict[str, Any]] = []
     if kind == "attempt":
         if attempt != 1:
-            events.append({"type": "response.in_progress",
-                           "response": head.response("in_progress", [])})  # fmt: skip
+            events.append(
+                {"type": "response.in_progress", "response": head.response("in_progress", [])}
+            )
         item = message_item(head.response_id, attempt, "", "in_progress")
-        events.append({"type": "response.output_item.added",
-                       "output_index": common["output_index"], "item": item})  # fmt: skip
-        events.append({"type": "response.content_part.added", **common,
-                       "part": {"type": "output_text", "text": "", "annotations": []}})  # fmt: skip
+        events.append(
+            {
+                "type": "response.output_item.added",
+                "output_index": common["output_index"],
+                "item": item,
+            }
+        )
+        events.append(
+            {
+                "type": "response.content_part.added",
+                **common,
+                "part": {"type": "output_text", "text": "", "annotations": []},
+            }
+        )
     elif kind == "delta":
-        events.append({"type": "response.output_text.delta", **common,
-                       "delta": str(data.get("text", "")), "logprobs": []})  # fmt: skip
+        events.append(
+            {
+                "type": "response.output_text.delta",
+                **common,
+                "delta": str(data.get("text", "")),
+                "logprobs": [],
+            }
+        )
     elif kind == "end":
         assert end is not None
         status = str(data.get("status") or "failed")
@@ -200,13 +222,21 @@ def expand(
             error = {"code": "server_error", "message": end.reason or "the generation failed"}
         events += [
             {"type": "response.output_text.done", **common, "text": end.text, "logprobs": []},
-            {"type": "response.content_part.done", **common,
-             "part": {"type": "output_text", "text": end.text, "annotations": []}},
-            {"type": "response.output_item.done", "output_index": common["output_index"],
-             "item": item},
-            {"type": terminal, "response": head.response(response_status, [answer],
-                                                          usage=end.usage, error=error)},
-        ]  # fmt: skip
+            {
+                "type": "response.content_part.done",
+                **common,
+                "part": {"type": "output_text", "text": end.text, "annotations": []},
+            },
+            {
+                "type": "response.output_item.done",
+                "output_index": common["output_index"],
+                "item": item,
+            },
+            {
+                "type": terminal,
+                "response": head.response(response_status, [answer], usage=end.usage, error=error),
+            },
+        ]
     for n, event in enumerate(events):
         event["sequence_number"] = base + n
     return events

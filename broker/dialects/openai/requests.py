@@ -148,8 +148,7 @@ def turn_params(
     max_tokens: int | None,
 ) -> dict[str, Any]:
     params = dict(extension.params) if extension is not None else {}
-    for name, value in (("temperature", temperature), ("top_p", top_p),
-                        ("max_tokens", max_tokens)):  # fmt: skip
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("max_tokens", max_tokens)):
         if value is not None:
             params[name] = value
     return params

@@ -118,29 +118,44 @@ def turn_id_of(request: Request, metadata: dict[str, str] | None, prefix: str) -
     if not ID_PATTERN.match(key):
         raise ParamError(
             "the idempotency key must be 1-128 characters of letters, digits and ._:-",
-            "Idempotency-Key", code="bad_idempotency_key",
-        )  # fmt: skip
+            "Idempotency-Key",
+            code="bad_idempotency_key",
+        )
     return key
 
 
 def to_turn(
-    rt: Runtime, conversation_id: str, turn_id: str, model: str, messages: list[dict[str, Any]],
+    rt: Runtime,
+    conversation_id: str,
+    turn_id: str,
+    model: str,
+    messages: list[dict[str, Any]],
     params: dict[str, Any],
-) -> TurnRequest:  # fmt: skip
+) -> TurnRequest:
     provider, model_name = resolve_model(rt.providers, model)
     try:
-        return TurnRequest.model_validate({
-            "conversation_id": conversation_id, "turn_id": turn_id, "messages": messages,
-            "provider": provider, "model": model_name, "params": params,
-        })  # fmt: skip
+        return TurnRequest.model_validate(
+            {
+                "conversation_id": conversation_id,
+                "turn_id": turn_id,
+                "messages": messages,
+                "provider": provider,
+                "model": model_name,
+                "params": params,
+            }
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ParamError(f"{first.get('msg', 'invalid request')}", None) from None
 
 
 # The native codes of a refused turn, as the OpenAI parameter at fault.
-PARAM_OF_CODE = {"unknown_model": "model", "unknown_provider": "model",
-                 "too_many_messages": None, "message_too_long": None}  # fmt: skip
+PARAM_OF_CODE = {
+    "unknown_model": "model",
+    "unknown_provider": "model",
+    "too_many_messages": None,
+    "message_too_long": None,
+}
 
 
 async def create_turn(rt: Runtime, turn: TurnRequest, tenant: str | None, messages: str) -> None:
@@ -155,9 +170,12 @@ async def create_turn(rt: Runtime, turn: TurnRequest, tenant: str | None, messag
 
 
 async def sent_before(
-    rt: Runtime, turn_id: str, tenant: str | None, conversation_id: str,
+    rt: Runtime,
+    turn_id: str,
+    tenant: str | None,
+    conversation_id: str,
     new_input: list[dict[str, Any]],
-) -> list[dict[str, Any]] | None:  # fmt: skip
+) -> list[dict[str, Any]] | None:
     """The messages turn ``turn_id`` was created with, when it exists in ``conversation_id`` and
     ended them with ``new_input``: a repeated request must meet the same fingerprint, though the
     conversation's history now holds the turn itself."""
@@ -229,8 +247,11 @@ async def load_for_reading(rt: Runtime, response_id: str, tenant: str | None) ->
                 rt.redis, turn_key, ["stream_id", "created_ms", "request"]
             )
             if stream_id is not None and created_ms is not None:
-                state = {"turn_id": response_id, "stream_id": stream_id,
-                         "created_ms": int(created_ms)}  # fmt: skip
+                state = {
+                    "turn_id": response_id,
+                    "stream_id": stream_id,
+                    "created_ms": int(created_ms),
+                }
                 location = Location(stream_id, conversation_id, response_id)
                 return Stored(state, location, orjson.loads(raw) if raw else {})
     return await load(rt, response_id, tenant)
@@ -378,10 +399,14 @@ _SSE_OR_JSON: dict[int | str, dict[str, Any]] = {
 
 @router.post(
     "/v1/responses",
-    openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": json_schema(ResponsesRequest)}}}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": json_schema(ResponsesRequest)}},
+        }
+    },
     responses={**_SSE_OR_JSON, **documented(409, 410, 429)},
-)  # fmt: skip
+)
 async def create_response(request: Request, _credentials: Credentials) -> Response:
     """Create a response (a turn); with ``stream``, its events; with ``background``, at once."""
 
