@@ -1,20 +1,30 @@
-"""The Lua scripts of ``broker/lua/``: loaded once, called by name, error replies mapped.
+"""The Lua scripts of ``broker/lua/``: loaded once, called through typed methods.
 
-Each script is one atomic operation whose contract is written in its file header. redis-py's
-``register_script`` sends EVALSHA and reloads the script by itself after ``NOSCRIPT`` (a restarted
-or failed-over server), so callers never see that case.
+Each script is one atomic operation whose contract is written in its file header. Each has one
+method here, named after it, that takes the header's KEYS and ARGV by name and returns its reply
+decoded into a frozen type: the only place that knows a reply's positions. The error replies of
+the header (``FENCED``, ``CANCELLED``, ``STREAM_FULL``) are raised as the broker's exceptions.
+Calling a script by name (``await scripts("claim_lease", keys, args)``) is the raw form, for
+tests of a script's contract itself.
+
+redis-py's ``register_script`` sends EVALSHA and reloads the script by itself after
+``NOSCRIPT`` (a restarted or failed-over server), so callers never see that case.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
 from broker.errors import FencedWrite, StopRequested, StreamFull
+
+Event = tuple[str, str]  # (event type, JSON data) as a script appends it
 
 NAMES = (
     "create_turn",
@@ -34,6 +44,73 @@ NAMES = (
     "release_viewer",
     "release_lease",
 )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admitted:
+    """``admit_turn``: whether the tenant may start the attempt, and if not, when and why."""
+
+    admitted: bool
+    retry_after_ms: int = 0
+    reason: str = ""  # "rate" or "streams" when refused
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Created:
+    """``create_turn``: ``result`` is created, exists, conflict or expired."""
+
+    result: Literal["created", "exists", "conflict", "expired"]
+    stream_id: str = ""
+    status: str = ""
+    attempt: int = 0
+    created_ms: int = 0
+    enqueued: bool = False  # (exists only) the turn's first job went on the queue
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claim:
+    """``claim_lease``: ``result`` is claimed, held, stale or missing."""
+
+    result: Literal["claimed", "held", "stale", "missing"]
+    token: str = ""
+    previous_status: str = ""  # (claimed) "streaming" means a takeover
+    stop_requested: bool = False  # (claimed) a stop was requested meanwhile
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finished:
+    """``finish_attempt``: 1 promoted, 0 not asked (or already finished), -1 refused."""
+
+    promotion: int
+    entry_ids: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """The answer of ``cancel_turn``, ``start_attempt`` and ``promote_attempt``: a ``result``
+    word and the one value that comes with it (an attempt, a status, a reason), as text."""
+
+    result: str
+    value: str = ""
+
+    @property
+    def attempt(self) -> int:
+        return int(self.value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolClaim:
+    """``claim_tool``: ``result`` is claimed, reclaimed, completed, failed, in_flight,
+    args_mismatch or fenced."""
+
+    result: str
+    token: str = ""  # claimed, reclaimed
+    payload: str = ""  # completed, failed: the stored JSON; args_mismatch: the fingerprint
+    wait_ms: int = 0  # in_flight: the holder's lease left
+
+
+def _text(reply: Sequence[Any], index: int) -> str:
+    return "" if len(reply) <= index or reply[index] is None else str(reply[index])
 
 
 def script_source(name: str) -> str:
@@ -73,3 +150,213 @@ class Scripts:
             if "STREAM_FULL" in message:
                 raise StreamFull(message.split("STREAM_FULL", 1)[1].strip()) from None
             raise
+
+    # One typed method per script; the KEYS and ARGV are those of the script's header.
+
+    async def admit_turn(
+        self,
+        *,
+        rate: str,
+        live: str,
+        rate_per_s: float,
+        burst: int,
+        cost: int,
+        max_live: int,
+        member: str,
+        slot_ttl_ms: int,
+    ) -> Admitted:
+        reply = await self(
+            "admit_turn", [rate, live], [rate_per_s, burst, cost, max_live, member, slot_ttl_ms]
+        )
+        if int(reply[0]) == 1:
+            return Admitted(True)
+        return Admitted(False, int(reply[1]), _text(reply, 2))
+
+    async def create_turn(
+        self,
+        *,
+        turn: str,
+        tombstone: str,
+        conversation_turns: str,
+        fingerprint: str,
+        stream_id: str,
+        conversation_id: str,
+        turn_id: str,
+        request: str,
+        session: str,
+        record: str,
+        response_format: str,
+    ) -> Created:
+        reply = await self(
+            "create_turn",
+            [turn, tombstone, conversation_turns],
+            [
+                fingerprint,
+                stream_id,
+                conversation_id,
+                turn_id,
+                request,
+                session,
+                record,
+                response_format,
+            ],
+        )
+        result = str(reply[0])
+        if result not in ("created", "exists"):
+            return Created(result)  # type: ignore[arg-type]  # conflict or expired
+        return Created(
+            result,  # type: ignore[arg-type]
+            stream_id=str(reply[1]),
+            status=str(reply[2]),
+            attempt=int(reply[3]),
+            created_ms=int(reply[4]),
+            enqueued=_text(reply, 5) == "1",
+        )
+
+    async def claim_lease(
+        self, *, turn: str, lease: str, owner: str, ttl_ms: int, attempt: int
+    ) -> Claim:
+        reply = await self("claim_lease", [turn, lease], [owner, ttl_ms, attempt])
+        result = str(reply[0])
+        if result == "claimed":
+            return Claim("claimed", str(reply[1]), _text(reply, 2), _text(reply, 3) == "1")
+        return Claim(result)  # type: ignore[arg-type]  # held, stale or missing
+
+    async def renew_lease(self, *, lease: str, turn: str, token: str, ttl_ms: int) -> bool:
+        """True when the user asked to stop. Raises ``FencedWrite`` when the lease is lost."""
+        return int(await self("renew_lease", [lease, turn], [token, ttl_ms])) == 2
+
+    async def release_lease(self, *, lease: str, token: str) -> bool:
+        """False when the lease was no longer this token's."""
+        return int(await self("release_lease", [lease], [token])) == 1
+
+    async def append_events(
+        self,
+        *,
+        lease: str,
+        events_key: str,
+        turn: str,
+        token: str,
+        max_events: int,
+        appended: int,
+        events: Sequence[Event],
+    ) -> list[str]:
+        """The events' entry ids. Raises FencedWrite, StopRequested or StreamFull."""
+        args: list[Any] = [token, max_events, appended]
+        for kind, data in events:
+            args += (kind, data)
+        ids = await self("append_events", [lease, events_key, turn], args)
+        return [str(entry_id) for entry_id in ids]
+
+    async def finish_attempt(
+        self,
+        *,
+        turn: str,
+        lease: str,
+        events_key: str,
+        tombstone: str,
+        conversation_turns: str,
+        token: str,
+        attempt: int,
+        status: str,
+        record: str,
+        text: str,
+        ttl_ms: int,
+        tombstone_ms: int,
+        promote: bool,
+        base: str,
+        events: Sequence[Event],
+    ) -> Finished:
+        """Raises ``FencedWrite`` when the lease is lost."""
+        args: list[Any] = [
+            token,
+            attempt,
+            status,
+            record,
+            text,
+            ttl_ms,
+            tombstone_ms,
+            "1" if promote else "0",
+            base,
+        ]
+        for kind, data in events:
+            args += (kind, data)
+        reply = await self(
+            "finish_attempt", [turn, lease, events_key, tombstone, conversation_turns], args
+        )
+        return Finished(int(reply[0]), tuple(str(entry_id) for entry_id in reply[1:]))
+
+    async def start_attempt(self, *, turn: str, events_key: str, strategy: str) -> Outcome:
+        """``started`` (value: the attempt), ``busy`` (the status), ``not_allowed`` (the
+        reason) or ``missing``."""
+        reply = await self("start_attempt", [turn, events_key], [strategy])
+        return Outcome(str(reply[0]), _text(reply, 1))
+
+    async def cancel_turn(
+        self,
+        *,
+        turn: str,
+        events_key: str,
+        tombstone: str,
+        conversation_turns: str,
+        ttl_ms: int,
+        tombstone_ms: int,
+    ) -> Outcome:
+        """``cancelled`` or ``signalled`` (value: the attempt), ``final`` (the status) or
+        ``missing``."""
+        reply = await self(
+            "cancel_turn", [turn, events_key, tombstone, conversation_turns], [ttl_ms, tombstone_ms]
+        )
+        return Outcome(str(reply[0]), _text(reply, 1))
+
+    async def promote_attempt(self, *, turn: str, attempt: int, expected: str) -> Outcome:
+        """``promoted`` (value: the attempt), ``conflict`` (the current canonical attempt, ""
+        for none), ``not_allowed`` (the reason) or ``missing``."""
+        reply = await self("promote_attempt", [turn], [attempt, expected])
+        return Outcome(str(reply[0]), _text(reply, 1))
+
+    async def take_retry_budget(
+        self, *, budget_key: str, budget: int, window_ms: int, member: str
+    ) -> bool:
+        """True when the retry may go ahead."""
+        return bool(int(await self("take_retry_budget", [budget_key], [budget, window_ms, member])))
+
+    async def claim_tool(
+        self,
+        *,
+        slot: str,
+        slots: str,
+        lease: str,
+        fingerprint: str,
+        lease_ms: int,
+        owner: str,
+        retention_ms: int,
+        row: str,
+        lease_token: str,
+    ) -> ToolClaim:
+        reply = await self(
+            "claim_tool",
+            [slot, slots, lease],
+            [fingerprint, lease_ms, owner, retention_ms, row, lease_token],
+        )
+        result = str(reply[0])
+        if result in ("claimed", "reclaimed"):
+            return ToolClaim(result, token=str(reply[1]))
+        if result == "in_flight":
+            return ToolClaim(result, wait_ms=int(reply[1]))
+        return ToolClaim(result, payload=_text(reply, 1))
+
+    async def renew_tool(self, *, slot: str, token: str, lease_ms: int) -> None:
+        """Raises ``FencedWrite`` when the token is not current or the call not in flight."""
+        await self("renew_tool", [slot], [token, lease_ms])
+
+    async def finish_tool(self, *, slot: str, token: str, outcome: str, payload: str) -> bool:
+        """False when fenced: the token is not current, or the outcome is already stored."""
+        return str((await self("finish_tool", [slot], [token, outcome, payload]))[0]) == "ok"
+
+    async def renew_viewer(self, *, viewer: str, holder: str, ttl_ms: int) -> bool:
+        """False when the holder lost the viewer lock."""
+        return int(await self("renew_viewer", [viewer], [holder, ttl_ms])) == 1
+
+    async def release_viewer(self, *, viewer: str, holder: str) -> bool:
+        return int(await self("release_viewer", [viewer], [holder])) == 1

@@ -179,6 +179,31 @@ class Settings:
         return self.role in ("all", "worker")
 
     @property
+    def stream_ttl_ms(self) -> int:
+        """``BROKER_STREAM_TTL`` in milliseconds: how long a finished turn's data is kept."""
+        return int(self.stream_ttl * 1000)
+
+    @property
+    def tombstone_ttl_ms(self) -> int:
+        """``BROKER_TOMBSTONE_TTL`` in milliseconds: how long an expired turn's id stays taken."""
+        return int(self.tombstone_ttl * 1000)
+
+    @property
+    def index_ttl_ms(self) -> int:
+        """How long the turn and stream indexes (and the ledger) live: data, then tombstone."""
+        return int((self.stream_ttl + self.tombstone_ttl) * 1000)
+
+    @property
+    def session_retry_window_ms(self) -> int:
+        """``BROKER_SESSION_RETRY_WINDOW`` in milliseconds."""
+        return int(self.session_retry_window * 1000)
+
+    @property
+    def lease_ttl_s(self) -> float:
+        """``BROKER_LEASE_TTL_MS`` in seconds."""
+        return self.lease_ttl_ms / 1000
+
+    @property
     def reclaim_idle_ms(self) -> int:
         """How long a job sits unrefreshed before another worker takes it over.
 
@@ -186,6 +211,11 @@ class Settings:
         TTL belongs to a worker whose lease has run out: takeover follows the lease.
         """
         return self.job_reclaim_idle_ms or self.lease_ttl_ms + 500
+
+    @property
+    def reclaim_idle_s(self) -> float:
+        """:attr:`reclaim_idle_ms` in seconds."""
+        return self.reclaim_idle_ms / 1000
 
     @property
     def reclaim_every_s(self) -> float:

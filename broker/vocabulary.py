@@ -1,0 +1,79 @@
+"""The broker's words: turn and attempt statuses, and the space-joined ids stored in Redis.
+
+The ground floor: this module imports nothing of the broker, and every room may import it. The
+status words are stored in Redis and sent on the wire, so each is a ``StrEnum`` whose value is
+the word itself: ``TurnStatus.QUEUED == "queued"``, and a value read back from Redis compares
+equal to its member.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Final
+
+
+class TurnStatus(StrEnum):
+    """A turn's status (the ``status`` field of its hash): where its current attempt stands."""
+
+    QUEUED = "queued"
+    STREAMING = "streaming"
+    COMPLETE = "complete"
+    INTERRUPTED = "interrupted"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class AttemptStatus(StrEnum):
+    """An attempt's own status, as its record on the turn keeps it once it ended."""
+
+    COMPLETE = "complete"
+    PARTIAL = "partial"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+# A turn at rest: its current attempt ended, and nothing more comes unless a new one starts.
+FINAL_STATUSES: Final = frozenset(
+    {TurnStatus.COMPLETE, TurnStatus.INTERRUPTED, TurnStatus.CANCELLED, TurnStatus.FAILED}
+)
+# A turn that holds a stream slot of its tenant: queued, or generating.
+ACTIVE_STATUSES: Final = frozenset({TurnStatus.QUEUED, TurnStatus.STREAMING})
+# The statuses whose text (when there is any) becomes the turn's canonical answer.
+PROMOTED_STATUSES: Final = frozenset(
+    {TurnStatus.COMPLETE, TurnStatus.INTERRUPTED, TurnStatus.CANCELLED}
+)
+# The attempt's status for the turn status it ended with: an interrupted turn holds a partial one.
+ATTEMPT_STATUS: Final = {
+    TurnStatus.COMPLETE: AttemptStatus.COMPLETE,
+    TurnStatus.INTERRUPTED: AttemptStatus.PARTIAL,
+    TurnStatus.CANCELLED: AttemptStatus.CANCELLED,
+    TurnStatus.FAILED: AttemptStatus.FAILED,
+}
+
+
+def encode_turn_ref(conversation_id: str, turn_id: str) -> str:
+    """The stream index's value: ``"<conversation_id> <turn_id>"`` (neither holds a space)."""
+    return f"{conversation_id} {turn_id}"
+
+
+def decode_turn_ref(value: str) -> tuple[str, str]:
+    """``(conversation_id, turn_id)`` from :func:`encode_turn_ref`'s form."""
+    conversation_id, _, turn_id = value.partition(" ")
+    return conversation_id, turn_id
+
+
+def encode_attempt_ref(conversation_id: str, turn_id: str, attempt: int) -> str:
+    """One attempt of a turn: ``"<conversation_id> <turn_id> <attempt>"``. It names a stop
+    notification's attempt and a tenant's stream slot (so freeing a slot never frees a newer
+    attempt's)."""
+    return f"{conversation_id} {turn_id} {attempt}"
+
+
+def decode_attempt_ref(data: str) -> tuple[str, str, int]:
+    """``(conversation_id, turn_id, attempt)`` from :func:`encode_attempt_ref`'s form; a
+    malformed value gives ``("", "", 0)``, which names no attempt."""
+    parts = data.split(" ")
+    try:
+        return parts[0], parts[1], int(parts[2])
+    except (IndexError, ValueError):
+        return "", "", 0
