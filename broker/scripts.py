@@ -138,6 +138,13 @@ class Scripts:
         found = await self.redis.script_exists(*shas)
         return all(found)
 
+    async def ready(self) -> None:
+        """Readiness: Redis answers, and has every script (loaded again if it lost them).
+        Raises whatever Redis raised."""
+        await self.redis.ping()
+        if not await self.loaded():
+            await self.load()
+
     async def __call__(self, name: str, keys: list[str], args: list[Any]) -> Any:
         try:
             return await self._scripts[name](keys=keys, args=args)
