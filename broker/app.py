@@ -42,9 +42,11 @@ from broker.api.connections import ConnectionLimits, guarded
 from broker.api.schemas import install_components
 from broker.auth import Authenticator
 from broker.connection import check_eviction_policy, client, connect, redact
+from broker.deps import Deps
 from broker.dialects.aisdk import router as aisdk_router
 from broker.dialects.openai import router as openai_router
 from broker.embedded_redis import EmbeddedRedis
+from broker.jobs import JobQueue
 from broker.keys import Keys
 from broker.ledger import Dispatcher, Ledger
 from broker.metrics import Metrics
@@ -85,6 +87,8 @@ class Runtime:
         self.embedded = embedded
         self.keys = Keys(settings.key_prefix)
         self.scripts = Scripts(redis)
+        self.deps = Deps(redis, self.scripts, self.keys, settings, metrics)
+        self.jobs = JobQueue(redis, self.keys)
         self.providers = Providers(settings)
         self.hub = Hub(blocking_redis, metrics, redis)
         self.streams = Streams(redis, self.keys, self.hub, settings, metrics)

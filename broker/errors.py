@@ -14,11 +14,12 @@
     ├── TooManyRequests         rate_limited    429   a tenant's rate or stream limit
     ├── Unavailable             redis_unavailable 503 Redis cannot be reached
     ├── FencedWrite             fenced          —     a writer's lease was taken over
+    ├── LeaseLost               lease_lost      —     an attempt's lease was taken over
     ├── StopRequested           stop_requested  —     the user pressed stop during an append
     └── StreamFull              stream_full     —     BROKER_MAX_STREAM_EVENTS reached
 
-``FencedWrite``, ``StopRequested`` and ``StreamFull`` never reach a client: the worker turns
-them into turn outcomes.
+``FencedWrite``, ``LeaseLost``, ``StopRequested`` and ``StreamFull`` never reach a client: the
+worker turns them into turn outcomes.
 """
 
 from __future__ import annotations
@@ -109,6 +110,16 @@ class Unavailable(BrokerError):
 class FencedWrite(BrokerError):
     code = "fenced"
     status = 409
+
+
+class LeaseLost(BrokerError):
+    """The attempt's lease was taken over: it must write nothing more."""
+
+    code = "lease_lost"
+    status = 409
+
+    def __init__(self, message: str = "the lease was taken over") -> None:
+        super().__init__(message)
 
 
 class StopRequested(BrokerError):
