@@ -7,8 +7,9 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
-from broker import __version__, loadgen, logs
+from broker import __version__, logs
 from broker.app import Runtime, Server, create_app, raise_file_limit, server_config
 from broker.auth import Authenticator, new_api_key
 from broker.connection import RedisConnectError
@@ -16,6 +17,15 @@ from broker.embedded_redis import EmbeddedRedisError
 from broker.providers import Providers
 from broker.settings import ROLES, Settings, SettingsError
 from broker.tools import ToolConfigError, ToolRegistry
+
+
+def _loadgen() -> ModuleType | None:
+    """The load generator: a client tool, shipped with the client package (broker_client)."""
+    try:
+        from broker_client import loadgen
+    except ImportError:
+        return None
+    return loadgen
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--role", choices=ROLES, help="all (default), api or worker (BROKER_ROLE)")
     commands.add_parser("providers", help="list the configured providers and their models")
     commands.add_parser("new-key", help="print a new random API key (for BROKER_API_KEYS)")
-    loadgen.add_parser(commands)
+    loadgen = _loadgen()
+    if loadgen is not None:
+        loadgen.add_parser(commands)
+    else:
+        stub = commands.add_parser("loadgen", help="(needs the broker-client package)")
+        stub.add_argument("args", nargs=argparse.REMAINDER)
     tools = commands.add_parser("tools", help="inspect the tool registry (BROKER_TOOLS)")
     tools_commands = tools.add_subparsers(dest="tools_command", required=True)
     audit = tools_commands.add_parser(
@@ -50,6 +65,7 @@ def list_providers() -> int:
     for provider in providers:
         models = ", ".join(provider.models) if provider.models else "(any)"
         print(f"{provider.name:<10} {provider.description}\n{'':<10} models: {models}")
+    asyncio.run(providers.aclose())
     return 0
 
 
@@ -95,7 +111,11 @@ async def _serve(settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "loadgen":
-        return loadgen.run(args)
+        loadgen = _loadgen()
+        if loadgen is None:
+            print("broker loadgen: install the client package (broker-client)", file=sys.stderr)
+            return 2
+        return int(loadgen.run(args))
     if args.command == "tools":
         return audit_tools(args.file or os.environ.get("BROKER_TOOLS"))
     if args.command == "providers":

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from broker import loadgen
+from broker_client import loadgen
 from tests.conftest import BrokerFactory, RunningBroker, free_port
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from broker.errors import BadRequest
@@ -36,6 +37,8 @@ __all__ = [
 ]
 
 DEFAULT_PROVIDER = "simulated"
+
+log = logging.getLogger("broker.providers")
 
 
 def _models(raw: str | None) -> tuple[str, ...]:
@@ -75,6 +78,14 @@ class Providers:
 
     def __iter__(self) -> Iterator[Provider]:
         return iter(self._providers.values())
+
+    async def aclose(self) -> None:
+        """Close every provider (their HTTP clients); one failing does not keep the others open."""
+        for provider in self._providers.values():
+            try:
+                await provider.aclose()
+            except Exception:
+                log.exception("closing provider %s failed", provider.name)
 
     @staticmethod
     def model_for(provider: Provider, model: str | None) -> str:

@@ -116,3 +116,6 @@ class Provider(Protocol):
         Closing the generator (``aclose``) aborts the upstream call.
         """
         ...
+
+    async def aclose(self) -> None:
+        """Release what the provider holds (its HTTP client); called once, at shutdown."""

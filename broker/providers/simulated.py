@@ -119,6 +119,9 @@ class SimulatedProvider:
         self.max_tokens_per_s = max_tokens_per_s
         self.aborted_calls = 0  # calls the broker closed before their end (stop, shutdown)
 
+    async def aclose(self) -> None:
+        """Nothing to release: the simulated provider holds no connection."""
+
     def validate_params(self, params: dict[str, Any]) -> None:
         reject_unknown_params("simulated", params, GENERIC_PARAMS)
         knobs = params.get("simulate", {})

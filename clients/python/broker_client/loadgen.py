@@ -1,5 +1,8 @@
 """``broker loadgen``: drive a running broker with a mix of simulated turns and report the outcome.
 
+A client tool, so it lives with the client and reads streams with the client's SSE decoder; the
+broker's command line runs it.
+
 Every turn uses the simulated provider's knobs, so a run needs no model and no keys. Kinds:
 ``normal`` (plain text), ``retried`` (the first upstream call fails before any delta and is
 retried silently), ``interrupted`` (the call breaks halfway), ``cancelled`` (the stop button is
@@ -30,6 +33,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, TextIO
 
 import httpx
+
+from .sse import SSEDecoder
 
 KINDS = ("normal", "retried", "interrupted", "cancelled", "tool")
 EXPECTED = {
@@ -416,26 +421,15 @@ async def _turn_status(client: httpx.AsyncClient, turn_id: str) -> str:
 
 
 async def _sse(response: httpx.Response) -> AsyncIterator[tuple[str, dict[str, Any], str | None]]:
-    """Yield ``(event, data, id)`` for each SSE event with data; comments are skipped."""
-    fields: dict[str, str] = {}
-    data: list[str] = []
-    async for line in response.aiter_lines():
-        if line == "":
-            if data:
-                parsed = json.loads("\n".join(data))
-                if not isinstance(parsed, dict):
-                    raise ValueError("an event's data is not a JSON object")
-                yield fields.get("event", "message"), parsed, fields.get("id")
-            fields, data = {}, []
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "data":
-            data.append(value)
-        else:
-            fields[name] = value
+    """Yield ``(event, data, id)`` for each SSE event with data, decoded by the client's own
+    :class:`~broker_client.sse.SSEDecoder` (comments and data-less blocks are not events)."""
+    decoder = SSEDecoder()
+    async for chunk in response.aiter_bytes():
+        for event in decoder.feed(chunk):
+            parsed = json.loads(event.data)
+            if not isinstance(parsed, dict):
+                raise ValueError("an event's data is not a JSON object")
+            yield event.event, parsed, event.id or None
 
 
 def add_parser(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
