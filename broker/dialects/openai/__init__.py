@@ -1,11 +1,5 @@
 """The OpenAI dialect: ``/v1/responses`` and ``/v1/chat/completions`` over the same turns."""
 
-from fastapi import APIRouter
-
-from broker.dialects.openai import chat, responses
-
-router = APIRouter()
-router.include_router(responses.router)
-router.include_router(chat.router)
+from broker.dialects.openai.routes import router
 
 __all__ = ["router"]
