@@ -8,6 +8,8 @@ from typing import Any
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError, ResponseError
 
+from broker.errors import BrokerError
+
 log = logging.getLogger("broker.connection")
 
 # Stream reads on the broker's clients answer Redis's own shape, [id, [field, value, ...]],
@@ -20,8 +22,10 @@ def _as_sent(response: Any, **options: Any) -> Any:
     return response
 
 
-class RedisConnectError(RuntimeError):
+class RedisConnectError(BrokerError, RuntimeError):
     """Redis could not be reached at start."""
+
+    code = "redis_unreachable"
 
 
 def redact(url: str) -> str:

@@ -18,13 +18,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from broker.errors import BrokerError
+
 log = logging.getLogger("broker.embedded_redis")
 
 _PR_SET_PDEATHSIG = 1
 
 
-class EmbeddedRedisError(RuntimeError):
+class EmbeddedRedisError(BrokerError, RuntimeError):
     """The embedded server could not be found or started."""
+
+    code = "embedded_redis"
 
 
 def find_server_binary(explicit: str | None = None) -> str:

@@ -1,25 +1,41 @@
-"""The broker's exceptions: one root, stable codes, one table of HTTP statuses.
+r"""The broker's exceptions: one root, stable codes, one table of HTTP statuses.
 
 ::
 
     BrokerError                 code            status
     ├── BadRequest              bad_request     400   malformed body, offset or id
+    │   └── ParamError          (dialects)      400   an OpenAI request parameter we refuse
     ├── Unauthorized            unauthorized    401   no credentials, or credentials refused
     ├── Forbidden               forbidden       403   an attach token used beyond its scope
     ├── NotFound                not_found       404   unknown turn or stream
     ├── Conflict                conflict        409   same turn_id, different request
     ├── Gone                    expired         410   the turn existed but its data expired
-    ├── PayloadTooLarge         too_large       413   body over BROKER_MAX_BODY_BYTES
+    ├── BodyTooLarge            too_large       413   (api.limits) body over BROKER_MAX_BODY_BYTES
     ├── NotAllowed              not_allowed     422   valid request, wrong state
     ├── TooManyRequests         rate_limited    429   a tenant's rate or stream limit
-    ├── Unavailable             redis_unavailable 503 Redis cannot be reached
     ├── FencedWrite             fenced          —     a writer's lease was taken over
     ├── LeaseLost               lease_lost      —     an attempt's lease was taken over
     ├── StopRequested           stop_requested  —     the user pressed stop during an append
-    └── StreamFull              stream_full     —     BROKER_MAX_STREAM_EVENTS reached
+    ├── StreamFull              stream_full     —     BROKER_MAX_STREAM_EVENTS reached
+    ├── UpstreamError           (the upstream's) —    (providers.base) the model call failed
+    ├── ToolError               (the tool's)    —     (tools) a tool call failed
+    ├── SettingsError           bad_setting     —     (settings) a BROKER_* value is unusable
+    ├── ToolConfigError         bad_tools       —     (tools) the tools file is invalid
+    ├── RedisConnectError       redis_unreachable —   (connection) Redis cannot be reached
+    └── EmbeddedRedisError      embedded_redis  —     (embedded_redis) the embedded server failed
 
-``FencedWrite``, ``LeaseLost``, ``StopRequested`` and ``StreamFull`` never reach a client: the
-worker turns them into turn outcomes.
+The classes marked with a module live next to the code that raises them. ``SettingsError`` and
+``ToolConfigError`` are also ``ValueError``\ s, and the two Redis start-up errors
+``RuntimeError``\ s, as callers have always caught them.
+
+A class without a status never reaches a client as itself: the worker turns lease, stop and
+stream errors into turn outcomes and upstream and tool errors into ``error`` events, and the
+command line prints start-up errors in one line. A Redis error that reaches the HTTP layer is
+answered 503 ``redis_unavailable`` by the error handlers.
+
+Deliberately outside the tree: the private control-flow exceptions of single modules (a retry
+or a tool failure unwinding a generation, a fan-out hub that closed), which never leave the
+module that raises them.
 """
 
 from __future__ import annotations
@@ -81,11 +97,6 @@ class Gone(BrokerError):
     status = 410
 
 
-class PayloadTooLarge(BrokerError):
-    code = "too_large"
-    status = 413
-
-
 class NotAllowed(BrokerError):
     code = "not_allowed"
     status = 422
@@ -100,11 +111,6 @@ class TooManyRequests(BrokerError):
     def __init__(self, message: str, *, retry_after_s: int, code: str | None = None) -> None:
         super().__init__(message, code=code, headers={"Retry-After": str(max(1, retry_after_s))})
         self.retry_after_s = max(1, retry_after_s)
-
-
-class Unavailable(BrokerError):
-    code = "redis_unavailable"
-    status = 503
 
 
 class FencedWrite(BrokerError):

@@ -11,11 +11,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from broker.errors import BrokerError
+
 ROLES = ("all", "api", "worker")
 
 
-class SettingsError(ValueError):
+class SettingsError(BrokerError, ValueError):
     """A ``BROKER_*`` variable has a value the broker cannot use."""
+
+    code = "bad_setting"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

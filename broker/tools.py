@@ -30,6 +30,8 @@ import httpx
 import jsonschema
 import orjson
 
+from broker.errors import BrokerError
+
 ToolClass = Literal["read", "keyed_write", "unkeyed_write"]
 TOOL_CLASSES: tuple[ToolClass, ...] = ("read", "keyed_write", "unkeyed_write")
 NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
@@ -38,17 +40,20 @@ ToolFunction = Callable[[dict[str, Any], str], Awaitable[Any]]
 """A Python tool: ``await fn(arguments, idempotency_key)`` returns a JSON-able result."""
 
 
-class ToolConfigError(ValueError):
+class ToolConfigError(BrokerError, ValueError):
     """The tools file or a registration is invalid."""
 
+    code = "bad_tools"
 
-class ToolError(Exception):
-    """A tool call failed; ``outcome_known`` is False when it may have taken effect anyway."""
+
+class ToolError(BrokerError):
+    """A tool call failed; ``outcome_known`` is False when it may have taken effect anyway.
+
+    ``code`` is the tool's own (it goes into the ``tool_result`` event), not a broker code.
+    """
 
     def __init__(self, code: str, message: str, *, outcome_known: bool = True) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(message, code=code)
         self.outcome_known = outcome_known
 
 

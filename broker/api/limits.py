@@ -5,6 +5,8 @@ from __future__ import annotations
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from broker.errors import BrokerError
+
 
 class HeaderSizeLimit:
     """Refuse requests whose headers (names, values, and the query string) pass ``limit`` bytes.
@@ -31,8 +33,14 @@ class HeaderSizeLimit:
         await self.app(scope, receive, send)
 
 
-class BodyTooLarge(Exception):
-    """Raised from ``receive`` when the body passes the limit mid-stream."""
+class BodyTooLarge(BrokerError):
+    """Raised from ``receive`` when the body passes the limit mid-stream (answered here, 413)."""
+
+    code = "too_large"
+    status = 413
+
+    def __init__(self) -> None:
+        super().__init__("the request body is larger than BROKER_MAX_BODY_BYTES")
 
 
 class BodySizeLimit:

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any, Protocol
 
-from broker.errors import BadRequest
+from broker.errors import BadRequest, BrokerError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,15 +76,17 @@ class Finished:
 ProviderEvent = TextDelta | Usage | ToolCallChunk | ToolCallEnd | Finished
 
 
-class UpstreamError(Exception):
-    """The upstream call failed; ``retryable`` says whether the same call may succeed later."""
+class UpstreamError(BrokerError):
+    """The upstream call failed; ``retryable`` says whether the same call may succeed later.
+
+    ``code`` names the failure for the ``error`` event (``upstream_timeout``, a provider's
+    status class, ...).
+    """
 
     def __init__(
         self, code: str, message: str, *, retryable: bool, retry_after_s: float | None = None
     ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(message, code=code)
         self.retryable = retryable
         self.retry_after_s = retry_after_s  # the upstream's Retry-After, when it sent one
 
