@@ -393,6 +393,20 @@ class BrokerClient:
         )
         return Page.from_json(_json_body(response))
 
+    def _attach_request(
+        self, offset: str, token: str | None, last_id: str | None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """The headers and query of one (re)connection of :meth:`attach`."""
+        headers = {**self._headers, **self._credential(token), "Accept": "text/event-stream"}
+        params = {"offset": offset}
+        if token is not None:
+            params["token"] = token
+        if last_id is not None:
+            # The broker prefers Last-Event-ID; the offset says the same for any proxy or
+            # server version that only reads the query string.
+            params["offset"] = headers["Last-Event-ID"] = last_id
+        return headers, params
+
     async def attach(
         self,
         stream_id: str,
@@ -434,14 +448,7 @@ class BrokerClient:
             if stop is not None and stop.is_set():
                 return
             cursor.progressed = False
-            headers = {**self._headers, **self._credential(token), "Accept": "text/event-stream"}
-            params = {"offset": offset}
-            if token is not None:
-                params["token"] = token
-            if cursor.last_id is not None:
-                # The broker prefers Last-Event-ID; the offset says the same for any proxy or
-                # server version that only reads the query string.
-                params["offset"] = headers["Last-Event-ID"] = cursor.last_id
+            headers, params = self._attach_request(offset, token, cursor.last_id)
             failure: BaseException
             least_wait = 0.0
             try:
