@@ -13,15 +13,13 @@ import logging
 import math
 import time
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from broker import redis_calls as rc
+from broker.deps import Deps
 from broker.errors import TooManyRequests
-from broker.keys import Keys, unscoped
-from broker.metrics import Metrics
-from broker.scripts import Scripts
-from broker.settings import Settings
+from broker.keys import unscoped
+from broker.vocabulary import ACTIVE_STATUSES, encode_attempt_ref
 
 log = logging.getLogger("broker.admission")
 
@@ -29,25 +27,17 @@ log = logging.getLogger("broker.admission")
 # pushed forward while the attempt runs, and short enough that a lost slot comes back.
 QUEUED_SLOT_TTL_MS = 3_600_000
 RUNNING_SLOT_TTL_MS = 600_000
-ACTIVE_STATUSES = frozenset({"queued", "streaming"})
-
-
-def member(conversation_id: str, turn_id: str, attempt: int) -> str:
-    """A slot is one attempt's: freeing it can never free a newer attempt of the same turn."""
-    return f"{conversation_id} {turn_id} {attempt}"
 
 
 class Admission:
     """Charges and frees a tenant's limits; ``conversation_id`` is always the scoped id."""
 
-    def __init__(
-        self, redis: Redis, scripts: Scripts, keys: Keys, settings: Settings, metrics: Metrics
-    ) -> None:
-        self._redis = redis
-        self._scripts = scripts
-        self._keys = keys
-        self._settings = settings
-        self._metrics = metrics
+    def __init__(self, deps: Deps) -> None:
+        self._redis = deps.redis
+        self._scripts = deps.scripts
+        self._keys = deps.keys
+        self._settings = deps.settings
+        self._metrics = deps.metrics
 
     @property
     def counts_streams(self) -> bool:
@@ -59,22 +49,20 @@ class Admission:
         if settings.turn_rate_per_s <= 0 and not self.counts_streams:
             return
         tenant, _ = unscoped(conversation_id)
-        reply = await self._scripts(
-            "admit_turn",
-            [self._keys.turn_rate(tenant), self._keys.live_streams(tenant)],
-            [
-                settings.turn_rate_per_s,
-                settings.turn_burst,
-                1,
-                settings.max_streams_per_tenant,
-                member(conversation_id, turn_id, attempt),
-                QUEUED_SLOT_TTL_MS,
-            ],
+        admitted = await self._scripts.admit_turn(
+            rate=self._keys.turn_rate(tenant),
+            live=self._keys.live_streams(tenant),
+            rate_per_s=settings.turn_rate_per_s,
+            burst=settings.turn_burst,
+            cost=1,
+            max_live=settings.max_streams_per_tenant,
+            member=encode_attempt_ref(conversation_id, turn_id, attempt),
+            slot_ttl_ms=QUEUED_SLOT_TTL_MS,
         )
-        if int(reply[0]) == 1:
+        if admitted.admitted:
             return
-        retry_after_s = math.ceil(int(reply[1]) / 1000)
-        reason = str(reply[2])
+        retry_after_s = math.ceil(admitted.retry_after_ms / 1000)
+        reason = admitted.reason
         self._metrics.turns_refused.labels(reason).inc()
         who = f"tenant {tenant!r}" if tenant else "this broker"
         if reason == "rate":
@@ -98,7 +86,7 @@ class Admission:
             return
         key = self._keys.live_streams(unscoped(conversation_id)[0])
         try:
-            await self._redis.zrem(key, member(conversation_id, turn_id, attempt))
+            await self._redis.zrem(key, encode_attempt_ref(conversation_id, turn_id, attempt))
         except (RedisError, OSError) as exc:  # the slot's deadline frees it later
             log.warning("could not free the stream slot of turn %s: %s", turn_id, exc)
 
@@ -124,6 +112,6 @@ class Admission:
         key = self._keys.live_streams(unscoped(conversation_id)[0])
         deadline = int(time.time() * 1000) + RUNNING_SLOT_TTL_MS
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(key, {member(conversation_id, turn_id, attempt): deadline})
+            pipe.zadd(key, {encode_attempt_ref(conversation_id, turn_id, attempt): deadline})
             pipe.pexpire(key, QUEUED_SLOT_TTL_MS)
             await pipe.execute()

@@ -95,12 +95,12 @@ class Runtime:
         self.auth = auth or Authenticator(settings, secrets.token_bytes(32))
         if auth is None:
             log.warning("attach tokens are signed with a key of this process only")
-        self.admission = Admission(redis, self.scripts, self.keys, settings, metrics)
+        self.admission = Admission(self.deps)
         self.turns = Turns(
             redis, self.scripts, self.keys, settings, self.providers, metrics, self.admission
         )
         self.tools = tools
-        self.ledger = Ledger(redis, self.scripts, self.keys, settings, metrics)
+        self.ledger = Ledger(self.deps)
         self.http = httpx.AsyncClient(follow_redirects=False)
         self.dispatcher = Dispatcher(tools, self.ledger, self.http, settings, metrics)
         self.worker: Worker | None = None

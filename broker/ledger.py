@@ -29,16 +29,15 @@ from typing import Any
 
 import httpx
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from broker import redis_calls as rc
 from broker.canonical import fingerprint
+from broker.deps import Deps
 from broker.errors import FencedWrite
 from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.periodic import Periodic
-from broker.scripts import Scripts
 from broker.settings import Settings
 from broker.tools import Tool, ToolError, ToolRegistry, invoke
 
@@ -78,60 +77,55 @@ class Claim:
 class Ledger:
     """The Lua-backed ledger operations."""
 
-    def __init__(
-        self, redis: Redis, scripts: Scripts, keys: Keys, settings: Settings, metrics: Metrics
-    ) -> None:
-        self._redis = redis
-        self._scripts = scripts
-        self._keys = keys
-        self._settings = settings
-        self._metrics = metrics
-        self._retention_ms = int((settings.stream_ttl + settings.tombstone_ttl) * 1000)
+    def __init__(self, deps: Deps) -> None:
+        self._redis = deps.redis
+        self._scripts = deps.scripts
+        self._keys = deps.keys
+        self._settings = deps.settings
+        self._metrics = deps.metrics
+        self._retention_ms = deps.settings.index_ttl_ms
 
     async def claim(
         self, slot: Slot, args_fingerprint: str, row: dict[str, Any], lease_token: str = ""
     ) -> Claim:
         """Claim the slot; with ``lease_token``, only while that turn lease is current."""
         keys = self._keys
-        reply = await self._scripts(
-            "claim_tool",
-            [
-                slot.key(keys),
-                keys.tool_slots(slot.conversation_id, slot.turn_id),
-                keys.lease(slot.conversation_id, slot.turn_id),
-            ],
-            [
-                args_fingerprint,
-                self._settings.tool_lease_ms,
-                "broker",
-                self._retention_ms,
-                orjson.dumps(row).decode(),
-                lease_token,
-            ],
+        claim = await self._scripts.claim_tool(
+            slot=slot.key(keys),
+            slots=keys.tool_slots(slot.conversation_id, slot.turn_id),
+            lease=keys.lease(slot.conversation_id, slot.turn_id),
+            fingerprint=args_fingerprint,
+            lease_ms=self._settings.tool_lease_ms,
+            owner="broker",
+            retention_ms=self._retention_ms,
+            row=orjson.dumps(row).decode(),
+            lease_token=lease_token,
         )
-        state = str(reply[0])
+        state = claim.result
         if state == "fenced":
             raise FencedWrite("the turn's lease was lost before its tool call")
         self._metrics.ledger_claims.labels(state).inc()
         if state in ("claimed", "reclaimed"):
-            return Claim(state, token=str(reply[1]))
+            return Claim(state, token=claim.token)
         if state in ("completed", "failed"):
-            return Claim(state, payload=orjson.loads(reply[1]))
+            return Claim(state, payload=orjson.loads(claim.payload))
         if state == "in_flight":
-            return Claim(state, wait_ms=int(reply[1]))
+            return Claim(state, wait_ms=claim.wait_ms)
         return Claim(state)
 
     async def renew(self, slot: Slot, token: str, lease_ms: int | None = None) -> None:
         """Extend the claim's lease (``lease_ms=0`` releases it for the next claimer)."""
         ms = self._settings.tool_lease_ms if lease_ms is None else lease_ms
-        await self._scripts("renew_tool", [slot.key(self._keys)], [token, ms])
+        await self._scripts.renew_tool(slot=slot.key(self._keys), token=token, lease_ms=ms)
 
     async def finish(self, slot: Slot, token: str, outcome: str, payload: Any) -> bool:
         """Store the outcome; False when fenced (a newer claim owns the slot, or it is done)."""
-        reply = await self._scripts(
-            "finish_tool", [slot.key(self._keys)], [token, outcome, orjson.dumps(payload).decode()]
+        return await self._scripts.finish_tool(
+            slot=slot.key(self._keys),
+            token=token,
+            outcome=outcome,
+            payload=orjson.dumps(payload).decode(),
         )
-        return str(reply[0]) == "ok"
 
     async def abandon(self, conversation_id: str, turn_id: str, row: dict[str, Any]) -> None:
         """Record a call cut off while its arguments were arriving: never dispatched."""

@@ -12,10 +12,7 @@ from __future__ import annotations
 import random
 import secrets
 
-from broker.keys import Keys
-from broker.metrics import Metrics
-from broker.scripts import Scripts
-from broker.settings import Settings
+from broker.deps import Deps
 
 ATTEMPTS_EXHAUSTED = "attempts_exhausted"
 BUDGET_EXHAUSTED = "retry_budget_exhausted"
@@ -24,11 +21,11 @@ BUDGET_EXHAUSTED = "retry_budget_exhausted"
 class RetryPolicy:
     """Decides whether a failed upstream call may be retried silently, and when."""
 
-    def __init__(self, scripts: Scripts, keys: Keys, settings: Settings, metrics: Metrics) -> None:
-        self._scripts = scripts
-        self._keys = keys
-        self._settings = settings
-        self._metrics = metrics
+    def __init__(self, deps: Deps) -> None:
+        self._scripts = deps.scripts
+        self._keys = deps.keys
+        self._settings = deps.settings
+        self._metrics = deps.metrics
         self._random = random.Random()
 
     def backoff_s(self, retry_after_s: float | None = None) -> float:
@@ -45,16 +42,13 @@ class RetryPolicy:
             self._metrics.retry_budget_exhausted.labels("turn").inc()
             self._metrics.attempts_exhausted.inc()
             return ATTEMPTS_EXHAUSTED
-        allowed = await self._scripts(
-            "take_retry_budget",
-            [self._keys.retry_budget(session)],
-            [
-                self._settings.session_retry_budget,
-                int(self._settings.session_retry_window * 1000),
-                secrets.token_hex(8),
-            ],
+        allowed = await self._scripts.take_retry_budget(
+            budget_key=self._keys.retry_budget(session),
+            budget=self._settings.session_retry_budget,
+            window_ms=self._settings.session_retry_window_ms,
+            member=secrets.token_hex(8),
         )
-        if not int(allowed):
+        if not allowed:
             self._metrics.retry_budget_exhausted.labels("session").inc()
             return BUDGET_EXHAUSTED
         self._metrics.retries.labels(reason).inc()

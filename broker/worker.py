@@ -29,6 +29,7 @@ from redis.exceptions import RedisError, ResponseError
 from broker import redis_calls as rc
 from broker.admission import Admission
 from broker.connection import drop_idle_connections
+from broker.deps import Deps
 from broker.errors import FencedWrite
 from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, LeaseLost, Run
 from broker.keys import JOB_GROUP, Keys, scoped, unscoped
@@ -82,7 +83,7 @@ class Worker:
         admission: Admission | None = None,
     ) -> None:
         self._redis = redis
-        self._admission = admission or Admission(redis, scripts, keys, settings, metrics)
+        self._admission = admission or Admission(Deps(redis, scripts, keys, settings, metrics))
         self._dispatcher = dispatcher
         self._blocking_redis = blocking_redis
         self._scripts = scripts
@@ -100,7 +101,7 @@ class Worker:
         # duplicate enqueue) waits for its reclaim instead of claiming the lease this worker
         # holds, which claim_lease.lua would grant it.
         self._active: set[tuple[str, str]] = set()
-        self._retry = RetryPolicy(scripts, keys, settings, metrics)
+        self._retry = RetryPolicy(Deps(redis, scripts, keys, settings, metrics))
         self._listener: asyncio.Task[None] | None = None
 
     def start(self) -> None:

@@ -18,6 +18,7 @@ import redis as redis_lib
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from broker.deps import Deps
 from broker.embedded_redis import find_server_binary
 from broker.keys import Keys, scoped
 from broker.lease import TurnWriter
@@ -183,7 +184,7 @@ async def test_the_turn_scripts_run_on_a_cluster(cluster: Redis) -> None:
 async def test_the_ledger_scripts_run_on_a_cluster(cluster: Redis) -> None:
     keys = Keys("cluster-ledger")
     settings = Settings(redis_url="unix:///unused", key_prefix="cluster-ledger")
-    ledger = Ledger(cluster, Scripts(cluster), keys, settings, Metrics())
+    ledger = Ledger(Deps(cluster, Scripts(cluster), keys, settings, Metrics()))
     slot = Slot("conv-b", "turn-b", "pay", 0)
     claim = await ledger.claim(slot, "f" * 64, {"tool": "pay"})
     assert claim.state == "claimed"

@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 )
 from redis.asyncio import Redis
 
+from broker.deps import Deps
 from broker.keys import Keys
 from broker.ledger import Ledger, Slot
 from broker.metrics import Metrics
@@ -35,7 +36,7 @@ def ledger_for(aredis: Redis, **overrides: Any) -> tuple[Ledger, Keys]:
     prefix = f"ledger{os.getpid()}-{next(_n)}"
     keys = Keys(prefix)
     config = Settings(redis_url="unix:///unused", key_prefix=prefix, **overrides)
-    return Ledger(aredis, Scripts(aredis), keys, config, Metrics()), keys
+    return Ledger(Deps(aredis, Scripts(aredis), keys, config, Metrics())), keys
 
 
 def slot(ordinal: int = 0) -> Slot:

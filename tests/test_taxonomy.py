@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from broker.deps import Deps
 from broker.metrics import Metrics
 from broker.providers.taxonomy import classify_status, retry_after, status_error
 from broker.retry import RetryPolicy
@@ -47,7 +48,7 @@ def test_retry_after_is_read_as_seconds_or_a_date() -> None:
 
 def test_a_retry_after_is_held_within_the_backoff_window() -> None:
     settings = Settings(retry_backoff_min_ms=200, retry_backoff_max_ms=400)
-    policy = RetryPolicy(None, None, settings, Metrics())  # type: ignore[arg-type]
+    policy = RetryPolicy(Deps(None, None, None, settings, Metrics()))  # type: ignore[arg-type]
     assert policy.backoff_s(0.05) == 0.2
     assert policy.backoff_s(0.3) == 0.3
     assert policy.backoff_s(30) == 0.4

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from broker.deps import Deps
 from broker.keys import Keys
 from broker.ledger import Dispatcher, Ledger, Slot
 from broker.metrics import Metrics
@@ -227,7 +228,7 @@ class Recorder:
 def dispatcher_for(aredis: Redis, tools: list[Tool], **overrides: Any) -> Dispatcher:
     prefix = f"dispatch{os.getpid()}-{next(_n)}"
     config = Settings(redis_url="unix:///unused", key_prefix=prefix, **overrides)
-    ledger = Ledger(aredis, Scripts(aredis), Keys(prefix), config, Metrics())
+    ledger = Ledger(Deps(aredis, Scripts(aredis), Keys(prefix), config, Metrics()))
     return Dispatcher(ToolRegistry(tools), ledger, httpx.AsyncClient(), config, Metrics())
 
 
