@@ -96,9 +96,7 @@ class Runtime:
         if auth is None:
             log.warning("attach tokens are signed with a key of this process only")
         self.admission = Admission(self.deps)
-        self.turns = Turns(
-            redis, self.scripts, self.keys, settings, self.providers, metrics, self.admission
-        )
+        self.turns = Turns(self.deps, self.providers, self.admission, self.jobs)
         self.tools = tools
         self.ledger = Ledger(self.deps)
         self.http = httpx.AsyncClient(follow_redirects=False)

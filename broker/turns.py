@@ -8,18 +8,16 @@ from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
-from redis.asyncio import Redis
 
 from broker import redis_calls as rc
 from broker.admission import Admission
 from broker.canonical import canonical_json, fingerprint
+from broker.deps import Deps
 from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
-from broker.keys import ID_PATTERN, Keys, scoped, unscoped
-from broker.metrics import Metrics
+from broker.jobs import JobQueue
+from broker.keys import ID_PATTERN, scoped, unscoped
 from broker.providers import Providers
-from broker.scripts import Scripts
-from broker.settings import Settings
-from broker.worker import enqueue
+from broker.vocabulary import ACTIVE_STATUSES, AttemptStatus, TurnStatus, encode_turn_ref
 
 log = logging.getLogger("broker.turns")
 
@@ -91,22 +89,16 @@ class Turns:
     """Creating and reading turns."""
 
     def __init__(
-        self,
-        redis: Redis,
-        scripts: Scripts,
-        keys: Keys,
-        settings: Settings,
-        providers: Providers,
-        metrics: Metrics,
-        admission: Admission,
+        self, deps: Deps, providers: Providers, admission: Admission, jobs: JobQueue
     ) -> None:
         self._admission = admission
-        self._redis = redis
-        self._scripts = scripts
-        self._keys = keys
-        self._settings = settings
+        self._jobs = jobs
+        self._redis = deps.redis
+        self._scripts = deps.scripts
+        self._keys = deps.keys
+        self._settings = deps.settings
         self._providers = providers
-        self._metrics = metrics
+        self._metrics = deps.metrics
 
     def _check_limits(self, request: TurnRequest) -> None:
         limit = self._settings.max_messages
@@ -145,7 +137,7 @@ class Turns:
         body["provider"] = self._providers.get(request.provider).name
         fp = fingerprint(body)
         keys = self._keys
-        index_ttl_ms = int((self._settings.stream_ttl + self._settings.tombstone_ttl) * 1000)
+        index_ttl_ms = self._settings.index_ttl_ms
         # A repeated request for an existing turn is a lookup: it takes nothing from the limits.
         admitted = not await self._redis.exists(keys.turn(conversation_id, turn_id))
         if admitted:
@@ -176,35 +168,30 @@ class Turns:
         body: dict[str, Any],
     ) -> tuple[bool, dict[str, Any]]:
         keys = self._keys
-        index_ttl_ms = int((self._settings.stream_ttl + self._settings.tombstone_ttl) * 1000)
+        index_ttl_ms = self._settings.index_ttl_ms
         stream_id = f"st_{secrets.token_hex(16)}"
         record = {
             "n": 1,
             "strategy": "initial",
-            "status": "queued",
+            "status": TurnStatus.QUEUED,
             "reason": None,
             "canonical": False,
             "base": "",
         }
-        reply = await self._scripts(
-            "create_turn",
-            [
-                keys.turn(conversation_id, turn_id),
-                keys.tombstone(conversation_id, turn_id),
-                keys.conversation_turns(conversation_id),
-            ],
-            [
-                fp,
-                stream_id,
-                conversation_id,
-                turn_id,
-                canonical_json(body).decode(),
-                session,
-                orjson.dumps(record).decode(),
-                request.response_format,
-            ],
+        created = await self._scripts.create_turn(
+            turn=keys.turn(conversation_id, turn_id),
+            tombstone=keys.tombstone(conversation_id, turn_id),
+            conversation_turns=keys.conversation_turns(conversation_id),
+            fingerprint=fp,
+            stream_id=stream_id,
+            conversation_id=conversation_id,
+            turn_id=turn_id,
+            request=canonical_json(body).decode(),
+            session=session,
+            record=orjson.dumps(record).decode(),
+            response_format=request.response_format,
         )
-        result = reply[0]
+        result = created.result
         if result == "expired":
             raise Gone(
                 f"turn {turn_id!r} finished and expired; start a new turn with a new turn_id",
@@ -214,11 +201,10 @@ class Turns:
             raise Conflict(
                 f"turn {turn_id!r} exists with a different request", code="turn_conflict"
             )
-        stream_id, status, attempt = reply[1], reply[2], int(reply[3])
+        stream_id, status, attempt = created.stream_id, created.status, created.attempt
+        turn_ref = encode_turn_ref(conversation_id, turn_id)
         if result == "created":
-            await self._redis.set(
-                keys.stream_index(stream_id), f"{conversation_id} {turn_id}", px=index_ttl_ms
-            )
+            await self._redis.set(keys.stream_index(stream_id), turn_ref, px=index_ttl_ms)
             await self._enqueue(conversation_id, turn_id, attempt)
             self._metrics.turns_started.inc()
             log.info(
@@ -236,13 +222,8 @@ class Turns:
         else:
             # The first request may still be between its two steps: make sure a reader finds
             # the stream before we hand out its id, and rescue a turn a crash left unqueued.
-            await self._redis.set(
-                keys.stream_index(stream_id),
-                f"{conversation_id} {turn_id}",
-                nx=True,
-                px=index_ttl_ms,
-            )
-            if status == "queued" and reply[5] != "1":
+            await self._redis.set(keys.stream_index(stream_id), turn_ref, nx=True, px=index_ttl_ms)
+            if status == TurnStatus.QUEUED and not created.enqueued:
                 await self._rescue(conversation_id, turn_id, attempt)
             self._metrics.turns_deduplicated.inc()
         return result == "created", {
@@ -255,7 +236,7 @@ class Turns:
         }
 
     async def _enqueue(self, conversation_id: str, turn_id: str, attempt: int) -> None:
-        await enqueue(self._redis, self._keys, conversation_id, turn_id, attempt)
+        await self._jobs.enqueue(conversation_id, turn_id, attempt)
         await self._redis.hset(self._keys.turn(conversation_id, turn_id), "enqueued", "1")
 
     async def _rescue(self, conversation_id: str, turn_id: str, attempt: int) -> None:
@@ -295,7 +276,7 @@ class Turns:
     async def get(self, turn_id: str, tenant: str | None = None) -> dict[str, Any]:
         """The turn's state: status, attempts and the canonical attempt's text."""
         conversation_id, meta = await self._locate(turn_id, tenant)
-        if meta["status"] == "queued" and meta.get("enqueued") != "1":
+        if meta["status"] == TurnStatus.QUEUED and meta.get("enqueued") != "1":
             await self._rescue(conversation_id, turn_id, int(meta["attempt"]))
         return _state(turn_id, conversation_id, meta)
 
@@ -309,22 +290,23 @@ class Turns:
         expected = int(meta["attempt"]) + 1
         await self._admission.admit(conversation_id, turn_id, expected)
         try:
-            reply = await self._scripts(
-                "start_attempt",
-                [keys.turn(conversation_id, turn_id), keys.events(conversation_id, turn_id)],
-                [request.strategy],
+            started = await self._scripts.start_attempt(
+                turn=keys.turn(conversation_id, turn_id),
+                events_key=keys.events(conversation_id, turn_id),
+                strategy=request.strategy,
             )
         finally:
             await self._admission.release_if_done(conversation_id, turn_id, expected)
-        if reply[0] == "busy":
+        if started.result == "busy":
             raise Conflict(
-                f"turn {turn_id!r} is {reply[1]}: wait for it, or stop it first", code="turn_busy"
+                f"turn {turn_id!r} is {started.value}: wait for it, or stop it first",
+                code="turn_busy",
             )
-        if reply[0] == "not_allowed":
-            raise NotAllowed(str(reply[1]), code="strategy_not_allowed")
-        if reply[0] == "missing":
+        if started.result == "not_allowed":
+            raise NotAllowed(started.value, code="strategy_not_allowed")
+        if started.result == "missing":
             raise Gone(f"turn {turn_id!r} expired", code="expired")
-        attempt = int(reply[1])
+        attempt = started.attempt
         await self._enqueue(conversation_id, turn_id, attempt)
         log.info("turn %s: attempt %d (%s) queued", turn_id, attempt, request.strategy)
         return await self.get(turn_id, tenant)
@@ -333,25 +315,23 @@ class Turns:
         """The stop button: idempotent; a finished turn just reports its state."""
         conversation_id, _ = await self._locate(turn_id, tenant)
         keys, settings = self._keys, self._settings
-        reply = await self._scripts(
-            "cancel_turn",
-            [
-                keys.turn(conversation_id, turn_id),
-                keys.events(conversation_id, turn_id),
-                keys.tombstone(conversation_id, turn_id),
-                keys.conversation_turns(conversation_id),
-            ],
-            [int(settings.stream_ttl * 1000), int(settings.tombstone_ttl * 1000)],
+        outcome = await self._scripts.cancel_turn(
+            turn=keys.turn(conversation_id, turn_id),
+            events_key=keys.events(conversation_id, turn_id),
+            tombstone=keys.tombstone(conversation_id, turn_id),
+            conversation_turns=keys.conversation_turns(conversation_id),
+            ttl_ms=settings.stream_ttl_ms,
+            tombstone_ms=settings.tombstone_ttl_ms,
         )
-        if reply[0] == "missing":
+        if outcome.result == "missing":
             raise Gone(f"turn {turn_id!r} expired", code="expired")
-        self._metrics.cancels.labels(reply[0]).inc()
-        if reply[0] == "cancelled":
-            self._metrics.turns_finished.labels("cancelled").inc()
-            await self._admission.release_if_done(conversation_id, turn_id, int(reply[1]))
-        if reply[0] == "signalled":
-            await self._notify_stop(conversation_id, turn_id, int(reply[1]))
-        log.info("turn %s: stop requested (%s)", turn_id, reply[0])
+        self._metrics.cancels.labels(outcome.result).inc()
+        if outcome.result == "cancelled":
+            self._metrics.turns_finished.labels(TurnStatus.CANCELLED).inc()
+            await self._admission.release_if_done(conversation_id, turn_id, outcome.attempt)
+        if outcome.result == "signalled":
+            await self._notify_stop(conversation_id, turn_id, outcome.attempt)
+        log.info("turn %s: stop requested (%s)", turn_id, outcome.result)
         return await self.get(turn_id, tenant)
 
     async def _notify_stop(self, conversation_id: str, turn_id: str, attempt: int) -> None:
@@ -360,7 +340,7 @@ class Turns:
         The stop flag is durable: a worker that misses this message sees the flag at its next
         append or lease heartbeat.
         """
-        await self._redis.publish(self._keys.stop_channel, f"{conversation_id} {turn_id} {attempt}")
+        await self._jobs.publish_stop(conversation_id, turn_id, attempt)
 
     async def promote(
         self, turn_id: str, request: CanonicalRequest, tenant: str | None = None
@@ -368,21 +348,21 @@ class Turns:
         """Make an attempt canonical by compare-and-set; 409 when the canonical one changed."""
         conversation_id, _ = await self._locate(turn_id, tenant)
         expected = "" if request.expected is None else str(request.expected)
-        reply = await self._scripts(
-            "promote_attempt",
-            [self._keys.turn(conversation_id, turn_id)],
-            [request.attempt, expected],
+        promoted = await self._scripts.promote_attempt(
+            turn=self._keys.turn(conversation_id, turn_id),
+            attempt=request.attempt,
+            expected=expected,
         )
-        if reply[0] == "conflict":
-            current = reply[1] or "none"
+        if promoted.result == "conflict":
+            current = promoted.value or "none"
             raise Conflict(
                 f"the canonical attempt is {current}, not {request.expected or 'none'}: "
                 "reload the turn and choose again",
                 code="canonical_changed",
             )
-        if reply[0] == "not_allowed":
-            raise NotAllowed(str(reply[1]), code="not_promotable")
-        if reply[0] == "missing":
+        if promoted.result == "not_allowed":
+            raise NotAllowed(promoted.value, code="not_promotable")
+        if promoted.result == "missing":
             raise NotFound(f"turn {turn_id!r} has no attempt {request.attempt}")
         return await self.get(turn_id, tenant)
 
@@ -425,11 +405,11 @@ class Turns:
                 )
                 attempt_status = orjson.loads(record or "{}").get("status")
                 answer: dict[str, Any] = {"role": "assistant", "content": text or ""}
-                if attempt_status != "complete":
+                if attempt_status != AttemptStatus.COMPLETE:
                     answer["partial"] = True
                 messages.append(answer)
                 entry["canonical"] = int(canonical)
-                entry["partial"] = attempt_status != "complete"
+                entry["partial"] = attempt_status != AttemptStatus.COMPLETE
             turns.append(entry)
         if not turns:
             raise NotFound(f"unknown conversation {client_conversation_id!r}")
@@ -461,7 +441,7 @@ def _state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict[str
         record = orjson.loads(raw)
         attempt = {field: record.get(field) for field in ATTEMPT_FIELDS}
         attempt["canonical"] = bool(attempt["canonical"])
-        if n == current and meta["status"] in ("queued", "streaming"):
+        if n == current and meta["status"] in ACTIVE_STATUSES:
             attempt["status"] = meta["status"]
         if record.get("strategy") == "continue":
             attempt["continues"] = record.get("from")
