@@ -51,7 +51,7 @@ from benchmarks.harness import (
 from benchmarks.servers import reset_peak_rss, status_kib
 from benchmarks.sse import SSEReader, entry_ms, open_sse, turn_body
 from benchmarks.workloads import warm_up
-from broker.lease import FINAL_STATUSES
+from broker.vocabulary import FINAL_STATUSES
 
 CONNECT_CONCURRENCY = 50  # connections being opened at once, per viewer process
 MAX_REATTACHES = 5

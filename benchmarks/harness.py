@@ -11,7 +11,7 @@ import redis
 
 from benchmarks.servers import KEY_PREFIX, Broker, CpuMeter, RedisServer
 from broker.keys import Keys
-from broker.lease import FINAL_STATUSES
+from broker.vocabulary import FINAL_STATUSES
 
 KEYS: Final = Keys(KEY_PREFIX)
 DELTA: Final = "delta"
