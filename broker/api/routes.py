@@ -390,11 +390,9 @@ async def healthz() -> Response:
 )
 async def readyz(request: Request) -> Response:
     """Readiness: Redis answers and every Lua script is loaded."""
-    rt = runtime(request)
+    scripts = runtime(request).scripts
     try:
-        await rt.redis.ping()
-        if not await rt.scripts.loaded():
-            await rt.scripts.load()
+        await scripts.ready()
     except Exception as exc:  # any failure means "not ready", never a 500
         # The exception's class only: its text may name hosts and paths.
         message = f"not ready: Redis answered {type(exc).__name__}"
