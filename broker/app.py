@@ -46,15 +46,16 @@ from broker.deps import Deps
 from broker.dialects.aisdk import router as aisdk_router
 from broker.dialects.openai import router as openai_router
 from broker.embedded_redis import EmbeddedRedis
+from broker.fanout import FEED_BLOCK_MS, Hub
 from broker.jobs import JobQueue
 from broker.keys import Keys
 from broker.ledger import Dispatcher, Ledger
 from broker.metrics import Metrics
 from broker.providers import Providers
+from broker.reader import Streams
 from broker.scripts import Scripts
 from broker.settings import Settings
 from broker.sse import RawSend
-from broker.streams import FEED_BLOCK_MS, Hub, Streams
 from broker.tools import ToolRegistry
 from broker.turns import Turns
 from broker.worker import Worker, ensure_group
@@ -91,7 +92,7 @@ class Runtime:
         self.jobs = JobQueue(redis, self.keys)
         self.providers = Providers(settings)
         self.hub = Hub(blocking_redis, metrics, redis)
-        self.streams = Streams(redis, self.keys, self.hub, settings, metrics)
+        self.streams = Streams(self.deps, self.hub)
         self.auth = auth or Authenticator(settings, secrets.token_bytes(32))
         if auth is None:
             log.warning("attach tokens are signed with a key of this process only")

@@ -16,21 +16,14 @@ from redis.typing import EncodableT, FieldT
 
 from broker import redis_calls as rc
 from broker.connection import client
+from broker.deps import Deps
+from broker.fanout import QUEUE_LIMIT, TRIM_EVERY, Hub, _Batch, _Feed
+from broker.frames import Chunk, Entry, Heartbeat
 from broker.keys import Keys
 from broker.metrics import Metrics
+from broker.reader import Location, Streams
+from broker.scripts import Scripts
 from broker.settings import Settings
-from broker.streams import (
-    QUEUE_LIMIT,
-    TRIM_EVERY,
-    Chunk,
-    Entry,
-    Heartbeat,
-    Hub,
-    Location,
-    Streams,
-    _Batch,
-    _Feed,
-)
 
 _n = itertools.count()
 
@@ -55,7 +48,7 @@ async def setup(aredis: Redis) -> tuple[Streams, Hub, Keys, Location]:
     hub = Hub(aredis, metrics)
     location = Location("st_" + "0" * 32, "c", "t")
     await aredis.hset(keys.turn("c", "t"), mapping={"status": "streaming", "attempt": "1"})
-    return Streams(aredis, keys, hub, settings, metrics), hub, keys, location
+    return Streams(Deps(aredis, Scripts(aredis), keys, settings, metrics), hub), hub, keys, location
 
 
 async def add(aredis: Redis, key: str, kind: str, data: dict[str, object]) -> Entry:

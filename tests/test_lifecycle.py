@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
+from broker.fanout import _Feed
 from broker.providers import SimulatedProvider
-from broker.streams import _Feed
 from broker.turns import Turns
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.helpers import get_turn, read_sse, start_turn, text_of, wait_final, wait_until

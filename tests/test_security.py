@@ -371,7 +371,7 @@ def test_a_one_viewer_token_admits_one_connection_at_a_time(
 def test_a_viewer_whose_lock_changed_hands_is_let_go(
     broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch, raw_redis: Any
 ) -> None:
-    monkeypatch.setattr("broker.api.routes.VIEWER_LEASE_MS", 600)  # renewed every 0.2 s
+    monkeypatch.setattr("broker.viewer.VIEWER_LEASE_MS", 600)  # renewed every 0.2 s
     broker = secured(broker_factory)
     turn = start_turn(broker.base_url, "c", auth=KEY_A, tokens=3000, tokens_per_s=50)
     token = mint(broker, turn["turn_id"], one_viewer=True)["token"]

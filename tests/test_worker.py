@@ -84,7 +84,7 @@ def test_redis_outage_is_503_not_500_and_health_stays_up() -> None:
 
 def test_blocking_reads_outlast_their_block_time(broker: RunningBroker) -> None:
     # Regression: a socket timeout shorter than XREAD's BLOCK cut every quiet stream after 5 s.
-    from broker.streams import FEED_BLOCK_MS
+    from broker.fanout import FEED_BLOCK_MS
 
     kwargs = broker.runtime.blocking_redis.connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] > FEED_BLOCK_MS / 1000

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import secrets
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import orjson
@@ -12,7 +9,6 @@ from fastapi import APIRouter, Depends, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from redis.exceptions import RedisError
 from starlette.responses import PlainTextResponse, Response
 
 from broker.api.errors import describe_validation
@@ -29,13 +25,11 @@ from broker.api.schemas import (
     stream_responses,
 )
 from broker.auth import Principal, require_actor
-from broker.errors import BadRequest, BrokerError, Conflict, Forbidden, Unauthorized
+from broker.errors import BadRequest, Forbidden, Unauthorized
 from broker.metrics import AUTH_FAILURES
-from broker.offsets import NOW, START, ZERO_ID, from_entry_id, to_entry_id
-from broker.periodic import Periodic
-from broker.sse import PING, EventStreamResponse, Sink, opening_frame
-from broker.streams import Heartbeat, Location
+from broker.reader import StartPoint
 from broker.turns import AttemptRequest, CanonicalRequest, TurnRequest
+from broker.viewer import event_stream
 
 if TYPE_CHECKING:
     from broker.app import Runtime
@@ -44,10 +38,6 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 api_router = APIRouter()
 ops_router = APIRouter()
-
-
-# One-viewer attach tokens hold a lock for their connection, renewed while it lasts.
-VIEWER_LEASE_MS = 10_000
 
 bearer = HTTPBearer(
     auto_error=False,
@@ -267,114 +257,12 @@ async def read_stream(
         raise Forbidden("the attach token is for another stream", code="wrong_stream")
     if principal.one_viewer and format == "json":
         raise Forbidden("a one-viewer attach token reads over SSE only", code="sse_only")
-    resume = request.headers.get("last-event-id") or offset or START
-    if resume not in (START, NOW):
-        to_entry_id(resume)  # 400 before anything else for a malformed offset
-    try:
-        location = await rt.streams.locate(stream_id, principal.tenant)
-    except BrokerError as exc:
-        if resume not in (START, NOW):
-            rt.metrics.resumes.labels("expired" if exc.status == 410 else "not_found").inc()
-        raise
-    if resume not in (START, NOW):
-        rt.metrics.resumes.labels("ok").inc()
+    # 400 for a malformed offset before anything else.
+    start = StartPoint.parse(request.headers.get("last-event-id") or offset)
+    location = await rt.streams.locate(stream_id, principal.tenant, start=start)
     if format == "json":
-        return json_response(await rt.streams.page(location, resume))
-    after = await rt.streams.start_after(location, resume)
-    if await rt.streams.finished_before(location, after):
-        # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
-        # a 200 that closes at once would make it reconnect every retry period for ever.
-        return Response(status_code=204, headers={"Cache-Control": "no-store"})
-    # Announce where this read starts, so a client that drops before the first event resumes
-    # from here; after `now` even on an empty stream, where "the start" is the right answer.
-    announce = from_entry_id(after) if after != ZERO_ID or resume == NOW else None
-    viewer = await _hold_viewer(rt, principal, location) if principal.one_viewer else None
-    return EventStreamResponse(
-        lambda sink: _frames(rt, location, after, announce, viewer, sink),
-        send_timeout_s=rt.settings.sse_send_timeout_s,
-    )
-
-
-class ViewerLock:
-    """The lock a one-viewer attach token's connection holds while it lasts."""
-
-    def __init__(self, rt: Runtime, key: str, holder: str) -> None:
-        self.rt, self.key, self.holder = rt, key, holder
-        self.lost = False
-        self._keeper: Periodic | None = None
-
-    def keep(self) -> None:
-        """Renew the lock until :meth:`release`; a lost lock ends the stream at its next frame."""
-        self._keeper = Periodic(self._renew, VIEWER_LEASE_MS / 3000, name="viewer lock")
-
-    async def _renew(self) -> bool:
-        try:
-            held = await self.rt.scripts("renew_viewer", [self.key], [self.holder, VIEWER_LEASE_MS])
-        except (RedisError, OSError):
-            return True  # the lock lives VIEWER_LEASE_MS: the next renewal may still make it
-        self.lost = not held
-        return not self.lost
-
-    async def release(self) -> None:
-        if self._keeper is not None:
-            await self._keeper.stop()
-        with contextlib.suppress(RedisError, OSError):
-            await self.rt.scripts("release_viewer", [self.key], [self.holder])
-
-
-class _ViewerSink:
-    """A response as seen by a one-viewer read: over, and refusing writes, once the lock is lost."""
-
-    def __init__(self, sink: Sink, viewer: ViewerLock) -> None:
-        self._sink, self._viewer = sink, viewer
-
-    @property
-    def over(self) -> bool:
-        return self._viewer.lost or self._sink.over
-
-    def write_now(self, chunk: bytes) -> bool:
-        # A lost lock stops direct writes: the next chunk comes to the reader, which ends.
-        return not self._viewer.lost and self._sink.write_now(chunk)
-
-
-async def _hold_viewer(rt: Runtime, principal: Principal, location: Location) -> ViewerLock:
-    assert principal.token_id is not None
-    key = rt.keys.viewer(location.conversation_id, principal.token_id)
-    holder = secrets.token_hex(8)
-    if not await rt.redis.set(key, holder, nx=True, px=VIEWER_LEASE_MS):
-        raise Conflict(
-            "this attach token admits one viewer at a time, and one is connected",
-            code="token_in_use",
-        )
-    return ViewerLock(rt, key, holder)
-
-
-async def _frames(
-    rt: Runtime,
-    location: Location,
-    after: str,
-    announce: str | None,
-    viewer: ViewerLock | None,
-    sink: Sink,
-) -> AsyncIterator[bytes]:
-    viewers = rt.metrics.viewers.labels("sse")
-    viewers.inc()
-    if viewer is not None:
-        viewer.keep()
-        sink = _ViewerSink(sink, viewer)
-    try:
-        yield opening_frame(rt.settings.sse_retry_ms, announce)
-        # Closed on every way out, so that the reader leaves its feed at once, not when the
-        # generator is collected.
-        async with contextlib.aclosing(rt.streams.follow_chunks(location, after, sink)) as items:
-            async for item in items:
-                if viewer is not None and viewer.lost:
-                    return
-                yield PING if isinstance(item, Heartbeat) else item.data
-    finally:
-        viewers.dec()
-        if viewer is not None:
-            await viewer.release()
+        return json_response(await rt.streams.page(location, start))
+    return await event_stream(rt.deps, rt.streams, location, start, principal)
 
 
 @ops_router.get("/healthz", response_model=Status)

@@ -27,7 +27,7 @@ from typing import Any, Final
 
 import orjson
 
-from broker.streams import Entry
+from broker.frames import Entry
 
 DONE: Final = b"data: [DONE]\n\n"
 # The ``errorText`` of a turn that did not complete: stable codes a client may switch on.

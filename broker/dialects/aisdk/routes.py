@@ -18,12 +18,12 @@ from broker.api.schemas import errors
 from broker.dialects.aisdk.chunks import DONE, Renderer, encode
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.errors import NotFound
+from broker.frames import ORIGIN, Cursor, Heartbeat
 from broker.keys import ID_PATTERN, scoped
-from broker.lease import FINAL_STATUSES
-from broker.offsets import NOW, START, ZERO_ID, id_key, to_entry_id
+from broker.reader import FROM_NOW, FROM_START, Location, StartPoint
 from broker.sse import PING, EventStreamResponse, Sink
-from broker.streams import Heartbeat, Location
 from broker.turns import AttemptRequest
+from broker.vocabulary import FINAL_STATUSES
 
 if TYPE_CHECKING:
     from broker.app import Runtime
@@ -52,12 +52,14 @@ class UIMessageStreamResponse(EventStreamResponse):
 
 
 class _Frames:
-    """The frames of one read: events after ``render_after`` are rendered, and those after
+    """The frames of one read: events past ``render_after`` are rendered, and those past
     ``emit_after`` sent (the ones before only bring the renderer to where the client stands)."""
 
-    def __init__(self, rt: Runtime, location: Location, render_after: str, emit_after: str) -> None:
+    def __init__(
+        self, rt: Runtime, location: Location, render_after: Cursor, emit_after: Cursor
+    ) -> None:
         self.rt, self.location = rt, location
-        self.render_after, self.emit_key = render_after, id_key(emit_after)
+        self.render_after, self.emit_key = render_after, emit_after.key
 
     async def run(self, sink: Sink) -> AsyncIterator[bytes]:
         rt, location = self.rt, self.location
@@ -83,20 +85,20 @@ async def _at_rest(rt: Runtime, location: Location, attempt: int) -> bool:
     return status is None or (status in FINAL_STATUSES and current == str(attempt))
 
 
-async def _chain_start(rt: Runtime, location: Location) -> str:
-    """The entry id a full replay starts after: before the last initial or regenerate attempt,
-    so that a replay shows the answer the turn has now, not the ones it replaced."""
-    start, cursor = ZERO_ID, START
-    previous = ZERO_ID
+async def _chain_start(rt: Runtime, location: Location) -> Cursor:
+    """Where a full replay starts: before the last initial or regenerate attempt, so that a
+    replay shows the answer the turn has now, not the ones it replaced."""
+    start, previous = ORIGIN, ORIGIN
+    page_start = FROM_START
     while True:
-        page = await rt.streams.page(location, cursor)
+        page = await rt.streams.page(location, page_start)
         for event in page["events"]:
             if event["event"] == "attempt" and event["data"].get("strategy") != "continue":
                 start = previous
-            previous = to_entry_id(event["id"])
+            previous = Cursor.after_offset(event["id"])
         if page["up_to_date"] or not page["events"]:
             return start
-        cursor = page["next_offset"]
+        page_start = StartPoint.parse(page["next_offset"])
 
 
 async def _latest_turn(rt: Runtime, chat_id: str, tenant: str | None) -> str | None:
@@ -112,7 +114,7 @@ async def _replay(rt: Runtime, stream_id: str, tenant: str | None) -> Response:
     """The whole answer of a turn, from its ``start``."""
     location = await rt.streams.locate(stream_id, tenant)
     state = await rt.turns.get(location.turn_id, tenant)
-    after = await _chain_start(rt, location) if state["attempt"] > 1 else ZERO_ID
+    after = await _chain_start(rt, location) if state["attempt"] > 1 else ORIGIN
     return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))
 
 
@@ -135,7 +137,7 @@ async def post_chat(request: Request, principal: Actor) -> Response:
             pass  # never answered here: this is its first answer
         else:
             location = await rt.streams.locate(state["stream_id"], tenant)
-            after = await rt.streams.start_after(location, NOW)
+            after = await rt.streams.resolve(location, FROM_NOW)
             await rt.turns.start_attempt(
                 chat.turn_id, AttemptRequest(strategy="regenerate"), tenant
             )
@@ -159,7 +161,7 @@ async def resume_chat(
     (``?offset=``) the frames after it; 204 when no answer runs (or nothing follows)."""
     rt = runtime(request)
     resume = last_event_id or offset
-    emit_after = to_entry_id(resume) if resume else None  # 400 for a malformed one, first
+    emit_after = Cursor.after_offset(resume) if resume else None  # 400 for a malformed one, first
     turn_id = await _latest_turn(rt, chat_id, principal.tenant)
     no_content = Response(status_code=204, headers={"Cache-Control": "no-store"})
     if turn_id is None:
@@ -175,7 +177,7 @@ async def resume_chat(
         return await _replay(rt, state["stream_id"], principal.tenant)
     if await rt.streams.finished_before(location, emit_after):
         return no_content
-    return UIMessageStreamResponse(rt, _Frames(rt, location, ZERO_ID, emit_after))
+    return UIMessageStreamResponse(rt, _Frames(rt, location, ORIGIN, emit_after))
 
 
 @router.post("/v1/ui/chat/{chat_id}/stop", responses=errors(410))
@@ -198,6 +200,6 @@ async def continue_chat(request: Request, chat_id: str, principal: Actor) -> Res
         raise NotFound(f"chat {chat_id!r} has no turn")
     state = await rt.turns.get(turn_id, tenant)
     location = await rt.streams.locate(state["stream_id"], tenant)
-    after = await rt.streams.start_after(location, NOW)
+    after = await rt.streams.resolve(location, FROM_NOW)
     await rt.turns.start_attempt(turn_id, AttemptRequest(strategy="continue"), tenant)
     return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))

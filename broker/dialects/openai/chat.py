@@ -39,9 +39,9 @@ from broker.dialects.openai.responses import (
     to_turn,
     turn_id_of,
 )
-from broker.offsets import START, to_entry_id
+from broker.frames import ORIGIN, Cursor, Heartbeat
+from broker.offsets import START
 from broker.sse import PING, EventStreamResponse, Sink
-from broker.streams import Heartbeat
 
 if TYPE_CHECKING:
     from broker.app import Runtime
@@ -116,7 +116,7 @@ class _Chunks:
 
 
 async def _frames(
-    rt: Runtime, stored: Stored, after: str, include_usage: bool, sink: Sink
+    rt: Runtime, stored: Stored, after: Cursor, include_usage: bool, sink: Sink
 ) -> AsyncIterator[bytes]:
     render = _Chunks(stored, include_usage)
     location = stored.location
@@ -226,15 +226,15 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
         if body.seed is not None:
             params["seed"] = body.seed
         resume = request.headers.get("last-event-id") or START
-        if body.stream and resume != START:
-            to_entry_id(resume)  # 400 for a malformed offset, before any turn starts
+        # Where a stream reattaches: from the start, or after the event it names (there is no
+        # `now` here); 400 for a malformed offset, before any turn starts.
+        after = Cursor.after_offset(resume) if body.stream and resume != START else ORIGIN
         turn = to_turn(rt, turn_id, turn_id, body.model, chat_messages(body), params)
         await create_turn(rt, turn, principal.tenant, "messages")
         stored = await load(rt, turn_id, principal.tenant)
         if not body.stream:
             await settle(rt, stored.location)
             return _completion(await load(rt, turn_id, principal.tenant))
-        after = await rt.streams.start_after(stored.location, resume)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(
             lambda sink: _frames(rt, stored, after, include_usage, sink),

@@ -46,10 +46,10 @@ from broker.dialects.openai.requests import (
     turn_params,
 )
 from broker.errors import BadRequest, BrokerError
+from broker.frames import ORIGIN, Cursor, Heartbeat
 from broker.keys import ID_PATTERN, scoped, unscoped
-from broker.offsets import ZERO_ID
+from broker.reader import Location
 from broker.sse import PING, EventStreamResponse, Sink
-from broker.streams import Heartbeat, Location
 from broker.turns import TurnRequest
 
 if TYPE_CHECKING:
@@ -324,7 +324,7 @@ async def events(
     turn's final ``end``."""
     head, location = stored.head, stored.location
     if starting_after < OPENING - 1:
-        after, base = ZERO_ID, OPENING
+        after, base = ORIGIN, OPENING
         opened = [e for e in opening(head) if e["sequence_number"] > starting_after]
         yield b"".join(frame(e) for e in opened)
     else:
@@ -334,7 +334,7 @@ async def events(
         reply = await seek_script(rt)(
             keys=[key, f"{key}:{CHECKPOINTS}"], args=[starting_after, OPENING, EVERY, ttl_ms]
         )
-        after, base = str(reply[0]), int(reply[1])
+        after, base = Cursor.after(str(reply[0])), int(reply[1])
     alone = True
     # Not direct: the stream's feed would write native frames straight to the client.
     follow = rt.streams.follow_chunks(location, after, sink, direct=False)
@@ -378,7 +378,7 @@ async def settle(rt: Runtime, location: Location, within_s: float | None = None)
     """Wait until the turn is at rest (the stream's final ``end``), or ``within_s`` passed (seen
     at the next event or heartbeat: no cancellation is relied on)."""
     deadline = None if within_s is None else time.monotonic() + within_s
-    async with contextlib.aclosing(rt.streams.follow_chunks(location, ZERO_ID)) as items:
+    async with contextlib.aclosing(rt.streams.follow_chunks(location, ORIGIN)) as items:
         async for _ in items:
             if deadline is not None and time.monotonic() > deadline:
                 return

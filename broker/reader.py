@@ -1,0 +1,409 @@
+"""The reading side: replay from a client's start point, hand over to live without gap or
+duplicate, and page a stream for polling clients.
+
+A reader first replays from Redis with ``XRANGE``, then joins its stream's feed (see
+:mod:`broker.fanout`) and reads once more what arrived in between, then takes live batches. Each
+batch says where it follows, so a reader that sees a batch beginning past its cursor fills the
+gap from Redis before going on, and one that overlaps it drops what it has: the hand-over never
+loses or repeats an event, whatever the timing.
+
+Replay and catch-up read pages that start small and double (``FIRST_PAGE`` up to
+``BROKER_SSE_REPLAY_PAGE``), and a response asks for the next page only once its client took the
+last (see :mod:`broker.sse`). A client that stops reading thus costs the reads of about what its
+connection buffers, then nothing until the send timeout closes it: it holds one page's frames,
+never the events' objects, and never a catch-up of everything it missed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, Final, Literal
+
+import orjson
+
+from broker import redis_calls as rc
+from broker.deps import Deps
+from broker.errors import BrokerError, Gone, NotFound
+from broker.fanout import Hub, _Batch, _Closed, _Subscription
+from broker.frames import HEARTBEAT, ORIGIN, Chunk, Cursor, Entry, Heartbeat
+from broker.keys import STREAM_ID_PATTERN, unscoped
+from broker.offsets import NOW, START, id_key
+from broker.sse import Sink
+from broker.vocabulary import FINAL_STATUSES, decode_turn_ref
+
+FIRST_PAGE: Final = 64  # a replay's first page (its first event comes sooner); the next ones double
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Location:
+    """Where a stream id points: its conversation and turn."""
+
+    stream_id: str
+    conversation_id: str
+    turn_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartPoint:
+    """Where a client asks its read to start, parsed once from its ``Last-Event-ID`` or
+    ``offset``: from the ``start`` (``-1``), from ``now`` (only new events: the stream's tail
+    when the read begins, see :meth:`Streams.resolve`), or after an event it names (an
+    ``offset``, right after ``cursor``)."""
+
+    kind: Literal["start", "now", "offset"]
+    cursor: Cursor = ORIGIN
+
+    @classmethod
+    def parse(cls, value: str | None) -> StartPoint:
+        """``value`` as a client sends it (none, or empty: from the start); 400 when it is a
+        malformed offset."""
+        if not value or value == START:
+            return FROM_START
+        if value == NOW:
+            return FROM_NOW
+        return cls("offset", Cursor.after_offset(value))
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the client named an event (it resumes a read), rather than a sentinel."""
+        return self.kind == "offset"
+
+
+FROM_START: Final = StartPoint("start")
+FROM_NOW: Final = StartPoint("now")
+
+
+class _Watched:
+    """A response as a reader that renders its own frames sees it: over when it is, and never
+    written to by the feed (whose frames are the native ones)."""
+
+    __slots__ = ("_sink",)
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+
+    @property
+    def over(self) -> bool:
+        return self._sink.over
+
+    def write_now(self, chunk: bytes) -> bool:
+        return False
+
+
+class Streams:
+    """Locating, replaying, following and paging turn streams."""
+
+    def __init__(self, deps: Deps, hub: Hub) -> None:
+        self._redis = deps.redis
+        self._keys = deps.keys
+        self._settings = deps.settings
+        self._metrics = deps.metrics
+        self._hub = hub
+
+    def events_key(self, location: Location) -> str:
+        return self._keys.events(location.conversation_id, location.turn_id)
+
+    def turn_key(self, location: Location) -> str:
+        return self._keys.turn(location.conversation_id, location.turn_id)
+
+    async def locate(
+        self, stream_id: str, tenant: str | None, *, start: StartPoint | None = None
+    ) -> Location:
+        """The turn behind ``stream_id``; 404 when unknown (or ``tenant``'s stream it is not),
+        410 when its data expired.
+
+        Given the ``start`` of a client that names an event (it resumes a read), the outcome is
+        counted in ``broker_resumes_total``: ok, expired or not_found.
+        """
+        counted = start is not None and start.explicit
+        try:
+            location = await self._locate(stream_id, tenant)
+        except BrokerError as exc:
+            if counted:
+                self._metrics.resumes.labels("expired" if exc.status == 410 else "not_found").inc()
+            raise
+        if counted:
+            self._metrics.resumes.labels("ok").inc()
+        return location
+
+    async def _locate(self, stream_id: str, tenant: str | None) -> Location:
+        if not STREAM_ID_PATTERN.match(stream_id):
+            raise NotFound(f"unknown stream {stream_id[:80]!r}")
+        value = await rc.get(self._redis, self._keys.stream_index(stream_id))
+        if value is None:
+            raise NotFound(f"unknown stream {stream_id!r}")
+        conversation_id, turn_id = decode_turn_ref(value)
+        if unscoped(conversation_id)[0] != tenant:
+            raise NotFound(f"unknown stream {stream_id!r}")  # another tenant's: never found
+        keys = self._keys
+        if not await self._redis.exists(
+            keys.events(conversation_id, turn_id), keys.turn(conversation_id, turn_id)
+        ):
+            if await self._redis.exists(keys.tombstone(conversation_id, turn_id)):
+                raise Gone(f"stream {stream_id!r} expired", code="expired")
+            raise NotFound(f"unknown stream {stream_id!r}")
+        return Location(stream_id, conversation_id, turn_id)
+
+    async def resolve(self, location: Location, start: StartPoint) -> Cursor:
+        """The cursor a read from ``start`` begins at: ``now`` is the stream's tail as it is."""
+        if start.kind != "now":
+            return start.cursor
+        tail = await rc.last_entry_id(self._redis, self.events_key(location))
+        return Cursor.after(tail) if tail else ORIGIN
+
+    async def _at_rest(self, location: Location, end_attempt: int | None = None) -> bool:
+        """Whether the turn is final (and, given an ``end``, still on that end's attempt)."""
+        status, attempt = await rc.hmget(
+            self._redis, self.turn_key(location), ["status", "attempt"]
+        )
+        if status is None:
+            return True  # expired under the reader: nothing more will come
+        if status not in FINAL_STATUSES:
+            return False
+        return end_attempt is None or str(end_attempt) == attempt
+
+    async def finished_before(self, location: Location, cursor: Cursor) -> bool:
+        """Whether the turn is at rest and nothing is stored past ``cursor``."""
+        # One round trip: a resuming reader waits for this before its first event.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.turn_key(location), "status")
+            pipe.xrevrange(self.events_key(location), max="+", min="-", count=1)
+            status, tail = await pipe.execute()
+        if status is not None and status not in FINAL_STATUSES:
+            return False  # (no status: the turn expired under the reader, nothing will come)
+        return not tail or id_key(tail[0][0]) <= cursor.key
+
+    async def _page(
+        self, key: str, after: Cursor, until: str, count: int
+    ) -> tuple[list[Entry], bool]:
+        """Up to ``count`` stored events past ``after``, and whether there may be more."""
+        page = await rc.xrange_raw(self._redis, key, "(" + after.entry_id, until, count)
+        return [Entry.from_redis(entry_id, fields) for entry_id, fields in page], len(page) == count
+
+    def _next_count(self, count: int | None) -> int:
+        """A replay's page sizes: a small first page, so that a reader resuming in a long stream
+        gets its first event soon, then each twice the last, up to ``BROKER_SSE_REPLAY_PAGE``.
+
+        A response asks for the next page only once its client took the last: a client that
+        stops reading leaves its reader holding one page about the size of what it took.
+        """
+        size = self._settings.sse_replay_page
+        return min(FIRST_PAGE if count is None else 2 * count, size)
+
+    async def follow(
+        self, location: Location, after: Cursor | str, sink: Sink | None = None
+    ) -> AsyncGenerator[Entry | Heartbeat, None]:
+        """Every event past ``after`` (a cursor, or the entry id it follows), live, until the
+        turn's final ``end`` (or until ``sink`` is over: see :meth:`follow_chunks`'s
+        ``direct``)."""
+        async for item in self.follow_chunks(location, after, sink, direct=False):
+            if isinstance(item, Heartbeat):
+                yield item
+            else:
+                for entry in item.entries:
+                    yield entry
+
+    async def follow_chunks(
+        self,
+        location: Location,
+        after: Cursor | str,
+        sink: Sink | None = None,
+        *,
+        direct: bool = True,
+    ) -> AsyncGenerator[Chunk | Heartbeat, None]:
+        """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk).
+
+        With ``sink`` (the response), live batches that follow this reader's cursor while it
+        waits may be written by the stream's feed directly: they are not yielded. The read ends
+        when the sink is over, instead of waiting for the next batch. Without ``direct`` (a
+        reader that renders frames of its own, such as a dialect's), nothing is written to the
+        sink and every chunk keeps its events: the sink only ends the read.
+        """
+        if sink is not None and not direct:
+            sink = _Watched(sink)
+        cursor = Cursor.after(after) if isinstance(after, str) else after
+        # A response writing our frames needs those only, not the events behind them.
+        read = _Read(self, location, cursor, keep=sink is None or not direct)
+        heartbeat_s = self._settings.sse_heartbeat_s
+        subscription: _Subscription | None = None
+        try:
+            async for chunk in read.stored():  # the replay
+                yield chunk
+            if read.ended:
+                return
+            # Join the live feed (a new feed starts where this reader stands), then read once
+            # more what arrived in between: whatever the feed has already passed is in Redis by
+            # now, so no event waits for a later one to surface.
+            subscription = self._hub.subscribe(read.key, read.cursor, read.turn_key)
+            subscription.sink = sink
+            catch_up, look = True, True
+            while True:
+                if catch_up:
+                    async for chunk in read.stored():
+                        yield chunk
+                    if read.ended:
+                        return
+                if look and await self._at_rest(location):
+                    # Final before we looked: anything past the cursor ends with the `end` event.
+                    async for chunk in read.stored():
+                        yield chunk
+                    return
+                subscription.cursor = read.cursor
+                batches = await subscription.get_all(heartbeat_s)
+                read.cursor = subscription.cursor  # moved on by the feed's direct writes
+                # Too slow for the live tape: catch up from Redis, which has everything, a page
+                # at a time (never all it missed at once: a page is read only when its client
+                # took the last), then take the tape again from where it stands.
+                catch_up, look = subscription.overflowed, False
+                subscription.overflowed = False
+                if batches is not None:
+                    taken = await read.take(batches)
+                    if taken is not None:
+                        yield taken
+                    if read.ended:
+                        return
+                elif not catch_up:
+                    yield HEARTBEAT
+                    look = True  # a quiet stream: its turn may have come to rest
+        except _Closed:
+            return
+        finally:
+            if subscription is not None:
+                self._hub.unsubscribe(subscription)
+
+    async def page(self, location: Location, start: StartPoint) -> dict[str, Any]:
+        """A catch-up page for polling clients."""
+        cursor = await self.resolve(location, start)
+        # Look at the status first: if it is final now, the page below reaches the `end` event.
+        at_rest = await self._at_rest(location)
+        size = self._settings.json_page_size
+        entries, _ = await self._page(self.events_key(location), cursor, "+", size)
+        if entries:
+            next_offset = entries[-1].offset
+        elif cursor.at_origin:
+            next_offset = START
+        else:
+            next_offset = cursor.offset
+        up_to_date = len(entries) < size
+        return {
+            "events": [
+                {"id": e.offset, "event": e.kind, "data": orjson.loads(e.data)} for e in entries
+            ],
+            "next_offset": next_offset,
+            "up_to_date": up_to_date,
+            "closed": at_rest and up_to_date,
+        }
+
+
+class _Read:
+    """One follow of a stream: where it stands (``cursor``), whether it is over (``ended``:
+    it reached an ``end`` that ends the read), and its reads of Redis."""
+
+    __slots__ = ("cursor", "ended", "keep", "key", "location", "streams", "turn_key")
+
+    def __init__(self, streams: Streams, location: Location, cursor: Cursor, *, keep: bool) -> None:
+        self.streams = streams
+        self.location = location
+        self.key = streams.events_key(location)
+        self.turn_key = streams.turn_key(location)
+        self.cursor = cursor
+        self.keep = keep
+        self.ended = False
+
+    async def stored(self) -> AsyncIterator[Chunk]:
+        """The stored events past the cursor, a chunk per page, up to an ``end`` that ends the
+        read; the cursor moves past each chunk as it is yielded.
+
+        Without ``keep`` the chunks hold their frames only, and no event is referenced here
+        while a chunk is out: a reader whose client is slow to take a page holds that page's
+        bytes, not its events' objects (several times their size).
+        """
+        streams = self.streams
+        count = streams._next_count(None)
+        while True:
+            entries, more = await streams._page(self.key, self.cursor, "+", count)
+            if not entries:
+                return
+            stop = await self._ending(entries)
+            chunk = Chunk.of(entries if stop is None else entries[:stop], keep=self.keep)
+            del entries
+            assert chunk.last is not None
+            self.cursor = chunk.last.cursor
+            self.ended = stop is not None
+            yield chunk
+            if self.ended or not more:
+                return
+            count = streams._next_count(count)
+
+    async def take(self, batches: Sequence[_Batch]) -> Chunk | None:
+        """What live ``batches`` hold past the cursor, as one chunk (None: nothing new), up to
+        an ``end`` that ends the read; the cursor moves past it."""
+        parts: list[Chunk] = []
+        for batch in batches:
+            chunk = await self._past_cursor(batch)
+            if chunk is None:
+                continue
+            parts.append(chunk)
+            assert chunk.last is not None
+            self.cursor = chunk.last.cursor
+            if self.ended:
+                break
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else Chunk.join(parts)
+
+    async def _past_cursor(self, batch: _Batch) -> Chunk | None:
+        """The events of ``batch`` past the cursor (None: none), with the gap before the batch
+        read from Redis, up to an ``end`` that ends the read."""
+        position = self.cursor.key
+        if batch.after.key == position:
+            # The usual case: exactly what follows, its frames joined once for all.
+            chunk, ends = batch.chunk, batch.ends
+        else:
+            entries = batch.entries
+            if batch.after.key > position:
+                entries = await self._range(batch.after) + entries
+            chunk = Chunk.of([e for e in entries if e.sort_key > position])
+            ends = any(entry.kind == "end" for entry in chunk.entries)
+        if chunk.last is None:
+            return None
+        if ends:
+            ending = await self._batch_ending(batch, chunk.entries)
+            if ending is not None:
+                chunk = Chunk.of(chunk.entries[:ending])
+                self.ended = True
+        return chunk
+
+    async def _range(self, until: Cursor) -> list[Entry]:
+        """The stored events past the cursor up to ``until``'s entry, a page at a time."""
+        streams, after, entries = self.streams, self.cursor, []
+        count = streams._next_count(None)
+        while True:
+            page, more = await streams._page(self.key, after, until.entry_id, count)
+            if page:
+                after = page[-1].cursor
+                entries += page
+            if not more:
+                return entries
+            count = streams._next_count(count)
+
+    async def _ending(self, entries: Sequence[Entry]) -> int | None:
+        """The length of ``entries`` up to an ``end`` that ends the read (the turn is at rest
+        on that attempt), or None when the read goes on."""
+        for index, entry in enumerate(entries):
+            if entry.kind == "end" and await self.streams._at_rest(self.location, entry.attempt()):
+                return index + 1
+        return None
+
+    async def _batch_ending(self, batch: _Batch, entries: Sequence[Entry]) -> int | None:
+        """:meth:`_ending` for a live batch, answered from the feed's own look when it has one."""
+        if batch.rest is None:
+            return await self._ending(entries)
+        status, attempt = batch.rest
+        for index, entry in enumerate(entries):
+            if entry.kind != "end":
+                continue
+            if status is None or (status in FINAL_STATUSES and attempt == str(entry.attempt())):
+                return index + 1
+        return None

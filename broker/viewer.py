@@ -1,0 +1,139 @@
+"""A viewer: one SSE connection reading a stream's native frames, and the lock a one-viewer
+attach token holds while its connection lasts.
+
+A one-viewer token admits one SSE connection at a time: the connection takes a lock in Redis
+named after the token (``SET NX PX``; a second connection gets 409 ``token_in_use``) and renews
+it while it lasts. A lock that changed hands (its lease ran out behind the connection, say, and
+another connection took it) ends the stream at its next frame.
+
+The teardown (the viewers gauge, the lock's release, leaving the feed) runs on every way out of
+the response's source, and never depends on a cancellation reaching it: redis-py may swallow
+one that lands while it awaits a reply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+
+from redis.exceptions import RedisError
+from starlette.responses import Response
+
+from broker.auth import Principal
+from broker.deps import Deps
+from broker.errors import Conflict
+from broker.frames import Cursor, Heartbeat
+from broker.periodic import Periodic
+from broker.reader import Location, StartPoint, Streams
+from broker.scripts import Scripts
+from broker.sse import PING, EventStreamResponse, Sink, opening_frame
+
+# One-viewer attach tokens hold a lock for their connection, renewed while it lasts.
+VIEWER_LEASE_MS = 10_000
+
+
+class ViewerLock:
+    """The lock a one-viewer attach token's connection holds while it lasts."""
+
+    def __init__(self, scripts: Scripts, key: str, holder: str) -> None:
+        self.scripts, self.key, self.holder = scripts, key, holder
+        self.lost = False
+        self._keeper: Periodic | None = None
+
+    def keep(self) -> None:
+        """Renew the lock until :meth:`release`; a lost lock ends the stream at its next frame."""
+        self._keeper = Periodic(self._renew, VIEWER_LEASE_MS / 3000, name="viewer lock")
+
+    async def _renew(self) -> bool:
+        try:
+            held = await self.scripts.renew_viewer(
+                viewer=self.key, holder=self.holder, ttl_ms=VIEWER_LEASE_MS
+            )
+        except (RedisError, OSError):
+            return True  # the lock lives VIEWER_LEASE_MS: the next renewal may still make it
+        self.lost = not held
+        return not self.lost
+
+    async def release(self) -> None:
+        if self._keeper is not None:
+            await self._keeper.stop()
+        with contextlib.suppress(RedisError, OSError):
+            await self.scripts.release_viewer(viewer=self.key, holder=self.holder)
+
+
+class _ViewerSink:
+    """A response as seen by a one-viewer read: over, and refusing writes, once the lock is lost."""
+
+    def __init__(self, sink: Sink, viewer: ViewerLock) -> None:
+        self._sink, self._viewer = sink, viewer
+
+    @property
+    def over(self) -> bool:
+        return self._viewer.lost or self._sink.over
+
+    def write_now(self, chunk: bytes) -> bool:
+        # A lost lock stops direct writes: the next chunk comes to the reader, which ends.
+        return not self._viewer.lost and self._sink.write_now(chunk)
+
+
+async def hold_viewer(deps: Deps, principal: Principal, location: Location) -> ViewerLock:
+    """Take the one-viewer lock of ``principal``'s attach token; 409 while another holds it."""
+    assert principal.token_id is not None
+    key = deps.keys.viewer(location.conversation_id, principal.token_id)
+    holder = secrets.token_hex(8)
+    if not await deps.redis.set(key, holder, nx=True, px=VIEWER_LEASE_MS):
+        raise Conflict(
+            "this attach token admits one viewer at a time, and one is connected",
+            code="token_in_use",
+        )
+    return ViewerLock(deps.scripts, key, holder)
+
+
+async def event_stream(
+    deps: Deps, streams: Streams, location: Location, start: StartPoint, principal: Principal
+) -> Response:
+    """The SSE response of ``principal``'s read of ``location`` from ``start``: 204 when
+    nothing will ever follow that point, 409 when a one-viewer token's viewer is connected."""
+    cursor = await streams.resolve(location, start)
+    if await streams.finished_before(location, cursor):
+        # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
+        # a 200 that closes at once would make it reconnect every retry period for ever.
+        return Response(status_code=204, headers={"Cache-Control": "no-store"})
+    # Announce where this read starts, so a client that drops before the first event resumes
+    # from here; after `now` even on an empty stream, where "the start" is the right answer.
+    announce = cursor.offset if not cursor.at_origin or start.kind == "now" else None
+    viewer = await hold_viewer(deps, principal, location) if principal.one_viewer else None
+    return EventStreamResponse(
+        lambda sink: _frames(deps, streams, location, cursor, announce, viewer, sink),
+        send_timeout_s=deps.settings.sse_send_timeout_s,
+    )
+
+
+async def _frames(
+    deps: Deps,
+    streams: Streams,
+    location: Location,
+    cursor: Cursor,
+    announce: str | None,
+    viewer: ViewerLock | None,
+    sink: Sink,
+) -> AsyncIterator[bytes]:
+    viewers = deps.metrics.viewers.labels("sse")
+    viewers.inc()
+    if viewer is not None:
+        viewer.keep()
+        sink = _ViewerSink(sink, viewer)
+    try:
+        yield opening_frame(deps.settings.sse_retry_ms, announce)
+        # Closed on every way out, so that the reader leaves its feed at once, not when the
+        # generator is collected.
+        async with contextlib.aclosing(streams.follow_chunks(location, cursor, sink)) as items:
+            async for item in items:
+                if viewer is not None and viewer.lost:
+                    return
+                yield PING if isinstance(item, Heartbeat) else item.data
+    finally:
+        viewers.dec()
+        if viewer is not None:
+            await viewer.release()
