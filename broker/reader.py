@@ -102,9 +102,11 @@ class Streams:
         self._hub = hub
 
     def events_key(self, location: Location) -> str:
+        """The Redis key of the turn's event stream."""
         return self._keys.events(location.conversation_id, location.turn_id)
 
     def turn_key(self, location: Location) -> str:
+        """The Redis key of the turn's hash (its status and attempt)."""
         return self._keys.turn(location.conversation_id, location.turn_id)
 
     async def locate(
