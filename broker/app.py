@@ -58,7 +58,7 @@ from broker.settings import Settings
 from broker.sse import RawSend
 from broker.tools import ToolRegistry
 from broker.turns import Turns
-from broker.worker import Worker, ensure_group
+from broker.worker import Worker
 
 log = logging.getLogger("broker")
 
@@ -147,22 +147,14 @@ class Runtime:
             policy = await check_eviction_policy(redis)
             metrics.eviction_policy_safe.set(1 if policy == "noeviction" else 0)
             await rt.scripts.load()
-            await ensure_group(redis, rt.keys)
+            await rt.jobs.ensure_group()
         except BaseException:
             if embedded is not None:
                 embedded.stop()
             raise
         if settings.runs_worker:
             rt.worker = Worker(
-                redis,
-                blocking,
-                rt.scripts,
-                rt.keys,
-                settings,
-                rt.providers,
-                metrics,
-                rt.dispatcher,
-                rt.admission,
+                rt.deps, blocking, rt.providers, rt.jobs, rt.dispatcher, rt.admission
             )
             rt.worker.start()
         return rt

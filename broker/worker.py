@@ -24,7 +24,7 @@ import socket
 import time
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from broker import redis_calls as rc
 from broker.admission import Admission
@@ -32,15 +32,13 @@ from broker.connection import drop_idle_connections
 from broker.deps import Deps
 from broker.errors import FencedWrite
 from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, LeaseLost, Run
-from broker.keys import JOB_GROUP, Keys, scoped, unscoped
+from broker.jobs import Job, JobQueue
+from broker.keys import scoped, unscoped
 from broker.lease import TurnWriter
 from broker.ledger import Dispatcher
-from broker.metrics import Metrics
 from broker.periodic import Periodic
 from broker.providers import Providers
 from broker.retry import RetryPolicy
-from broker.scripts import Scripts
-from broker.settings import Settings
 
 log = logging.getLogger("broker.worker")
 
@@ -48,60 +46,37 @@ log = logging.getLogger("broker.worker")
 SLOT_REFRESH_S = 60.0
 
 
-async def enqueue(
-    redis: Redis, keys: Keys, conversation_id: str, turn_id: str, attempt: int
-) -> str:
-    """Put a generation job for one attempt of a turn on the job stream."""
-    job_id = await redis.xadd(
-        keys.jobs, {"conversation_id": conversation_id, "turn_id": turn_id, "attempt": attempt}
-    )
-    return str(job_id)
-
-
-async def ensure_group(redis: Redis, keys: Keys) -> None:
-    """Create the workers' consumer group (and the job stream) if they do not exist yet."""
-    try:
-        await redis.xgroup_create(keys.jobs, JOB_GROUP, id="0", mkstream=True)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
 class Worker:
     """Runs generation jobs concurrently, up to ``BROKER_WORKER_CONCURRENCY`` at a time."""
 
     def __init__(
         self,
-        redis: Redis,
+        deps: Deps,
         blocking_redis: Redis,
-        scripts: Scripts,
-        keys: Keys,
-        settings: Settings,
         providers: Providers,
-        metrics: Metrics,
+        jobs: JobQueue,
         dispatcher: Dispatcher | None = None,
         admission: Admission | None = None,
     ) -> None:
-        self._redis = redis
-        self._admission = admission or Admission(Deps(redis, scripts, keys, settings, metrics))
+        self._deps = deps
+        self._redis = deps.redis
+        self._admission = admission or Admission(deps)
         self._dispatcher = dispatcher
         self._blocking_redis = blocking_redis
-        self._scripts = scripts
-        self._keys = keys
-        self._settings = settings
+        self._jobs = jobs
+        self._settings = deps.settings
         self._providers = providers
-        self._metrics = metrics
+        self._metrics = deps.metrics
         self.name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self._reclaim_cursor = "0-0"
         self._runs: dict[tuple[str, str], Run] = {}
         # Turns a task of this worker is claiming or running: a second job of the same turn (a
         # duplicate enqueue) waits for its reclaim instead of claiming the lease this worker
         # holds, which claim_lease.lua would grant it.
         self._active: set[tuple[str, str]] = set()
-        self._retry = RetryPolicy(Deps(redis, scripts, keys, settings, metrics))
+        self._retry = RetryPolicy(deps)
         self._listener: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -146,16 +121,14 @@ class Worker:
                     free = self._settings.worker_concurrency - len(self._tasks)
                     if free <= 0:
                         continue
-                jobs = await rc.xreadgroup(
-                    self._redis, JOB_GROUP, self.name, self._keys.jobs, free, 1000
-                )
+                jobs = await self._jobs.read(self.name, free, 1000)
                 for job_id, fields in jobs:
                     self._spawn(job_id, fields)
             except (RedisError, OSError) as exc:
                 self._metrics.redis_errors.inc()
                 if "NOGROUP" in str(exc):  # the job stream was deleted (e.g. Redis lost its data)
                     with contextlib.suppress(RedisError, OSError):
-                        await ensure_group(self._redis, self._keys)
+                        await self._jobs.ensure_group()
                         continue
                 log.warning("worker cannot read jobs: %s; retrying in 0.2 s", exc)
                 with contextlib.suppress(RedisError, OSError):
@@ -168,18 +141,9 @@ class Worker:
 
     async def _reclaim(self, count: int) -> None:
         """Take over jobs whose worker stopped refreshing them (crashed, frozen, partitioned)."""
-        # Redis scans only COUNT x 10 pending entries per call: walk the whole list with a cursor,
-        # or dead jobs behind many live ones would never be reached.
-        cursor, claimed, deleted = await rc.xautoclaim(
-            self._redis,
-            self._keys.jobs,
-            JOB_GROUP,
-            self.name,
-            self._settings.reclaim_idle_ms,
-            count,
-            self._reclaim_cursor,
+        claimed, deleted = await self._jobs.reclaim(
+            self.name, self._settings.reclaim_idle_ms, count
         )
-        self._reclaim_cursor = cursor
         for job_id, fields in claimed:
             if (fields.get("conversation_id"), fields.get("turn_id")) in self._runs:
                 continue  # this worker runs it: its heartbeat missed a beat (Redis away)
@@ -187,66 +151,44 @@ class Worker:
                 log.info("reclaimed job %s of an idle worker", job_id)
                 self._spawn(job_id, fields)
         for job_id in deleted:
-            await self._done(job_id)  # deleted entries still pending: nothing to run
+            await self._jobs.done(job_id)  # deleted entries still pending: nothing to run
 
     async def _hand_back(self, job_id: str) -> None:
         """Make a handed-back job look abandoned at once, so that the next reclaim pass (of any
         worker, or of this one's successor, which reclaims as it starts) takes it."""
-        with contextlib.suppress(RedisError, OSError):  # else it is reclaimed when it idles
-            await self._redis.xclaim(
-                self._keys.jobs,
-                JOB_GROUP,
-                self.name,
-                0,
-                [job_id],
-                idle=self._settings.reclaim_idle_ms,
-                justid=True,
-            )
+        await self._jobs.hand_back(self.name, job_id, self._settings.reclaim_idle_ms)
 
     def _spawn(self, job_id: str, fields: dict[str, str]) -> None:
         task = asyncio.create_task(self._handle(job_id, fields), name=f"job-{job_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _done(self, job_id: str) -> None:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self._keys.jobs, JOB_GROUP, job_id)
-            pipe.xdel(self._keys.jobs, job_id)
-            await pipe.execute()
-
     async def _handle(self, job_id: str, fields: dict[str, str]) -> None:
-        try:
-            conversation_id = fields["conversation_id"]
-            turn_id = fields["turn_id"]
-            attempt = int(fields["attempt"])
-        except (KeyError, ValueError):
+        job = Job.parse(job_id, fields)
+        if job is None:
             log.error("dropping malformed job %s: %r", job_id, fields)
-            await self._done(job_id)
+            await self._jobs.done(job_id)
             return
         try:
-            finished = await self._run_again_on_redis_errors(
-                job_id, conversation_id, turn_id, attempt
-            )
+            finished = await self._run_again_on_redis_errors(job)
         except (RedisError, OSError) as exc:
             # Redis stayed away: leave the job pending; it is reclaimed when Redis is back.
             self._metrics.redis_errors.inc()
             log.warning(
                 "turn %s attempt %d stopped on a Redis error: %s; left for a reclaim",
-                turn_id,
-                attempt,
+                job.turn_id,
+                job.attempt,
                 exc,
             )
             return
         finally:
             # Whatever happened, an attempt that is no longer live frees its tenant's slot.
-            await self._admission.release_if_done(conversation_id, turn_id, attempt)
+            await self._admission.release_if_done(job.conversation_id, job.turn_id, job.attempt)
         if finished:
             with contextlib.suppress(RedisError, OSError):
-                await self._done(job_id)
+                await self._jobs.done(job_id)
 
-    async def _run_again_on_redis_errors(
-        self, job_id: str, conversation_id: str, turn_id: str, attempt: int
-    ) -> bool:
+    async def _run_again_on_redis_errors(self, job: Job) -> bool:
         """:meth:`_run_attempt`, run again at once (with jittered backoff) when it stopped on a
         Redis error, for as long as a reclaim would take; then the error is raised.
 
@@ -254,19 +196,19 @@ class Worker:
         taken-over attempt may do), only without waiting for its job to idle.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._settings.reclaim_idle_ms / 1000
+        deadline = loop.time() + self._settings.reclaim_idle_s
         delay = 0.05
         while True:
             try:
-                return await self._run_attempt(job_id, conversation_id, turn_id, attempt)
+                return await self._run_attempt(job)
             except (RedisError, OSError) as exc:
                 if self._stopping.is_set() or loop.time() + delay > deadline:
                     raise
                 self._metrics.redis_errors.inc()
                 log.warning(
                     "turn %s attempt %d stopped on a Redis error (%s): running it again",
-                    turn_id,
-                    attempt,
+                    job.turn_id,
+                    job.attempt,
                     exc,
                 )
                 with contextlib.suppress(RedisError, OSError):
@@ -274,43 +216,40 @@ class Worker:
                 await asyncio.sleep(random.uniform(0, delay))
                 delay = min(delay * 2, 1.0)
 
-    async def _run_attempt(
-        self, job_id: str, conversation_id: str, turn_id: str, attempt: int
-    ) -> bool:
+    async def _run_attempt(self, job: Job) -> bool:
         """Claim and run one attempt; True when the job is settled and may be acknowledged."""
-        turn = (conversation_id, turn_id)
+        turn = (job.conversation_id, job.turn_id)
         if turn in self._active:
             return False  # held by another task of this worker, which settles it
         self._active.add(turn)
         try:
-            return await self._claim_and_run(job_id, conversation_id, turn_id, attempt)
+            return await self._claim_and_run(job)
         finally:
             self._active.discard(turn)
 
-    async def _claim_and_run(
-        self, job_id: str, conversation_id: str, turn_id: str, attempt: int
-    ) -> bool:
+    async def _claim_and_run(self, job: Job) -> bool:
+        job_id, conversation_id, turn_id = job.job_id, job.conversation_id, job.turn_id
         settings = self._settings
         writer = TurnWriter(
-            self._scripts,
-            self._keys,
+            self._deps.scripts,
+            self._deps.keys,
             self._metrics,
             conversation_id,
             turn_id,
             max_events=settings.max_stream_events,
             lease_ttl_ms=settings.lease_ttl_ms,
-            retention_ms=int(settings.stream_ttl * 1000),
-            tombstone_ms=int(settings.tombstone_ttl * 1000),
+            retention_ms=settings.stream_ttl_ms,
+            tombstone_ms=settings.tombstone_ttl_ms,
         )
-        claim = await writer.claim(self.name, attempt)
+        claim = await writer.claim(self.name, job.attempt)
         if claim.result in ("missing", "stale"):
             return True
         if claim.result == "held":
             return False  # a live worker owns the turn and refreshes its job itself
-        run = Run(conversation_id, turn_id, attempt, job_id, writer, claim)
+        run = Run(conversation_id, turn_id, job.attempt, job_id, writer, claim)
         generation = Generation(
             self._redis,
-            self._keys,
+            self._deps.keys,
             settings,
             self._providers,
             self._metrics,
@@ -321,7 +260,7 @@ class Worker:
         run.task = asyncio.create_task(generation.run(), name=f"turn {turn_id}")
         self._runs[(conversation_id, turn_id)] = run
         heartbeat = Periodic(
-            lambda: self._heartbeat(run), settings.lease_heartbeat_s, name=f"lease {turn_id}"
+            lambda: self._heartbeat(run), self._settings.lease_heartbeat_s, name=f"lease {turn_id}"
         )
         try:
             try:
@@ -354,10 +293,7 @@ class Worker:
         try:
             if await run.writer.renew():
                 run.request_stop(STOP)  # a stop whose notification we missed
-            # Resetting the job's idle time keeps other workers from reclaiming a live job.
-            await self._redis.xclaim(
-                self._keys.jobs, JOB_GROUP, self.name, 0, [run.job_id], justid=True
-            )
+            await self._jobs.touch(self.name, run.job_id)  # so no other worker reclaims it
             if time.monotonic() - run.slot_refreshed > SLOT_REFRESH_S:
                 await self._admission.refresh(run.conversation_id, run.turn_id, run.attempt)
                 run.slot_refreshed = time.monotonic()
@@ -370,48 +306,22 @@ class Worker:
         return True
 
     async def _listen_for_stops(self) -> None:
-        """Stop requests are published so they reach this worker at once, wherever it runs.
+        """Stop requests are published so they reach this worker at once, wherever it runs."""
+        await self._jobs.listen_for_stops(self._blocking_redis, self._on_stop, self._stopping)
 
-        A missed message is not lost: the stop flag is durable, and appends and heartbeats
-        check it.
-        """
-        channel = self._keys.stop_channel
-        while not self._stopping.is_set():
-            pubsub = self._blocking_redis.pubsub()
-            try:
-                await pubsub.subscribe(channel)
-                while not self._stopping.is_set():
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is None:
-                        continue
-                    conversation_id, turn_id, attempt = _stop_message(str(message["data"]))
-                    run = self._runs.get((conversation_id, turn_id))
-                    # A late message must not stop the attempt that followed the one it meant.
-                    if run is not None and run.attempt == attempt:
-                        run.request_stop(STOP)
-            except (RedisError, OSError) as exc:
-                log.warning("stop notifications interrupted: %s; resubscribing in 1 s", exc)
-                await asyncio.sleep(1)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
+    def _on_stop(self, conversation_id: str, turn_id: str, attempt: int) -> None:
+        run = self._runs.get((conversation_id, turn_id))
+        # A late message must not stop the attempt that followed the one it meant.
+        if run is not None and run.attempt == attempt:
+            run.request_stop(STOP)
 
     async def _refresh_index_ttl(self, conversation_id: str, turn_id: str) -> None:
-        keys, settings = self._keys, self._settings
+        keys = self._deps.keys
         turn_key = keys.turn(conversation_id, turn_id)
         (stream_id,) = await rc.hmget(self._redis, turn_key, ["stream_id"])
-        ttl_ms = int((settings.stream_ttl + settings.tombstone_ttl) * 1000)
+        ttl_ms = self._settings.index_ttl_ms
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.pexpire(keys.turn_index(scoped(unscoped(conversation_id)[0], turn_id)), ttl_ms)
             if stream_id:
                 pipe.pexpire(keys.stream_index(stream_id), ttl_ms)
             await pipe.execute()
-
-
-def _stop_message(data: str) -> tuple[str, str, int]:
-    """``"<conversation_id> <turn_id> <attempt>"`` as published by a stop request."""
-    parts = data.split(" ")
-    try:
-        return parts[0], parts[1], int(parts[2])
-    except (IndexError, ValueError):
-        return "", "", 0

@@ -465,7 +465,7 @@ async def test_a_worker_that_lost_its_turn_cannot_claim_tool_calls(aredis: Redis
 
 
 def test_stop_messages_name_their_attempt() -> None:
-    from broker.worker import _stop_message
+    from broker.vocabulary import decode_attempt_ref
 
-    assert _stop_message("conv turn-1 3") == ("conv", "turn-1", 3)
-    assert _stop_message("garbage") == ("", "", 0)
+    assert decode_attempt_ref("conv turn-1 3") == ("conv", "turn-1", 3)
+    assert decode_attempt_ref("garbage") == ("", "", 0)
