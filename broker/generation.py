@@ -5,7 +5,12 @@ Before the first delta a retryable failure is retried silently (nothing reaches 
 :class:`~broker.retry.RetryPolicy`. After the first delta nothing is automatic: a failure ends the
 attempt ``interrupted`` with its partial text, and the user chooses ``continue`` or
 ``regenerate``. A stop, a lost lease and a shutdown reach the running attempt as a cancellation
-whose cause is recorded on its :class:`Run`.
+whose cause is recorded on its :class:`Run`; since redis-py can swallow that cancellation, the
+attempt also looks at the recorded cause after every step (:meth:`Generation._check_stop`).
+
+What reaches the stream, and in which order, is :class:`~broker.output.AttemptOutput`'s; the
+tool calls are :class:`~broker.tool_steps.ToolSteps`'. This module keeps the attempt's flow: load
+it, call upstream (again, when a silent retry is allowed), and finish it.
 """
 
 from __future__ import annotations
@@ -15,22 +20,23 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncGenerator
 from typing import Any, Final
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from broker import redis_calls as rc
-from broker.errors import FencedWrite, StopRequested, StreamFull
-from broker.keys import Keys
-from broker.lease import ATTEMPT_STATUS, Claim, TurnWriter
-from broker.ledger import Dispatcher, Outcome, Slot
-from broker.metrics import Metrics
+from broker.deps import Deps
+from broker.errors import FencedWrite, LeaseLost, StopRequested, StreamFull
+from broker.lease import TurnWriter
+from broker.ledger import Dispatcher
+from broker.output import AttemptOutput
 from broker.providers import (
     Finished,
     GenerationRequest,
     Provider,
+    ProviderEvent,
     Providers,
     TextDelta,
     ToolCallChunk,
@@ -40,7 +46,9 @@ from broker.providers import (
     Usage,
 )
 from broker.retry import RetryPolicy
-from broker.settings import Settings
+from broker.scripts import Claim
+from broker.tool_steps import ToolCalls, ToolFailure, ToolSteps
+from broker.vocabulary import ATTEMPT_STATUS, PROMOTED_STATUSES, TurnStatus
 
 log = logging.getLogger("broker.generation")
 
@@ -48,11 +56,6 @@ log = logging.getLogger("broker.generation")
 STOP: Final = "cancelled"
 SHUTDOWN: Final = "shutdown"
 LEASE_LOST: Final = "lease_lost"
-PROMOTED_STATUSES = frozenset({"complete", "interrupted", "cancelled"})
-
-
-class LeaseLost(Exception):
-    """The attempt's lease was taken over: it must write nothing more."""
 
 
 @dataclasses.dataclass
@@ -80,19 +83,6 @@ class Run:
             self.task.cancel(msg=reason)
 
 
-class _ToolFailure(Exception):
-    """A tool call's outcome fails the turn (unknown outcome, in-flight timeout, mismatch)."""
-
-    def __init__(self, reason: str, error: dict[str, Any]) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.error = error
-
-
-# Deltas queued behind an append in flight before the model has to wait for Redis.
-MAX_QUEUED_DELTAS = 512
-
-
 class _Retry(Exception):
     def __init__(
         self, reason: str, error: dict[str, Any], retry_after_s: float | None = None
@@ -108,44 +98,40 @@ class Generation:
 
     def __init__(
         self,
-        redis: Redis,
-        keys: Keys,
-        settings: Settings,
+        deps: Deps,
         providers: Providers,
-        metrics: Metrics,
         retry: RetryPolicy,
         run: Run,
         dispatcher: Dispatcher | None = None,
     ) -> None:
-        self._redis = redis
-        self._keys = keys
-        self._settings = settings
+        self._deps = deps
+        self._redis = deps.redis
+        self._settings = deps.settings
+        self._metrics = deps.metrics
         self._providers = providers
-        self._metrics = metrics
         self._retry = retry
         self._run = run
-        self._turn_key = keys.turn(run.conversation_id, run.turn_id)
+        self._turn_key = deps.keys.turn(run.conversation_id, run.turn_id)
         self._writer = run.writer
         self._n = run.attempt
         self._request: dict[str, Any] = {}
         self._record: dict[str, Any] = {}
         self._session = run.conversation_id
         self._prefix = ""
-        self._parts: list[str] = []
-        self._has_attempt_event = False
-        self._tool_output = False
-        self._ordinals: dict[str, int] = {}
-        self._dispatcher = dispatcher
-        self._pending_usage: tuple[str, dict[str, Any]] | None = None
         self._usage: dict[str, int] | None = None
         self._stream_id: str | None = None
+        self._output = AttemptOutput(run.writer, run.attempt)
+        self._tools = ToolSteps(
+            run.conversation_id,
+            run.turn_id,
+            run.attempt,
+            self._output,
+            run.writer,
+            deps.metrics,
+            dispatcher,
+        )
         self.started = False
         self.handed_back = False  # stopped by a shutdown before any output: see _hand_back
-        # Deltas waiting for their append, and the one task appending them (a group commit).
-        self._queued: list[tuple[str, dict[str, Any]]] = []
-        self._queued_text: list[str] = []
-        self._flusher: asyncio.Task[None] | None = None
-        self._flush_error: BaseException | None = None
 
     def _check_stop(self) -> None:
         """Raise the cancellation a stop, a lost lease or a shutdown sent, if it never arrived.
@@ -159,7 +145,7 @@ class Generation:
 
     @property
     def _text(self) -> str:
-        return self._prefix + "".join(self._parts)
+        return self._prefix + self._output.text
 
     async def run(self) -> None:
         """Run the attempt; raises LeaseLost when it must stop without writing."""
@@ -169,18 +155,16 @@ class Generation:
         except FencedWrite as exc:  # also from the handlers' own last writes
             raise LeaseLost() from exc
         finally:
-            if self._flusher is not None and not self._flusher.done():
-                # The attempt ended without its last writes. Emptied too, so that a flusher
-                # whose cancellation redis-py swallowed appends nothing more.
-                self._queued, self._queued_text = [], []
-                self._flusher.cancel()
+            # If the attempt ended without its last writes, a flusher still running is emptied
+            # too, so that one whose cancellation redis-py swallowed appends nothing more.
+            self._output.close()
 
     async def end_unstarted(self, stop: str) -> None:
         """End an attempt whose task was stopped before it ran a single step."""
         try:
             await self._load()
             if stop == STOP:
-                await self._finish("cancelled", "cancelled")
+                await self._finish(TurnStatus.CANCELLED, "cancelled")
             elif stop == SHUTDOWN and not await self._hand_back():
                 await self._interrupt("shutdown")
         except FencedWrite as exc:
@@ -193,38 +177,24 @@ class Generation:
         except (LeaseLost, FencedWrite):
             raise
         except StopRequested:
-            await self._finish("cancelled", "cancelled")
+            await self._finish(TurnStatus.CANCELLED, "cancelled")
         except asyncio.CancelledError:
             if self._run.stop == STOP:
-                await self._finish("cancelled", "cancelled")
+                await self._finish(TurnStatus.CANCELLED, "cancelled")
                 return  # the stop is handled: the attempt ended as the user asked
             if self._run.stop == SHUTDOWN and not await self._hand_back():
                 await self._interrupt("shutdown")
             raise
         except StreamFull:
-            await self._finish(
-                "failed",
+            await self._fail(
                 "stream_limit",
-                error={
-                    "code": "stream_limit",
-                    "retryable": False,
-                    "message": "the stream reached BROKER_MAX_STREAM_EVENTS="
-                    f"{self._settings.max_stream_events}",
-                },
+                f"the stream reached BROKER_MAX_STREAM_EVENTS={self._settings.max_stream_events}",
             )
         except (RedisError, OSError):
             raise  # Redis away: the job stays pending and a worker takes the turn over
         except Exception:
             log.exception("turn %s attempt %d failed inside the broker", self._run.turn_id, self._n)
-            await self._finish(
-                "failed",
-                "internal",
-                error={
-                    "code": "internal",
-                    "retryable": False,
-                    "message": "the broker failed this attempt",
-                },
-            )
+            await self._fail("internal", "the broker failed this attempt")
 
     async def _hand_back(self) -> bool:
         """At shutdown, give back an attempt of which nothing reached a reader yet.
@@ -234,9 +204,7 @@ class Generation:
         delta, instead of the user finding an empty interrupted answer. False when something
         was delivered (the attempt is interrupted) or the lease is no longer this worker's.
         """
-        if self._flusher is not None and not self._flusher.done():
-            self._flusher.cancel()  # what it had not appended was never delivered
-            await asyncio.wait([self._flusher])
+        await self._output.abandon_queued()  # what it had not appended was never delivered
         _, delivered, tool_output = await self._delivered()
         if delivered or tool_output or not await self._writer.release():
             return False
@@ -255,6 +223,7 @@ class Generation:
         self._stream_id = stream_id
         self._request = orjson.loads(raw_request or "{}")
         self._record = orjson.loads(raw_record or "{}") or {"n": self._n, "strategy": "initial"}
+        self._output.strategy = self._record.get("strategy")
         self._session = session or self._run.conversation_id
         if self._record.get("strategy") == "continue":
             (prefix,) = await rc.hmget(
@@ -264,20 +233,21 @@ class Generation:
 
     async def _run_attempt(self) -> None:
         claim = self._run.claim
-        delivered_before = ""
-        if claim.previous_status == "streaming":
+        if claim.previous_status == TurnStatus.STREAMING:
             self._metrics.lease_takeovers.inc()
-            self._has_attempt_event, delivered_before, self._tool_output = await self._delivered()
-            self._parts = [delivered_before] if delivered_before else []
+            has_attempt_event, delivered_before, tool_output = await self._delivered()
+            self._output.resume(
+                has_attempt_event=has_attempt_event, text=delivered_before, tool_output=tool_output
+            )
         if claim.stop_requested:
-            await self._finish("cancelled", "cancelled")
+            await self._finish(TurnStatus.CANCELLED, "cancelled")
             return
-        if self._output:
+        if self._output.reached_readers:
             # A dead worker's answer already reached readers: never continue it silently.
             log.info("turn %s: took over after a lost worker; interrupting", self._run.turn_id)
             await self._interrupt("worker_lost")
             return
-        reason = "worker_lost" if claim.previous_status == "streaming" else None
+        reason = "worker_lost" if claim.previous_status == TurnStatus.STREAMING else None
         last_error: dict[str, Any] = {}
         retry_after: float | None = None
         while True:
@@ -287,14 +257,8 @@ class Generation:
                 verdict = await self._retry.permit(self._session, calls - 1, reason or "")
                 if verdict is not None:
                     detail = last_error.get("message", "the previous worker was lost")
-                    await self._finish(
-                        "failed",
-                        verdict,
-                        error={
-                            "code": verdict,
-                            "retryable": False,
-                            "message": f"gave up after {calls - 1} upstream call(s): {detail}",
-                        },
+                    await self._fail(
+                        verdict, f"gave up after {calls - 1} upstream call(s): {detail}"
                     )
                     return
                 await asyncio.sleep(self._retry.backoff_s(retry_after))
@@ -333,32 +297,19 @@ class Generation:
                 break
             steps.append(step)
         else:
-            await self._finish(
-                "failed",
+            await self._fail(
                 "tool_steps_exhausted",
-                error={
-                    "code": "tool_steps_exhausted",
-                    "retryable": False,
-                    "message": f"the model kept calling tools for BROKER_MAX_TOOL_STEPS="
-                    f"{self._settings.max_tool_steps} steps",
-                },
+                "the model kept calling tools for BROKER_MAX_TOOL_STEPS="
+                f"{self._settings.max_tool_steps} steps",
             )
             return
         if request.response_format == "json":
             try:
                 orjson.loads(self._text)
             except orjson.JSONDecodeError as exc:
-                await self._finish(
-                    "failed",
-                    "invalid_output",
-                    error={
-                        "code": "invalid_output",
-                        "retryable": False,
-                        "message": f"the answer is not valid JSON: {exc}",
-                    },
-                )
+                await self._fail("invalid_output", f"the answer is not valid JSON: {exc}")
                 return
-        await self._finish("complete", None)
+        await self._finish(TurnStatus.COMPLETE, None)
 
     async def _stream_step(self, provider: Provider, request: GenerationRequest) -> ToolStep | None:
         """Stream one model message; its tool calls run as soon as their arguments are whole.
@@ -367,76 +318,15 @@ class Generation:
         ended inside it. Raises _Retry for a retryable failure before any output.
         """
         stream = provider.stream(request)
-        began = time.monotonic()
-        first_token = True
         outcome = "ok"
-        finished = False
-        step_start = len(self._parts)
-        open_calls: dict[int, dict[str, str]] = {}
-        calls: list[dict[str, Any]] = []
-        results: list[dict[str, Any]] = []
-        idle = self._settings.upstream_idle_timeout_s
+        step_start = self._output.delta_count
+        tool_calls = self._tools.message()
         try:
-            while True:
-                try:
-                    async with asyncio.timeout(idle):
-                        event = await anext(stream)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    raise UpstreamError(
-                        "upstream_timeout", f"no upstream event for {idle} s", retryable=True
-                    ) from None
-                self._check_stop()
-                if isinstance(event, TextDelta) and event.text:
-                    if first_token:
-                        first_token = False
-                        self._metrics.upstream_first_token_seconds.labels(provider.name).observe(
-                            time.monotonic() - began
-                        )
-                    await self._queue_delta(event.text)
-                elif isinstance(event, ToolCallChunk):
-                    call = open_calls.setdefault(
-                        event.index, {"id": "", "name": "", "arguments": ""}
-                    )
-                    call["id"] = event.call_id or call["id"]
-                    call["name"] = event.name or call["name"]
-                    call["arguments"] += event.arguments
-                elif isinstance(event, ToolCallEnd) and event.index in open_calls:
-                    await self._run_tool(open_calls.pop(event.index), calls, results)
-                elif isinstance(event, Usage):
-                    self._count_usage(event)
-                    usage = (
-                        "usage",
-                        {
-                            "attempt": self._n,
-                            "input_tokens": event.input_tokens,
-                            "output_tokens": event.output_tokens,
-                        },
-                    )
-                    flushing = self._flusher is not None and not self._flusher.done()
-                    if self._output or self._queued or flushing:
-                        await self._append([usage])  # after the deltas it follows
-                    else:
-                        # Held back until the first output: a usage event alone would make
-                        # the attempt visible before a silent retry.
-                        self._pending_usage = usage
-                elif isinstance(event, Finished):
-                    for index in sorted(open_calls):  # the message's end completes its calls
-                        await self._run_tool(open_calls.pop(index), calls, results)
-                    finished = True
-                    break
-            await self._drain()
-            if not finished:
-                raise UpstreamError(
-                    "upstream_incomplete",
-                    "the upstream stream ended without its terminal event",
-                    retryable=True,
-                )
+            await self._read_message(provider, stream, tool_calls)
         except UpstreamError as exc:
-            await self._drain()  # what was read before the failure counts as delivered
-            delivered = self._output
-            await self._abandon(open_calls, show=delivered)
+            await self._output.drain()  # what was read before the failure counts as delivered
+            delivered = self._output.reached_readers
+            await tool_calls.abandon(show=delivered)
             error = {"code": exc.code, "message": exc.message, "retryable": exc.retryable}
             timeout = exc.code == "upstream_timeout"
             if delivered:
@@ -445,16 +335,16 @@ class Generation:
                 return None
             if exc.retryable:
                 outcome = "retryable_error"
-                self._pending_usage = None  # the failed call's usage is not this answer's
+                self._output.drop_pending_usage()  # the failed call's usage is not this answer's
                 self._usage = None
                 reason = "upstream_timeout" if timeout else "upstream_error"
                 raise _Retry(reason, error, exc.retry_after_s) from None
             outcome = "fatal_error"
-            await self._finish("failed", exc.code, error=error)
+            await self._finish(TurnStatus.FAILED, exc.code, error=error)
             return None
-        except _ToolFailure as failure:
+        except ToolFailure as failure:
             await self._finish(
-                "failed", failure.reason, error={**failure.error, "retryable": False}
+                TurnStatus.FAILED, failure.reason, error={**failure.error, "retryable": False}
             )
             return None
         except asyncio.CancelledError:
@@ -463,189 +353,87 @@ class Generation:
         finally:
             await stream.aclose()  # an abort reaches the upstream call at once
             self._metrics.upstream_requests.labels(provider.name, request.model, outcome).inc()
-        return ToolStep("".join(self._parts[step_start:]), calls, results)
+        return ToolStep(self._output.text_since(step_start), tool_calls.calls, tool_calls.results)
 
-    async def _run_tool(
-        self, call: dict[str, str], calls: list[dict[str, Any]], results: list[dict[str, Any]]
+    async def _read_message(
+        self,
+        provider: Provider,
+        stream: AsyncGenerator[ProviderEvent, None],
+        tool_calls: ToolCalls,
     ) -> None:
-        """Dispatch one complete call through the ledger and put both sides on the stream."""
-        name = call["name"]
-        ordinal = self._ordinals.get(name, 0)
-        self._ordinals[name] = ordinal + 1
-        call_id = call["id"] or f"call_{self._n}_{name}_{ordinal}"
-        try:
-            shown: Any = orjson.loads(call["arguments"] or "{}")
-        except orjson.JSONDecodeError:
-            shown = call["arguments"]
-        await self._append(
-            [
-                (
-                    "tool_call",
-                    {
-                        "attempt": self._n,
-                        "call_id": call_id,
-                        "name": name,
-                        "args": shown,
-                        "ordinal": ordinal,
-                        "status": "dispatched",
-                    },
-                )
-            ]
-        )
-        slot = Slot(self._run.conversation_id, self._run.turn_id, name, ordinal)
-        row = {"tool": name, "ordinal": ordinal, "attempt": self._n, "call_id": call_id}
-        if self._dispatcher is None:
-            outcome = Outcome(
-                "refused", error={"code": "unknown_tool", "message": "no tools are registered"}
+        """Read one model message to its end, acting on each event as it arrives; raise
+        ``UpstreamError`` when the upstream goes quiet or ends the message early."""
+        began = time.monotonic()
+        first_token = True
+        finished = False
+        idle = self._settings.upstream_idle_timeout_s
+        while True:
+            try:
+                async with asyncio.timeout(idle):
+                    event = await anext(stream)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise UpstreamError(
+                    "upstream_timeout", f"no upstream event for {idle} s", retryable=True
+                ) from None
+            self._check_stop()
+            if isinstance(event, TextDelta) and event.text:
+                if first_token:
+                    first_token = False
+                    self._metrics.upstream_first_token_seconds.labels(provider.name).observe(
+                        time.monotonic() - began
+                    )
+                await self._output.queue_delta(event.text)
+            elif isinstance(event, ToolCallChunk):
+                tool_calls.add(event)
+            elif isinstance(event, ToolCallEnd):
+                await tool_calls.end(event.index)
+            elif isinstance(event, Usage):
+                await self._add_usage(event)
+            elif isinstance(event, Finished):
+                await tool_calls.end_all()  # the message's end completes its calls
+                finished = True
+                break
+        await self._output.drain()
+        if not finished:
+            raise UpstreamError(
+                "upstream_incomplete",
+                "the upstream stream ended without its terminal event",
+                retryable=True,
             )
-        else:
-            outcome = await self._dispatcher.dispatch(
-                slot, call["arguments"], row, self._writer.token
-            )
-        data: dict[str, Any] = {
-            "attempt": self._n,
-            "call_id": call_id,
-            "name": name,
-            "ordinal": ordinal,
-            "source": outcome.source,
-            "status": "error" if outcome.error else "ok",
-        }
-        if outcome.error is not None:
-            data["error"] = outcome.error
-        else:
-            data["result"] = outcome.result
-        await self._append([("tool_result", data)])
-        if outcome.fail_reason is not None:
-            raise _ToolFailure(outcome.fail_reason, outcome.error or {})
-        calls.append({"id": call_id, "name": name, "arguments": call["arguments"]})
-        content = outcome.error if outcome.error is not None else outcome.result
-        results.append({"id": call_id, "name": name, "content": orjson.dumps(content).decode()})
 
-    async def _abandon(self, open_calls: dict[int, dict[str, str]], *, show: bool) -> None:
-        """Calls cut off while their arguments arrived: recorded as not run, never dispatched.
-
-        Readers are told (``show``) only when the attempt already reached them; otherwise a
-        silent retry follows and the stream stays as if nothing happened.
-        """
-        for index in sorted(open_calls):
-            call = open_calls.pop(index)
-            row = {
-                "tool": call["name"],
-                "attempt": self._n,
-                "call_id": call["id"],
-                "state": "not_run",
-                "reason": "connection_lost",
-                "partial_arguments": call["arguments"],
-            }
-            if self._dispatcher is not None:
-                await self._dispatcher.ledger.abandon(
-                    self._run.conversation_id, self._run.turn_id, row
-                )
-                tool = self._dispatcher.registry.get(call["name"])
-                kind = tool.kind if tool is not None else "read"
-                self._metrics.tool_calls.labels(kind, "not_run").inc()
-            if not show:
-                continue
-            with contextlib.suppress(StopRequested, StreamFull):
-                await self._append(
-                    [
-                        (
-                            "tool_call",
-                            {
-                                "attempt": self._n,
-                                "call_id": call["id"],
-                                "name": call["name"],
-                                "args": None,
-                                "ordinal": None,
-                                "status": "not_run",
-                                "reason": "connection_lost",
-                            },
-                        )
-                    ]
-                )
-
-    def _count_usage(self, event: Usage) -> None:
-        """Sum the attempt's tokens over its tool steps, for its record."""
+    async def _add_usage(self, event: Usage) -> None:
+        """Count a step's tokens for the attempt's record, and put them on the stream after the
+        deltas they follow (or with the first output: see :meth:`AttemptOutput.usage`)."""
         so_far = self._usage or {"input_tokens": 0, "output_tokens": 0}
         self._usage = {
             "input_tokens": so_far["input_tokens"] + event.input_tokens,
             "output_tokens": so_far["output_tokens"] + event.output_tokens,
         }
-
-    @property
-    def _output(self) -> bool:
-        """Whether anything of this attempt reached readers (text or tool events)."""
-        return bool(self._parts) or self._tool_output
-
-    async def _queue_delta(self, text: str) -> None:
-        """Append a delta soon: deltas that arrive while an append is in flight go together in
-        the next one. Readers see the same events either way; each is in Redis before any
-        reader can see it, and the attempt's text only counts what was appended."""
-        if self._flush_error is not None:
-            await self._drain()  # raises it
-        self._queued.append(("delta", {"attempt": self._n, "text": text}))
-        self._queued_text.append(text)
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush(), name="append deltas")
-        elif len(self._queued) >= MAX_QUEUED_DELTAS:
-            await self._drain()  # Redis is slower than the model: wait for it
-
-    async def _flush(self) -> None:
-        try:
-            while self._queued:
-                events, texts = self._queued, self._queued_text
-                self._queued, self._queued_text = [], []
-                await self._write(events)
-                self._parts.extend(texts)
-        except Exception as exc:  # handed to the generation at its next step
-            self._flush_error = exc
-            self._queued, self._queued_text = [], []
-
-    async def _drain(self) -> None:
-        """Wait until every queued delta is appended; raise what stopped an append."""
-        flusher = self._flusher
-        if flusher is not None and not flusher.done():
-            # asyncio.wait: a cancelled caller must not cancel the append it waits for.
-            await asyncio.wait([flusher])
-        error, self._flush_error = self._flush_error, None
-        if error is not None:
-            raise error
-
-    async def _append(self, events: list[tuple[str, dict[str, Any]]]) -> None:
-        await self._drain()  # queued deltas go first: the stream keeps its order
-        await self._write(events)
-
-    async def _write(self, events: list[tuple[str, dict[str, Any]]]) -> None:
-        if self._pending_usage is not None:
-            events = [self._pending_usage, *events]
-            self._pending_usage = None
-        if not self._has_attempt_event:
-            # The attempt becomes visible with its first output, so silent retries stay silent.
-            events = [self._attempt_event(), *events]
-        await self._writer.append(events)
-        self._has_attempt_event = True
-        if any(kind in ("tool_call", "tool_result") for kind, _ in events):
-            self._tool_output = True
-
-    def _attempt_event(self) -> tuple[str, dict[str, Any]]:
-        return ("attempt", {"attempt": self._n, "strategy": self._record.get("strategy")})
+        usage = {
+            "attempt": self._n,
+            "input_tokens": event.input_tokens,
+            "output_tokens": event.output_tokens,
+        }
+        await self._output.usage(("usage", usage))
 
     async def _interrupt(self, reason: str, error: dict[str, Any] | None = None) -> None:
         self._metrics.interruptions.labels(reason).inc()
-        await self._finish("interrupted", reason, error=error)
+        await self._finish(TurnStatus.INTERRUPTED, reason, error=error)
+
+    async def _fail(self, code: str, message: str) -> None:
+        """End the attempt failed for a reason that retrying would not change."""
+        error = {"code": code, "retryable": False, "message": message}
+        await self._finish(TurnStatus.FAILED, code, error=error)
 
     async def _finish(
-        self, status: str, reason: str | None, *, error: dict[str, Any] | None = None
+        self, status: TurnStatus, reason: str | None, *, error: dict[str, Any] | None = None
     ) -> None:
         # The end comes after every delta; deltas a stop or a full stream refused stay out.
         with contextlib.suppress(StopRequested, StreamFull):
-            await self._drain()
-        before: list[tuple[str, dict[str, Any]]] = []
-        if not self._has_attempt_event:
-            before.append(self._attempt_event())
-        if self._pending_usage is not None:
-            before.append(self._pending_usage)
-            self._pending_usage = None
+            await self._output.drain()
+        before = self._output.take_before_end()
         if error is not None:
             before.append(("error", {"attempt": self._n, **error}))
         text = self._text
@@ -691,7 +479,7 @@ class Generation:
     async def _delivered(self) -> tuple[bool, str, bool]:
         """Whether this attempt's ``attempt`` event is on the stream, its delivered text, and
         whether tool events were delivered."""
-        key = self._keys.events(self._run.conversation_id, self._run.turn_id)
+        key = self._deps.keys.events(self._run.conversation_id, self._run.turn_id)
         has_attempt_event = tool_output = False
         text: list[str] = []
         start = "-"

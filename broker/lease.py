@@ -11,21 +11,20 @@ and the attempt ends as it would have.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import orjson
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.connection import drop_idle_connections
-from broker.keys import Keys
-from broker.metrics import Metrics
-from broker.scripts import Scripts
+from broker.deps import Deps
+from broker.scripts import Claim
+from broker.vocabulary import ATTEMPT_STATUS, TurnStatus
 
 log = logging.getLogger("broker.lease")
 
@@ -34,24 +33,8 @@ CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 RETRY_BACKOFF_MIN_S = 0.05
 RETRY_BACKOFF_MAX_S = 1.0
 
-FINAL_STATUSES = frozenset({"complete", "interrupted", "cancelled", "failed"})
-# The attempt's own status, as stored on the turn: an interrupted turn holds a partial attempt.
-ATTEMPT_STATUS = {
-    "complete": "complete",
-    "interrupted": "partial",
-    "cancelled": "cancelled",
-    "failed": "failed",
-}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Claim:
-    """The answer of ``claim_lease``: ``result`` is claimed, held, stale or missing."""
-
-    result: str
-    token: str = ""
-    previous_status: str = ""
-    stop_requested: bool = False
+Event = tuple[str, dict[str, Any]]  # (event type, data) before it is encoded
+_T = TypeVar("_T")
 
 
 def encode(data: dict[str, Any]) -> str:
@@ -59,32 +42,25 @@ def encode(data: dict[str, Any]) -> str:
 
 
 class TurnWriter:
-    """Appends to one turn's stream under one fencing token; every call is checked by Lua."""
+    """Appends to one turn's stream under one fencing token; every call is checked by Lua.
 
-    def __init__(
-        self,
-        scripts: Scripts,
-        keys: Keys,
-        metrics: Metrics,
-        conversation_id: str,
-        turn_id: str,
-        *,
-        max_events: int,
-        lease_ttl_ms: int,
-        retention_ms: int,
-        tombstone_ms: int,
-    ) -> None:
-        self._scripts = scripts
-        self._metrics = metrics
+    Its limits come from the settings: ``BROKER_LEASE_TTL_MS``, ``BROKER_MAX_STREAM_EVENTS``, and
+    the retention of a finished turn (``BROKER_STREAM_TTL``, ``BROKER_TOMBSTONE_TTL``).
+    """
+
+    def __init__(self, deps: Deps, conversation_id: str, turn_id: str) -> None:
+        keys, settings = deps.keys, deps.settings
+        self._scripts = deps.scripts
+        self._metrics = deps.metrics
         self._turn = keys.turn(conversation_id, turn_id)
         self._lease = keys.lease(conversation_id, turn_id)
         self._events = keys.events(conversation_id, turn_id)
         self._tombstone = keys.tombstone(conversation_id, turn_id)
         self._conversation_turns = keys.conversation_turns(conversation_id)
-        self._max_events = max_events
-        self._lease_ttl_ms = lease_ttl_ms
-        self._retention_ms = retention_ms
-        self._tombstone_ms = tombstone_ms
+        self._max_events = settings.max_stream_events
+        self._lease_ttl_ms = settings.lease_ttl_ms
+        self._retention_ms = settings.stream_ttl_ms
+        self._tombstone_ms = settings.tombstone_ttl_ms
         self.token = ""
         self._appended = 0  # events appended under this token
         self._valid_until = 0.0  # (monotonic) the lease lasts at least this long
@@ -94,33 +70,36 @@ class TurnWriter:
 
     async def claim(self, owner: str, attempt: int) -> Claim:
         since = time.monotonic()
-        reply = await self._scripts(
-            "claim_lease", [self._turn, self._lease], [owner, self._lease_ttl_ms, attempt]
+        claim = await self._scripts.claim_lease(
+            turn=self._turn,
+            lease=self._lease,
+            owner=owner,
+            ttl_ms=self._lease_ttl_ms,
+            attempt=attempt,
         )
-        if reply[0] == "claimed":
-            self.token = reply[1]
+        if claim.result == "claimed":
+            self.token = claim.token
             self._appended = 0
             self._renewed(since)
-            return Claim("claimed", reply[1], reply[2], reply[3] == "1")
-        return Claim(reply[0])
+        return claim
 
     async def renew(self) -> bool:
         """Extend the lease; True when the user asked to stop. Raises ``FencedWrite`` if lost."""
         since = time.monotonic()
-        reply = await self._scripts(
-            "renew_lease", [self._lease, self._turn], [self.token, self._lease_ttl_ms]
+        stop = await self._scripts.renew_lease(
+            lease=self._lease, turn=self._turn, token=self.token, ttl_ms=self._lease_ttl_ms
         )
         self._renewed(since)
-        return int(reply) == 2
+        return stop
 
-    async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    async def _call(self, name: str, send: Callable[[], Awaitable[_T]]) -> _T:
         """Run a script that is safe to send twice, again and again while the connection fails
         and the lease is still valid; then raise the connection's error."""
         delay = RETRY_BACKOFF_MIN_S
         failures = 0
         while True:
             try:
-                reply = await self._scripts(name, keys, args)
+                reply = await send()
             except CONNECTION_ERRORS as exc:
                 left = self._valid_until - time.monotonic()
                 if left <= 0:
@@ -146,19 +125,27 @@ class TurnWriter:
 
     async def release(self) -> bool:
         """Give the lease up now; False when it was no longer this writer's."""
-        return int(await self._scripts("release_lease", [self._lease], [self.token])) == 1
+        return await self._scripts.release_lease(lease=self._lease, token=self.token)
 
-    async def append(self, events: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    async def append(self, events: list[Event]) -> list[str]:
         """Append events in order; returns their entry ids.
 
         Raises FencedWrite (lease lost), StopRequested (stop pressed) or StreamFull.
         """
-        args: list[Any] = [self.token, self._max_events, self._appended]
-        for kind, data in events:
-            args += (kind, encode(data))
+        token, appended = self.token, self._appended
+        encoded = [(kind, encode(data)) for kind, data in events]
         began = time.perf_counter()
-        ids: list[str] = await self._call(
-            "append_events", [self._lease, self._events, self._turn], args
+        ids = await self._call(
+            "append_events",
+            lambda: self._scripts.append_events(
+                lease=self._lease,
+                events_key=self._events,
+                turn=self._turn,
+                token=token,
+                max_events=self._max_events,
+                appended=appended,
+                events=encoded,
+            ),
         )
         self._appended += len(events)
         self._metrics.append_seconds.observe(time.perf_counter() - began)
@@ -168,12 +155,12 @@ class TurnWriter:
         self,
         *,
         record: dict[str, Any],
-        status: str,
+        status: TurnStatus,
         reason: str | None,
         text: str,
         promote: bool,
         base: str,
-        before_end: Sequence[tuple[str, dict[str, Any]]] = (),
+        before_end: Sequence[Event] = (),
     ) -> int:
         """Write the last events and the ``end`` sentinel, set the turn at rest, drop the lease.
 
@@ -183,20 +170,27 @@ class TurnWriter:
         attempt = int(record["n"])
         final = {**record, "status": ATTEMPT_STATUS[status], "reason": reason}
         events = [*before_end, ("end", {"attempt": attempt, "status": status, "reason": reason})]
-        args: list[Any] = [
-            self.token,
-            attempt,
-            status,
-            encode(final),
-            text,
-            self._retention_ms,
-            self._tombstone_ms,
-            "1" if promote else "0",
-            base,
-        ]
-        for kind, data in events:
-            args += (kind, encode(data))
-        keys = [self._turn, self._lease, self._events, self._tombstone, self._conversation_turns]
-        reply = await self._call("finish_attempt", keys, args)
+        token, final_json = self.token, encode(final)
+        encoded = [(kind, encode(data)) for kind, data in events]
+        finished = await self._call(
+            "finish_attempt",
+            lambda: self._scripts.finish_attempt(
+                turn=self._turn,
+                lease=self._lease,
+                events_key=self._events,
+                tombstone=self._tombstone,
+                conversation_turns=self._conversation_turns,
+                token=token,
+                attempt=attempt,
+                status=status,
+                record=final_json,
+                text=text,
+                ttl_ms=self._retention_ms,
+                tombstone_ms=self._tombstone_ms,
+                promote=promote,
+                base=base,
+                events=encoded,
+            ),
+        )
         self._metrics.turns_finished.labels(status).inc()
-        return int(reply[0])
+        return finished.promotion

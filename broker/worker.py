@@ -30,8 +30,8 @@ from broker import redis_calls as rc
 from broker.admission import Admission
 from broker.connection import drop_idle_connections
 from broker.deps import Deps
-from broker.errors import FencedWrite
-from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, LeaseLost, Run
+from broker.errors import FencedWrite, LeaseLost
+from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, Run
 from broker.jobs import Job, JobQueue
 from broker.keys import scoped, unscoped
 from broker.lease import TurnWriter
@@ -229,34 +229,14 @@ class Worker:
 
     async def _claim_and_run(self, job: Job) -> bool:
         job_id, conversation_id, turn_id = job.job_id, job.conversation_id, job.turn_id
-        settings = self._settings
-        writer = TurnWriter(
-            self._deps.scripts,
-            self._deps.keys,
-            self._metrics,
-            conversation_id,
-            turn_id,
-            max_events=settings.max_stream_events,
-            lease_ttl_ms=settings.lease_ttl_ms,
-            retention_ms=settings.stream_ttl_ms,
-            tombstone_ms=settings.tombstone_ttl_ms,
-        )
+        writer = TurnWriter(self._deps, conversation_id, turn_id)
         claim = await writer.claim(self.name, job.attempt)
         if claim.result in ("missing", "stale"):
             return True
         if claim.result == "held":
             return False  # a live worker owns the turn and refreshes its job itself
         run = Run(conversation_id, turn_id, job.attempt, job_id, writer, claim)
-        generation = Generation(
-            self._redis,
-            self._deps.keys,
-            settings,
-            self._providers,
-            self._metrics,
-            self._retry,
-            run,
-            self._dispatcher,
-        )
+        generation = Generation(self._deps, self._providers, self._retry, run, self._dispatcher)
         run.task = asyncio.create_task(generation.run(), name=f"turn {turn_id}")
         self._runs[(conversation_id, turn_id)] = run
         heartbeat = Periodic(

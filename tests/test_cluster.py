@@ -133,17 +133,8 @@ async def test_the_turn_scripts_run_on_a_cluster(cluster: Redis) -> None:
         ["fp", "st_x", conversation, turn, "{}", conversation, record, "text"],
     )
     assert created[0] == "created"
-    writer = TurnWriter(
-        scripts,
-        keys,
-        Metrics(),
-        conversation,
-        turn,
-        max_events=100,
-        lease_ttl_ms=10_000,
-        retention_ms=60_000,
-        tombstone_ms=60_000,
-    )
+    settings = Settings(max_stream_events=100, lease_ttl_ms=10_000, stream_ttl=60, tombstone_ttl=60)
+    writer = TurnWriter(Deps(cluster, scripts, keys, settings, Metrics()), conversation, turn)
     assert (await writer.claim("w1", 1)).result == "claimed"
     assert await writer.release() is True  # handed back: claimed again at once, new token
     assert await writer.release() is False

@@ -14,11 +14,13 @@ import redis as redis_lib
 from redis.asyncio import Redis
 
 from broker import redis_calls as rc
+from broker.deps import Deps
 from broker.errors import FencedWrite
 from broker.keys import Keys
 from broker.lease import TurnWriter
 from broker.metrics import Metrics
 from broker.scripts import Scripts
+from broker.settings import Settings
 from tests.conftest import RunningBroker
 from tests.helpers import read_sse, start_turn, wait_until
 
@@ -40,17 +42,8 @@ async def new_turn(aredis: Redis, keys: Keys, scripts: Scripts) -> tuple[str, st
 
 
 def writer(scripts: Scripts, keys: Keys, conversation: str, turn: str, ttl_ms: int) -> TurnWriter:
-    return TurnWriter(
-        scripts,
-        keys,
-        Metrics(),
-        conversation,
-        turn,
-        max_events=100,
-        lease_ttl_ms=ttl_ms,
-        retention_ms=60_000,
-        tombstone_ms=60_000,
-    )
+    settings = Settings(max_stream_events=100, lease_ttl_ms=ttl_ms, stream_ttl=60, tombstone_ttl=60)
+    return TurnWriter(Deps(scripts.redis, scripts, keys, settings, Metrics()), conversation, turn)
 
 
 @pytest.fixture

@@ -1,0 +1,163 @@
+"""What one attempt puts on its turn's stream, in order, through its :class:`TurnWriter`.
+
+Deltas are grouped: those that arrive while an append is in flight go together in the next one
+(a group commit), so a fast model costs fewer round trips than it sends deltas. Readers see the
+same events either way; each is in Redis before any reader can see it, and the attempt's text
+only counts what was appended.
+
+The order on the stream is kept here:
+
+* every other event waits for the queued deltas, so the stream keeps the order they came in;
+* the ``attempt`` event goes out with the attempt's first output, so that silent retries before
+  it stay silent (a reader never sees an attempt that produced nothing);
+* usage is held back until the first output for the same reason, and otherwise follows the
+  deltas it counts;
+* when the attempt ends, its flusher is emptied and cancelled (:meth:`AttemptOutput.close`), so
+  that a flusher whose cancellation redis-py swallowed appends nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from broker.lease import Event, TurnWriter
+
+# Deltas queued behind an append in flight before the model has to wait for Redis.
+MAX_QUEUED_DELTAS = 512
+
+
+class AttemptOutput:
+    """The stream side of one attempt: its queued deltas, the text appended so far, and whether
+    anything of it reached readers."""
+
+    def __init__(self, writer: TurnWriter, attempt: int) -> None:
+        self._writer = writer
+        self._n = attempt
+        self.strategy: Any = None  # the attempt record's strategy, for its `attempt` event
+        self.has_attempt_event = False
+        self.tool_output = False  # tool events of this attempt are on the stream
+        self._parts: list[str] = []  # the deltas appended, in order
+        self._pending_usage: Event | None = None
+        # Deltas waiting for their append, and the one task appending them.
+        self._queued: list[Event] = []
+        self._queued_text: list[str] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._flush_error: BaseException | None = None
+
+    def resume(self, *, has_attempt_event: bool, text: str, tool_output: bool) -> None:
+        """Start from what a lost worker's attempt already delivered (a takeover)."""
+        self.has_attempt_event = has_attempt_event
+        self._parts = [text] if text else []
+        self.tool_output = tool_output
+
+    @property
+    def text(self) -> str:
+        """The attempt's text appended so far."""
+        return "".join(self._parts)
+
+    @property
+    def delta_count(self) -> int:
+        """How many appended deltas make up :attr:`text` (a mark for :meth:`text_since`)."""
+        return len(self._parts)
+
+    def text_since(self, mark: int) -> str:
+        """The text of the deltas appended after ``mark`` (a :attr:`delta_count`)."""
+        return "".join(self._parts[mark:])
+
+    @property
+    def reached_readers(self) -> bool:
+        """Whether anything of this attempt reached readers (text or tool events)."""
+        return bool(self._parts) or self.tool_output
+
+    @property
+    def _flushing(self) -> bool:
+        return self._flusher is not None and not self._flusher.done()
+
+    async def queue_delta(self, text: str) -> None:
+        """Append a delta soon, together with those that arrive while an append is in flight."""
+        if self._flush_error is not None:
+            await self.drain()  # raises it
+        self._queued.append(("delta", {"attempt": self._n, "text": text}))
+        self._queued_text.append(text)
+        if not self._flushing:
+            self._flusher = asyncio.create_task(self._flush(), name="append deltas")
+        elif len(self._queued) >= MAX_QUEUED_DELTAS:
+            await self.drain()  # Redis is slower than the model: wait for it
+
+    async def _flush(self) -> None:
+        try:
+            while self._queued:
+                events, texts = self._queued, self._queued_text
+                self._queued, self._queued_text = [], []
+                await self._write(events)
+                self._parts.extend(texts)
+        except Exception as exc:  # handed to the generation at its next step
+            self._flush_error = exc
+            self._queued, self._queued_text = [], []
+
+    async def drain(self) -> None:
+        """Wait until every queued delta is appended; raise what stopped an append."""
+        flusher = self._flusher
+        if flusher is not None and not flusher.done():
+            # asyncio.wait: a cancelled caller must not cancel the append it waits for.
+            await asyncio.wait([flusher])
+        error, self._flush_error = self._flush_error, None
+        if error is not None:
+            raise error
+
+    async def append(self, events: list[Event]) -> None:
+        """Append events after the queued deltas: the stream keeps its order."""
+        await self.drain()
+        await self._write(events)
+
+    async def usage(self, usage: Event) -> None:
+        """Append a usage event after the deltas it follows; held back while the attempt has
+        no output, since a usage event alone would make it visible before a silent retry."""
+        if self.reached_readers or self._queued or self._flushing:
+            await self.append([usage])
+        else:
+            self._pending_usage = usage
+
+    def drop_pending_usage(self) -> None:
+        """Forget held-back usage: a failed call's usage is not the answer's."""
+        self._pending_usage = None
+
+    async def _write(self, events: list[Event]) -> None:
+        if self._pending_usage is not None:
+            events = [self._pending_usage, *events]
+            self._pending_usage = None
+        if not self.has_attempt_event:
+            # The attempt becomes visible with its first output, so silent retries stay silent.
+            events = [self.attempt_event(), *events]
+        await self._writer.append(events)
+        self.has_attempt_event = True
+        if any(kind in ("tool_call", "tool_result") for kind, _ in events):
+            self.tool_output = True
+
+    def attempt_event(self) -> Event:
+        return ("attempt", {"attempt": self._n, "strategy": self.strategy})
+
+    def take_before_end(self) -> list[Event]:
+        """What must precede the attempt's ``end`` and has not been written: its ``attempt``
+        event if it had no output, and held-back usage."""
+        before: list[Event] = []
+        if not self.has_attempt_event:
+            before.append(self.attempt_event())
+        if self._pending_usage is not None:
+            before.append(self._pending_usage)
+            self._pending_usage = None
+        return before
+
+    async def abandon_queued(self) -> None:
+        """Stop appending (at a hand-back): what was not appended was never delivered."""
+        if self._flusher is not None and not self._flusher.done():
+            self._flusher.cancel()
+            await asyncio.wait([self._flusher])
+
+    def close(self) -> None:
+        """The attempt ended: a flusher still running is emptied and cancelled, so that one
+        whose cancellation redis-py swallowed appends nothing more."""
+        if self._flusher is not None and not self._flusher.done():
+            self._queued, self._queued_text = [], []
+            self._flusher.cancel()
