@@ -59,6 +59,7 @@ class TurnWriter:
         self._conversation_turns = keys.conversation_turns(conversation_id)
         self._max_events = settings.max_stream_events
         self._lease_ttl_ms = settings.lease_ttl_ms
+        self._lease_ttl_s = settings.lease_ttl_s
         self._retention_ms = settings.stream_ttl_ms
         self._tombstone_ms = settings.tombstone_ttl_ms
         self.token = ""
@@ -66,7 +67,7 @@ class TurnWriter:
         self._valid_until = 0.0  # (monotonic) the lease lasts at least this long
 
     def _renewed(self, since: float) -> None:
-        self._valid_until = since + self._lease_ttl_ms / 1000
+        self._valid_until = since + self._lease_ttl_s
 
     async def claim(self, owner: str, attempt: int) -> Claim:
         since = time.monotonic()
