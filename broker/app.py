@@ -80,6 +80,7 @@ class Runtime:
         embedded: EmbeddedRedis | None,
         tools: ToolRegistry,
         auth: Authenticator | None = None,
+        providers: Providers | None = None,
     ) -> None:
         self.settings = settings
         self.redis = redis
@@ -90,7 +91,7 @@ class Runtime:
         self.scripts = Scripts(redis)
         self.deps = Deps(redis, self.scripts, self.keys, settings, metrics)
         self.jobs = JobQueue(redis, self.keys)
-        self.providers = Providers(settings)
+        self.providers = providers if providers is not None else Providers(settings)
         self.hub = Hub(blocking_redis, metrics, redis)
         self.streams = Streams(self.deps, self.hub)
         self.auth = auth or Authenticator(settings, secrets.token_bytes(32))
@@ -127,10 +128,11 @@ class Runtime:
             redis = await connect(url)
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
             blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
-            metrics = Metrics(providers={p.name: p.models for p in Providers(settings)})
+            providers = Providers(settings)
+            metrics = Metrics(providers={p.name: p.models for p in providers})
             auth = Authenticator(settings, b"")
             auth.attach_secret = await shared_attach_secret(redis, settings, auth.enabled)
-            rt = cls(settings, redis, blocking, metrics, embedded, tools, auth)
+            rt = cls(settings, redis, blocking, metrics, embedded, tools, auth, providers)
             if not rt.auth.enabled:
                 log.warning(
                     "AUTHENTICATION IS OFF: anyone who can reach this broker can start, read and "
@@ -175,11 +177,7 @@ class Runtime:
         await self.drain()
         with contextlib.suppress(Exception):
             await self.http.aclose()
-        for provider in self.providers:
-            close = getattr(provider, "aclose", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    await close()
+        await self.providers.aclose()
         for redis in (self.redis, self.blocking_redis):
             with contextlib.suppress(Exception):
                 await redis.aclose()

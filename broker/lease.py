@@ -156,7 +156,7 @@ class TurnWriter:
         self,
         *,
         record: dict[str, Any],
-        status: TurnStatus,
+        status: TurnStatus | str,
         reason: str | None,
         text: str,
         promote: bool,
@@ -167,7 +167,9 @@ class TurnWriter:
 
         ``record`` is the attempt's record (n, strategy, ...); returns the promotion result:
         1 promoted to canonical, 0 not asked, -1 refused because the canonical attempt changed.
+        ``status`` is a final turn status (a word that is not one raises ``ValueError``).
         """
+        status = TurnStatus(status)
         attempt = int(record["n"])
         final = {**record, "status": ATTEMPT_STATUS[status], "reason": reason}
         events = [*before_end, ("end", {"attempt": attempt, "status": status, "reason": reason})]
