@@ -33,9 +33,11 @@ stream errors into turn outcomes and upstream and tool errors into ``error`` eve
 command line prints start-up errors in one line. A Redis error that reaches the HTTP layer is
 answered 503 ``redis_unavailable`` by the error handlers.
 
-Deliberately outside the tree: the private control-flow exceptions of single modules (a retry
-or a tool failure unwinding a generation, a fan-out hub that closed), which never leave the
-module that raises them.
+Deliberately outside the tree: control flow that never leaves the broker's own rooms and is
+never an error of the broker: ``generation._Retry`` (a silent retry unwinding an upstream call),
+``tool_steps.ToolFailure`` (a tool outcome that fails the turn, caught by the generation) and
+``fanout.HubClosed`` (the hub closed at shutdown, which ends a read as its client's
+disconnection would).
 """
 
 from __future__ import annotations

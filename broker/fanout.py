@@ -36,7 +36,7 @@ FEED_BLOCK_MS: Final = 5_000
 FEED_MAX_FAILURES: Final = 3
 
 
-class _Batch:
+class Batch:
     """What one read of a feed returned, shared by all the feed's readers."""
 
     __slots__ = ("_chunk", "after", "ends", "entries", "rest")
@@ -64,11 +64,11 @@ class _Batch:
         return self._chunk
 
 
-class _Closed(Exception):
+class HubClosed(Exception):
     """The hub was closed (shutdown) or the feed failed: end the response, the client resumes."""
 
 
-class _Subscription:
+class Subscription:
     """One reader's place on its feed's tape."""
 
     __slots__ = (
@@ -112,7 +112,7 @@ class _Subscription:
         self.closed = True
         self.wake()
 
-    async def get_all(self, timeout: float) -> list[_Batch] | None:
+    async def get_all(self, timeout: float) -> list[Batch] | None:
         """Every batch this reader has not taken yet (at least one); None after ``timeout``
         seconds of quiet, or when it fell so far behind that it must catch up from Redis
         (``overflowed``).
@@ -124,7 +124,7 @@ class _Subscription:
         feed = self.feed
         while True:
             if self.closed:
-                raise _Closed()
+                raise HubClosed()
             start = self.index - feed.base
             tape = feed.tape
             if start < 0:
@@ -144,7 +144,7 @@ class _Subscription:
                 # The client is gone. Its cancellation should have ended this read, but one
                 # that landed while redis-py awaited a reply may have been swallowed: never
                 # park a reader for a client that left.
-                raise _Closed()
+                raise HubClosed()
             loop = asyncio.get_running_loop()
             self.waiter = waiter = loop.create_future()
             self.timeout = timeout
@@ -173,18 +173,18 @@ class _Feed:
         self.key = key
         self.turn_key = turn_key
         self.start = start  # where the first subscriber stands; None: the stream's tail
-        self.subscriptions: set[_Subscription] = set()
+        self.subscriptions: set[Subscription] = set()
         self.task: asyncio.Task[None] | None = None
-        self.tape: list[_Batch] = []
+        self.tape: list[Batch] = []
         self.base = 0  # the number of batches dropped from the front of the tape
-        self.parked: list[_Subscription] = []  # readers waiting for the next batch
+        self.parked: list[Subscription] = []  # readers waiting for the next batch
         self._published = 0
 
     @property
     def end(self) -> int:
         return self.base + len(self.tape)
 
-    def publish(self, batch: _Batch) -> None:
+    def publish(self, batch: Batch) -> None:
         """Put ``batch`` on the tape, and hand it to the readers waiting for one.
 
         A waiting reader that stands right before the batch, and can be written to at once,
@@ -222,7 +222,7 @@ class _Feed:
             self._trim()
 
     @staticmethod
-    def _write(subscription: _Subscription, index: int, after: Cursor, data: bytes) -> bool:
+    def _write(subscription: Subscription, index: int, after: Cursor, data: bytes) -> bool:
         """Whether ``data`` (following ``after``) was written to a waiting reader standing right
         before it."""
         sink, waiter = subscription.sink, subscription.waiter
@@ -245,7 +245,7 @@ class _Feed:
         del self.tape[: keep_from - self.base]
         self.base = keep_from
 
-    def unpark(self, subscription: _Subscription) -> None:
+    def unpark(self, subscription: Subscription) -> None:
         with contextlib.suppress(ValueError):
             self.parked.remove(subscription)
 
@@ -278,7 +278,7 @@ class _Feed:
                 if not reply:
                     continue
                 entries = [Entry.from_redis(i, f) for i, f in reply]
-                batch = _Batch(after, entries)
+                batch = Batch(after, entries)
                 after = entries[-1].cursor
                 if self.turn_key is not None and batch.ends:
                     status, attempt = await rc.hmget(
@@ -355,7 +355,7 @@ class Hub:
 
     def subscribe(
         self, key: str, start: Cursor | None = None, turn_key: str | None = None
-    ) -> _Subscription:
+    ) -> Subscription:
         """Join (or start, reading after ``start``; by default the stream's tail) the feed of one
         stream.
 
@@ -367,7 +367,7 @@ class Hub:
             feed = _Feed(self, key, start, turn_key)
             self._feeds[key] = feed
             self.metrics.live_streams.set(len(self._feeds))
-        subscription = _Subscription(feed)
+        subscription = Subscription(feed)
         if self.closed:
             subscription.close()
         feed.subscriptions.add(subscription)
@@ -375,7 +375,7 @@ class Hub:
             feed.task = self._start(feed.run(), f"feed {key}")
         return subscription
 
-    def unsubscribe(self, subscription: _Subscription) -> None:
+    def unsubscribe(self, subscription: Subscription) -> None:
         feed = subscription.feed
         feed.subscriptions.discard(subscription)
         feed.unpark(subscription)

@@ -25,7 +25,7 @@ import orjson
 from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.errors import BrokerError, Gone, NotFound
-from broker.fanout import Hub, _Batch, _Closed, _Subscription
+from broker.fanout import Batch, Hub, HubClosed, Subscription
 from broker.frames import HEARTBEAT, ORIGIN, Chunk, Cursor, Entry, Heartbeat
 from broker.keys import STREAM_ID_PATTERN, unscoped
 from broker.offsets import NOW, START, id_key
@@ -228,7 +228,7 @@ class Streams:
         # A response writing our frames needs those only, not the events behind them.
         read = _Read(self, location, cursor, keep=sink is None or not direct)
         heartbeat_s = self._settings.sse_heartbeat_s
-        subscription: _Subscription | None = None
+        subscription: Subscription | None = None
         try:
             async for chunk in read.stored():  # the replay
                 yield chunk
@@ -268,7 +268,7 @@ class Streams:
                 elif not catch_up:
                     yield HEARTBEAT
                     look = True  # a quiet stream: its turn may have come to rest
-        except _Closed:
+        except HubClosed:
             return
         finally:
             if subscription is not None:
@@ -338,7 +338,7 @@ class _Read:
                 return
             count = streams._next_count(count)
 
-    async def take(self, batches: Sequence[_Batch]) -> Chunk | None:
+    async def take(self, batches: Sequence[Batch]) -> Chunk | None:
         """What live ``batches`` hold past the cursor, as one chunk (None: nothing new), up to
         an ``end`` that ends the read; the cursor moves past it."""
         parts: list[Chunk] = []
@@ -355,7 +355,7 @@ class _Read:
             return None
         return parts[0] if len(parts) == 1 else Chunk.join(parts)
 
-    async def _past_cursor(self, batch: _Batch) -> Chunk | None:
+    async def _past_cursor(self, batch: Batch) -> Chunk | None:
         """The events of ``batch`` past the cursor (None: none), with the gap before the batch
         read from Redis, up to an ``end`` that ends the read."""
         position = self.cursor.key
@@ -398,7 +398,7 @@ class _Read:
                 return index + 1
         return None
 
-    async def _batch_ending(self, batch: _Batch, entries: Sequence[Entry]) -> int | None:
+    async def _batch_ending(self, batch: Batch, entries: Sequence[Entry]) -> int | None:
         """:meth:`_ending` for a live batch, answered from the feed's own look when it has one."""
         if batch.rest is None:
             return await self._ending(entries)

@@ -17,7 +17,7 @@ from redis.typing import EncodableT, FieldT
 from broker import redis_calls as rc
 from broker.connection import client
 from broker.deps import Deps
-from broker.fanout import QUEUE_LIMIT, TRIM_EVERY, Hub, _Batch, _Feed
+from broker.fanout import QUEUE_LIMIT, TRIM_EVERY, Batch, Hub, _Feed
 from broker.frames import Chunk, Entry, Heartbeat
 from broker.keys import Keys
 from broker.metrics import Metrics
@@ -80,17 +80,17 @@ async def test_overlapping_batches_are_deduplicated_and_gaps_filled(aredis: Redi
     (subscription,) = hub._feeds[key].subscriptions
     stored += [await add(aredis, key, "delta", {"text": str(i)}) for i in range(5, 9)]
     # A batch overlapping what replay delivered: only the new entry may come out.
-    subscription.feed.publish(_Batch(stored[2].entry_id, stored[3:6]))
+    subscription.feed.publish(Batch(stored[2].entry_id, stored[3:6]))
     first_live = await asyncio.wait_for(wait, 5)
     assert isinstance(first_live, Entry)
     assert first_live.entry_id == stored[5].entry_id
     # A batch that starts past the reader's position: the gap is read from Redis first.
-    subscription.feed.publish(_Batch(stored[7].entry_id, stored[8:9]))
+    subscription.feed.publish(Batch(stored[7].entry_id, stored[8:9]))
     assert [e.entry_id for e in await take(follow, 3)] == [e.entry_id for e in stored[6:9]]
     # The terminal event of a turn at rest ends the read.
     end = await add(aredis, key, "end", {"status": "complete", "reason": None})
     await aredis.hset(keys.turn("c", "t"), "status", "complete")
-    subscription.feed.publish(_Batch(stored[8].entry_id, [end]))
+    subscription.feed.publish(Batch(stored[8].entry_id, [end]))
     assert (await take(follow, 1))[0].kind == "end"
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(anext(follow), 5)
@@ -109,7 +109,7 @@ async def test_a_reader_that_falls_off_the_tape_catches_up_from_redis(aredis: Re
     (subscription,) = hub._feeds[key].subscriptions
     later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(6)]
     for _ in range(2 * QUEUE_LIMIT):  # more batches than the feed keeps, all of them bogus
-        subscription.feed.publish(_Batch(first.entry_id, []))
+        subscription.feed.publish(Batch(first.entry_id, []))
     assert subscription.feed.base > subscription.index  # its place fell off the tape
     got = [await asyncio.wait_for(wait, 5), *await take(follow, 5)]
     assert [e.entry_id for e in got if isinstance(e, Entry)] == [e.entry_id for e in later]
@@ -197,9 +197,9 @@ async def test_a_reader_behind_takes_every_waiting_batch_in_one_write(aredis: Re
     (subscription,) = hub._feeds[key].subscriptions
     later = [await add(aredis, key, "delta", {"text": str(i)}) for i in range(6)]
     # Three batches arrive before the reader runs again: one chunk, one write, in order.
-    subscription.feed.publish(_Batch(first.entry_id, later[0:2]))
-    subscription.feed.publish(_Batch(later[1].entry_id, later[2:5]))
-    subscription.feed.publish(_Batch(later[4].entry_id, later[5:6]))
+    subscription.feed.publish(Batch(first.entry_id, later[0:2]))
+    subscription.feed.publish(Batch(later[1].entry_id, later[2:5]))
+    subscription.feed.publish(Batch(later[4].entry_id, later[5:6]))
     chunk = await asyncio.wait_for(wait, 5)
     assert isinstance(chunk, Chunk)
     assert [e.entry_id for e in chunk.entries] == [e.entry_id for e in later]
@@ -277,8 +277,8 @@ async def test_the_feed_writes_to_a_waiting_reader_that_stands_right_before_a_ba
     live = await live_reader(aredis)
     later = [await add(aredis, live.key, "delta", {"text": str(i)}) for i in range(3)]
     feed = live.feed
-    feed.publish(_Batch(live.first.entry_id, later[0:2]))
-    feed.publish(_Batch(later[1].entry_id, later[2:3]))
+    feed.publish(Batch(live.first.entry_id, later[0:2]))
+    feed.publish(Batch(later[1].entry_id, later[2:3]))
     # Written by the feed itself, one write per batch; the reader still waits, at the new place.
     assert live.written == [b"".join(e.frame for e in later[0:2]), later[2].frame]
     await asyncio.sleep(0.05)
@@ -288,7 +288,7 @@ async def test_the_feed_writes_to_a_waiting_reader_that_stands_right_before_a_ba
     # A response that cannot take a write now: the reader is woken and writes it itself.
     live.accept = False
     more = await add(aredis, live.key, "delta", {"text": "3"})
-    feed.publish(_Batch(later[2].entry_id, [more]))
+    feed.publish(Batch(later[2].entry_id, [more]))
     chunk = await asyncio.wait_for(live.wait, 5)
     assert [e.entry_id for e in chunk.entries] == [more.entry_id]
     # An `end` is never written by the feed: the reader decides whether its read is over.
@@ -297,7 +297,7 @@ async def test_the_feed_writes_to_a_waiting_reader_that_stands_right_before_a_ba
     await parked(live.hub, live.key)
     end = await add(aredis, live.key, "end", {"status": "complete", "reason": None})
     await aredis.hset(live.keys.turn("c", "t"), "status", "complete")
-    feed.publish(_Batch(more.entry_id, [end], rest=("complete", "1")))
+    feed.publish(Batch(more.entry_id, [end], rest=("complete", "1")))
     chunk = await asyncio.wait_for(wait, 5)
     assert [e.kind for e in chunk.entries] == ["end"]
     assert len(live.written) == 2
@@ -312,7 +312,7 @@ async def test_a_reader_not_right_before_a_batch_is_woken_instead_of_written_to(
     live = await live_reader(aredis)
     later = [await add(aredis, live.key, "delta", {"text": str(i)}) for i in range(3)]
     # The batch begins past the reader's place: the gap must come from Redis first.
-    live.feed.publish(_Batch(later[0].entry_id, later[1:3]))
+    live.feed.publish(Batch(later[0].entry_id, later[1:3]))
     chunk = await asyncio.wait_for(live.wait, 5)
     assert live.written == []
     assert [e.entry_id for e in chunk.entries] == [e.entry_id for e in later]
@@ -373,13 +373,13 @@ async def test_the_tape_keeps_what_the_slowest_reader_has_not_taken(aredis: Redi
     entries = [await add(aredis, live.key, "delta", {"text": str(i)}) for i in range(TRIM_EVERY)]
     after = live.first.entry_id
     for entry in entries:
-        feed.publish(_Batch(after, [entry]))
+        feed.publish(Batch(after, [entry]))
         after = entry.entry_id
     assert len(live.written) == TRIM_EVERY  # the fast reader got every batch directly
     assert feed.end - feed.base == len(feed.tape) == TRIM_EVERY  # all kept for the slow one
     hub.unsubscribe(slow)
     more = await add(aredis, live.key, "delta", {"text": "x"})
-    feed.publish(_Batch(after, [more]))
+    feed.publish(Batch(after, [more]))
     assert feed.tape == []  # the one reader left has everything
     await hub.close()
     with pytest.raises(StopAsyncIteration):
@@ -400,7 +400,7 @@ async def test_a_response_that_fails_a_direct_write_leaves_the_others_alone(
 
     live.subscription.sink = Broken()
     entry = await add(aredis, live.key, "delta", {"text": "a"})
-    live.feed.publish(_Batch(live.first.entry_id, [entry]))
+    live.feed.publish(Batch(live.first.entry_id, [entry]))
     # The failing response's reader is woken and writes the batch itself; the feed goes on.
     chunk = await asyncio.wait_for(live.wait, 5)
     assert [e.entry_id for e in chunk.entries] == [entry.entry_id]
@@ -412,7 +412,7 @@ async def test_a_response_that_fails_a_direct_write_leaves_the_others_alone(
 async def test_a_closed_hub_ends_reads_the_feed_writes_to(aredis: Redis) -> None:
     live = await live_reader(aredis)
     entry = await add(aredis, live.key, "delta", {"text": "a"})
-    live.feed.publish(_Batch(live.first.entry_id, [entry]))
+    live.feed.publish(Batch(live.first.entry_id, [entry]))
     assert live.written == [entry.frame]
     await live.hub.close()  # shutdown: the reader, still waiting, ends; its client resumes
     with pytest.raises(StopAsyncIteration):
