@@ -343,7 +343,6 @@ class Server(uvicorn.Server):
         if self.started and self.servers:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in str(host) else host
-            self.bound_port = int(port)
             print(f"broker serving on http://{shown}:{port}", flush=True)
         rt = _find_runtime(self.config.loaded_app)
         if rt is not None:

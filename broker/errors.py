@@ -60,9 +60,6 @@ class BrokerError(Exception):
         if code is not None:
             self.code = code  # type: ignore[misc]  # a finer code for one instance
 
-    def to_json(self) -> dict[str, dict[str, str]]:
-        return {"error": {"code": self.code, "message": self.message}}
-
 
 class BadRequest(BrokerError):
     code = "bad_request"

@@ -28,7 +28,6 @@ CONTEXT_FIELDS = (
     "tool",
     "ordinal",
 )
-FORMATS = ("text", "json")
 
 
 class JsonFormatter(logging.Formatter):

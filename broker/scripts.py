@@ -81,8 +81,7 @@ class Claim:
 class Finished:
     """``finish_attempt``: 1 promoted, 0 not asked (or already finished), -1 refused."""
 
-    promotion: int
-    entry_ids: tuple[str, ...] = ()
+    promotion: int  # (the reply's entry ids follow; no caller needs them)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -291,7 +290,7 @@ class Scripts:
         reply = await self(
             "finish_attempt", [turn, lease, events_key, tombstone, conversation_turns], args
         )
-        return Finished(int(reply[0]), tuple(str(entry_id) for entry_id in reply[1:]))
+        return Finished(int(reply[0]))
 
     async def start_attempt(self, *, turn: str, events_key: str, strategy: str) -> Outcome:
         """``started`` (value: the attempt), ``busy`` (the status), ``not_allowed`` (the

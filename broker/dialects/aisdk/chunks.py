@@ -28,6 +28,7 @@ from typing import Any, Final
 import orjson
 
 from broker.frames import Entry
+from broker.vocabulary import TurnStatus
 
 DONE: Final = b"data: [DONE]\n\n"
 # The ``errorText`` of a turn that did not complete: stable codes a client may switch on.
@@ -85,7 +86,7 @@ class Renderer:
         if not self.started:
             self.started = True
             chunks.append({"type": "start", "messageId": message_id(self.turn_id)})
-            chunks.append(self.facts(entry.offset, "streaming"))
+            chunks.append(self.facts(entry.offset, TurnStatus.STREAMING))
         kind = entry.kind
         if kind == "attempt":
             chunks += self._close_step()

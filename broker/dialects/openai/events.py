@@ -31,6 +31,8 @@ from typing import Any, Final
 
 import orjson
 
+from broker.vocabulary import TurnStatus
+
 OPENING: Final = 2  # response.created, response.in_progress
 
 TERMINAL: Final = {
@@ -42,12 +44,12 @@ TERMINAL: Final = {
 
 # The broker's turn status as a Responses status.
 STATUS: Final = {
-    "queued": "queued",
-    "streaming": "in_progress",
-    "complete": "completed",
-    "interrupted": "incomplete",
-    "cancelled": "cancelled",
-    "failed": "failed",
+    TurnStatus.QUEUED: "queued",
+    TurnStatus.STREAMING: "in_progress",
+    TurnStatus.COMPLETE: "completed",
+    TurnStatus.INTERRUPTED: "incomplete",
+    TurnStatus.CANCELLED: "cancelled",
+    TurnStatus.FAILED: "failed",
 }
 
 

@@ -51,6 +51,7 @@ from broker.keys import ID_PATTERN, scoped, unscoped
 from broker.reader import Location
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.turns import TurnRequest
+from broker.vocabulary import ACTIVE_STATUSES, TurnStatus
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
@@ -297,7 +298,7 @@ async def response_object(rt: Runtime, stored: Stored) -> dict[str, Any]:
     output: list[dict[str, Any]] = []
     usage = None
     error = None
-    if state["status"] in ("queued", "streaming"):
+    if state["status"] in ACTIVE_STATUSES:
         text = await text_so_far(rt, stored.location, current)
         output.append(message_item(head.response_id, current, text, "in_progress"))
     else:
@@ -506,7 +507,7 @@ async def cancel_response(
         rt = runtime(request)
         await rt.turns.cancel(response_id, principal.tenant)
         stored = await load(rt, response_id, principal.tenant)
-        if stored.state["status"] == "streaming":
+        if stored.state["status"] == TurnStatus.STREAMING:
             # The worker running it stops at its next append: answer with the final state.
             await settle(rt, stored.location, CANCEL_WAIT_S)
             stored = await load(rt, response_id, principal.tenant)
