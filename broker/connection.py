@@ -1,11 +1,21 @@
-"""Connecting to Redis: one clear line when it fails, a loud warning when eviction is on."""
+"""Connecting to Redis: one clear line when it fails, a loud warning when eviction is on.
+
+``BROKER_REDIS_URL`` names one server (``redis://``, ``rediss://``, ``unix://``) or a Redis Cluster
+(``redis+cluster://[user:password@]host:port,host:port`` or ``rediss+cluster://`` with TLS): one
+or more of its nodes, from which the client learns the rest. A cluster client follows MOVED and
+ASK redirects and refreshes its slot map when the topology changes. It serves the same commands
+as the single-server client for the broker's keys (every command touches one slot, or one
+conversation's slot), so the rest of the broker holds either as a ``Redis``.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
+from urllib.parse import unquote
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from broker.errors import BrokerError
@@ -38,6 +48,43 @@ def redact(url: str) -> str:
     return f"{scheme}{sep}{user}:***@{host}" if user else f"{scheme}{sep}***@{host}"
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+# A cluster client's connections per node: it has no waiting pool, so the cap is set high.
+CLUSTER_MAX_CONNECTIONS = 10_000
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """The ``(host, port)`` nodes a cluster URL names, and its connection options (TLS, user,
+    password). Raises ``RedisConnectError`` for a URL it cannot read (never repeating it)."""
+    scheme, _, rest = url.partition("://")
+    rest, _, query = rest.partition("?")
+    rest, _, database = rest.partition("/")
+    if query or database not in ("", "0"):
+        raise RedisConnectError(
+            "a cluster URL takes no database and no options: redis+cluster://host:port,host:port"
+        )
+    credentials, _, hosts = rest.rpartition("@")
+    options: dict[str, Any] = {"ssl": scheme == "rediss+cluster"}
+    if credentials:
+        user, colon, password = credentials.partition(":")
+        options["username"] = unquote(user) or None
+        options["password"] = unquote(password) if colon else None
+    nodes: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, _, port = item.strip().rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not host or not port.isdigit():
+            raise RedisConnectError(
+                f"a cluster URL lists host:port nodes separated by commas ({redact(url)})"
+            )
+        nodes.append((host, int(port)))
+    return nodes, options
+
+
 def client(
     url: str,
     *,
@@ -58,6 +105,8 @@ def client(
         "socket_timeout": socket_timeout,
         "health_check_interval": 30,
     }
+    if is_cluster_url(url):
+        return _cluster_client(url, options)
     if wait_s is None:
         redis = Redis.from_url(url, **options)
     else:
@@ -68,12 +117,34 @@ def client(
     return redis
 
 
+def _cluster_client(url: str, options: dict[str, Any]) -> Redis:
+    nodes, extra = cluster_nodes(url)
+    cluster = RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+        **{**options, "max_connections": CLUSTER_MAX_CONNECTIONS, **extra},
+    )
+    for command in RAW_STREAM_REPLIES:
+        cluster.set_response_callback(command, _as_sent)
+    # The broker calls only commands both clients serve, each on one slot (see the module).
+    return cast(Redis, cluster)
+
+
+def as_cluster(redis: Redis) -> RedisCluster | None:
+    """``redis`` as the cluster client it is, or None for a single-server client."""
+    value: object = redis
+    return value if isinstance(value, RedisCluster) else None
+
+
 async def drop_idle_connections(redis: Redis) -> None:
     """Close the idle connections of ``redis``'s pool; each reconnects when next used.
 
     After a connection failed, the others to the same server are suspect: a restarted server
-    closed them all, and each would fail its next command in turn (the pool does not retry).
+    closed them all, and each would fail its next command in turn (the pool does not retry). A
+    cluster client needs none of this: it drops a failed node's connections and refreshes its
+    slot map itself.
     """
+    if as_cluster(redis) is not None:
+        return
     await redis.connection_pool.disconnect(inuse_connections=False)
 
 
@@ -90,13 +161,38 @@ async def connect(url: str) -> Redis:
 
 
 async def eviction_policy(redis: Redis) -> str | None:
-    """The server's ``maxmemory-policy``, or None where CONFIG is not allowed (managed Redis)."""
+    """The server's ``maxmemory-policy``, or None where CONFIG is not allowed (managed Redis).
+
+    On a cluster, every primary is asked: the answer is ``noeviction`` only if all say so.
+    """
+    cluster = as_cluster(redis)
     try:
+        if cluster is not None:
+            replies = await cluster.config_get(
+                "maxmemory-policy", target_nodes=RedisCluster.PRIMARIES
+            )
+            policies = _policies(replies)
+            if not policies:
+                return None
+            others = sorted(policies - {"noeviction"})
+            return others[0] if others else "noeviction"
         reply = await redis.config_get("maxmemory-policy")
     except ResponseError:
         return None
     value = reply.get("maxmemory-policy")
     return str(value) if value is not None else None
+
+
+def _policies(replies: Any) -> set[str]:
+    """The policies of a cluster's CONFIG GET: one dict, or one per node."""
+    found: set[str] = set()
+    items = replies.values() if isinstance(replies, dict) else [replies]
+    for item in items:
+        if isinstance(item, dict) and "maxmemory-policy" in item:
+            found.add(str(item["maxmemory-policy"]))
+        elif isinstance(item, str):
+            found.add(item)
+    return found
 
 
 async def check_eviction_policy(redis: Redis) -> str | None:

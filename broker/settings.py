@@ -14,6 +14,8 @@ from typing import Any
 from broker.errors import BrokerError
 
 ROLES = ("all", "api", "worker")
+# A cluster URL names one or more of its nodes: redis+cluster://[user:password@]host:port,host:port
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
 
 class SettingsError(BrokerError, ValueError):
@@ -40,6 +42,7 @@ class Settings:
     max_message_chars: int = 200_000
     lease_ttl_ms: int = 10_000
     job_reclaim_idle_ms: int = 0  # 0: follow the lease (BROKER_LEASE_TTL_MS plus 500 ms)
+    job_partitions: int = 8  # job streams, each in a slot of its own (spread over a cluster)
     worker_concurrency: int = 64
     sse_heartbeat_s: float = 15.0
     sse_retry_ms: int = 1_000
@@ -93,14 +96,15 @@ class Settings:
             raise SettingsError(f"BROKER_LOG_FORMAT must be text or json, not {self.log_format!r}")
         if self.role not in ROLES:
             raise SettingsError(f"BROKER_ROLE must be one of {', '.join(ROLES)}, not {self.role!r}")
-        if self.redis_url is not None and not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
+        if self.redis_url is not None and not self.redis_url.startswith(REDIS_URL_SCHEMES):
             shown = self.redis_url.partition("://")[0][:20] if "://" in self.redis_url else "?"
             raise SettingsError(
-                "BROKER_REDIS_URL must start with redis://, rediss:// or unix://, "
+                "BROKER_REDIS_URL must start with redis://, rediss://, unix://, "
+                "redis+cluster:// or rediss+cluster://, "
                 f"not {shown}:// (the URL is not repeated: it may hold a password)"
             )
+        if not 1 <= self.job_partitions <= 1024:
+            raise SettingsError("BROKER_JOB_PARTITIONS must be from 1 to 1024")
         positive = (
             "stream_ttl",
             "tombstone_ttl",
@@ -173,6 +177,11 @@ class Settings:
             )
         if not self.key_prefix or any(c in self.key_prefix for c in "{} \n"):
             raise SettingsError("BROKER_KEY_PREFIX must be non-empty without braces or spaces")
+
+    @property
+    def cluster(self) -> bool:
+        """Whether ``BROKER_REDIS_URL`` names a Redis Cluster."""
+        return self.redis_url is not None and "+cluster://" in self.redis_url.split("?")[0][:20]
 
     @property
     def runs_api(self) -> bool:
