@@ -8,6 +8,7 @@ continues that response's conversation, sending its canonical history plus the n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -314,8 +315,29 @@ async def response_object(rt: Runtime, stored: Stored) -> dict[str, Any]:
     return head.response(status, output, usage=usage, error=error)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Seek:
+    """``seek_sequence``'s reply: the cursor a read resumes at, and the sequence number of the
+    first expansion of the entry that follows it."""
+
+    after: Cursor
+    base: int
+
+
 def seek_script(rt: Runtime) -> AsyncScript:
     return rt.redis.register_script(_SEEK_SOURCE)
+
+
+async def seek_sequence(rt: Runtime, location: Location, starting_after: int) -> Seek:
+    """Where a read after sequence number ``starting_after`` resumes (``seek_sequence.lua``;
+    KEYS and ARGV as its header says)."""
+    key = rt.keys.events(location.conversation_id, location.turn_id)
+    # The checkpoints share the stream's hash tag: one slot, as every script needs.
+    reply = await seek_script(rt)(
+        keys=[key, f"{key}:{CHECKPOINTS}"],
+        args=[starting_after, OPENING, EVERY, rt.settings.stream_ttl_ms],
+    )
+    return Seek(Cursor.after(str(reply[0])), int(reply[1]))
 
 
 async def events(
@@ -329,13 +351,8 @@ async def events(
         opened = [e for e in opening(head) if e["sequence_number"] > starting_after]
         yield b"".join(frame(e) for e in opened)
     else:
-        key = rt.keys.events(location.conversation_id, location.turn_id)
-        # The checkpoints share the stream's hash tag: one slot, as every script needs.
-        ttl_ms = int(rt.settings.stream_ttl * 1000)
-        reply = await seek_script(rt)(
-            keys=[key, f"{key}:{CHECKPOINTS}"], args=[starting_after, OPENING, EVERY, ttl_ms]
-        )
-        after, base = Cursor.after(str(reply[0])), int(reply[1])
+        seek = await seek_sequence(rt, location, starting_after)
+        after, base = seek.after, seek.base
     alone = True
     # Not direct: the stream's feed would write native frames straight to the client.
     follow = rt.streams.follow_chunks(location, after, sink, direct=False)
