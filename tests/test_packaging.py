@@ -382,3 +382,44 @@ def test_grafana_mounts_provisioning_and_dashboards_where_they_are_looked_for() 
         assert host_path(mounts, path) == ROOT / "grafana/dashboards"
     prometheus_port = str(services()["prometheus"]["ports"][0]).rpartition(":")[2]
     assert f"http://prometheus:{prometheus_port}" in urls
+
+
+# --- compose.cluster.yaml -------------------------------------------------------------------
+
+
+def cluster_services() -> dict[str, dict[str, Any]]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "compose.cluster.yaml").read_text())
+    found: dict[str, dict[str, Any]] = data["services"]
+    return found
+
+
+def test_the_cluster_stack_points_its_brokers_at_its_cluster() -> None:
+    found = cluster_services()
+    brokers = {name: svc for name, svc in found.items() if "build" in svc}
+    assert set(brokers) == {"broker-1", "broker-2"}
+    nodes = {name for name, svc in found.items() if "--cluster-enabled" in svc.get("command", [])}
+    assert len(nodes) == 6  # three primaries, a replica each
+    for name, service in brokers.items():
+        settings = Settings.from_env(environment(service))
+        assert settings.cluster, f"{name}: not a cluster URL"
+        named = {item.split(":")[0] for item in str(settings.redis_url).split("://")[1].split(",")}
+        assert named <= nodes, f"{name}: {named - nodes} are not cluster nodes"
+        assert service["depends_on"]["cluster-init"]["condition"] == (
+            "service_completed_successfully"
+        )
+        for mapping in service.get("ports", []):
+            address, _, inside = published(mapping)
+            assert address == "127.0.0.1"
+            assert int(inside) == container_port()
+
+
+def test_the_cluster_stack_pins_its_images_and_keeps_every_event() -> None:
+    for name, service in cluster_services().items():
+        if "build" in service:
+            continue
+        assert re.fullmatch(r"redis:\d+\.\d+\.\d+", str(service["image"])), name
+        command = [str(word) for word in service.get("command", [])]
+        if "--cluster-enabled" in command:
+            pairs = dict(zip(command[1::2], command[2::2], strict=False))
+            assert pairs.get("--appendonly") == "yes", name
+            assert pairs.get("--maxmemory-policy") == "noeviction", name
