@@ -90,7 +90,7 @@ class Runtime:
         self.keys = Keys(settings.key_prefix)
         self.scripts = Scripts(redis)
         self.deps = Deps(redis, self.scripts, self.keys, settings, metrics)
-        self.jobs = JobQueue(redis, self.keys)
+        self.jobs = JobQueue(redis, self.keys, settings.job_partitions)
         self.providers = providers if providers is not None else Providers(settings)
         self.hub = Hub(blocking_redis, metrics, redis)
         self.streams = Streams(self.deps, self.hub)

@@ -1,14 +1,27 @@
 """Every Redis key name the broker uses, built in one place.
 
-All keys of one conversation carry the hash tag ``{c:<conversation_id>}`` so that every Lua script
-touches a single slot and the broker runs unchanged on Redis Cluster. The two index keys map ids a
-client holds (turn id, stream id) to their conversation; they live in their own slots and are only
-read and written with single-key commands.
+Every key lives in a slot chosen on purpose, so that the broker runs unchanged on Redis Cluster
+and no key is global by accident:
+
+* a conversation's keys (turns, leases, events, tombstones, the tool ledger, viewers) carry the
+  hash tag ``{c:<conversation_id>}``, so every Lua script touches a single slot; so does the
+  conversation's stop channel on a cluster (``<prefix>:{c:<conversation_id>}:stop``, sharded
+  Pub/Sub);
+* a tenant's keys (its rate bucket, its live streams) carry ``{t:<tenant>}``, and a session's
+  retry budget ``{s:<session>}``;
+* the job queue is ``job_partitions`` streams, ``<prefix>:{jobs:<i>}``, each in a slot of its own
+  (with its doorbell channel ``<prefix>:{jobs:<i>}:bell`` on a cluster); a conversation's jobs
+  all go to one partition (:func:`job_partition`);
+* the two index keys map ids a client holds (turn id, stream id) to their conversation; they live
+  in their own slots and are only read and written with single-key commands;
+* on a single server, stop notifications go on one classic Pub/Sub channel, ``<prefix>:stops``
+  (a channel, not a key).
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 
 # Ids chosen by clients become part of key names and hash tags: keep them to a safe alphabet.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -36,15 +49,33 @@ def unscoped(scoped_id: str) -> tuple[str | None, str]:
 JOB_GROUP = "workers"
 
 
+def job_partition(conversation_id: str, partitions: int) -> int:
+    """The job partition of a (scoped) conversation: the same in every process, so every job of
+    one turn, and of one conversation, goes to one stream and keeps its order."""
+    return zlib.crc32(conversation_id.encode()) % partitions
+
+
 class Keys:
     """Key builder for one key prefix (``BROKER_KEY_PREFIX``)."""
 
-    __slots__ = ("jobs", "prefix", "stop_channel")
+    __slots__ = ("prefix", "stop_channel")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.jobs = f"{prefix}:jobs"
+        # A single server's one classic Pub/Sub channel for every stop notification.
         self.stop_channel = f"{prefix}:stops"
+
+    def job_stream(self, partition: int) -> str:
+        """Redis Stream: one partition of the job queue, read by the workers' consumer group."""
+        return f"{self.prefix}:{{jobs:{partition}}}"
+
+    def job_bell(self, partition: int) -> str:
+        """Sharded Pub/Sub channel (a cluster's): rung when a job lands on the partition."""
+        return f"{self.job_stream(partition)}:bell"
+
+    def stops(self, conversation_id: str) -> str:
+        """Sharded Pub/Sub channel (a cluster's): stop notifications of the conversation's turns."""
+        return f"{self.tag(conversation_id)}:stop"
 
     def tag(self, conversation_id: str) -> str:
         return f"{self.prefix}:{{c:{conversation_id}}}"

@@ -1,7 +1,9 @@
-"""Workers: take generation jobs from the Redis job stream and write each turn under a lease.
+"""Workers: take generation jobs from the Redis job partitions and write each turn under a lease.
 
-Jobs sit in a consumer group until the turn's attempt is finished, so a worker that dies leaves
-its job pending; another worker takes it over with XAUTOCLAIM once it has been idle longer than
+A worker consumes every partition of the job queue (:class:`broker.jobs.JobQueue` reads them all
+in one call) and settles each job on the partition it came from. Jobs sit in a consumer group
+until the turn's attempt is finished, so a worker that dies leaves its job pending; another
+worker takes it over with XAUTOCLAIM (each partition in turn) once it has been idle longer than
 the lease (``BROKER_JOB_RECLAIM_IDLE_MS``, by default the lease TTL plus 500 ms). A live worker
 keeps its job's idle time low with the same heartbeat that renews its lease, and the lease (not
 the job) decides who may write: a takeover mints a new fencing token, after which the old
@@ -121,12 +123,11 @@ class Worker:
                     free = self._settings.worker_concurrency - len(self._tasks)
                     if free <= 0:
                         continue
-                jobs = await self._jobs.read(self.name, free, 1000)
-                for job_id, fields in jobs:
-                    self._spawn(job_id, fields)
+                for job in await self._jobs.read(self.name, free, 1000, self._stopping):
+                    self._spawn(job)
             except (RedisError, OSError) as exc:
                 self._metrics.redis_errors.inc()
-                if "NOGROUP" in str(exc):  # the job stream was deleted (e.g. Redis lost its data)
+                if "NOGROUP" in str(exc):  # job streams were deleted (e.g. Redis lost its data)
                     with contextlib.suppress(RedisError, OSError):
                         await self._jobs.ensure_group()
                         continue
@@ -141,34 +142,23 @@ class Worker:
 
     async def _reclaim(self, count: int) -> None:
         """Take over jobs whose worker stopped refreshing them (crashed, frozen, partitioned)."""
-        claimed, deleted = await self._jobs.reclaim(
-            self.name, self._settings.reclaim_idle_ms, count
-        )
-        for job_id, fields in claimed:
-            if (fields.get("conversation_id"), fields.get("turn_id")) in self._runs:
+        for job in await self._jobs.reclaim(self.name, self._settings.reclaim_idle_ms, count):
+            if (job.conversation_id, job.turn_id) in self._runs:
                 continue  # this worker runs it: its heartbeat missed a beat (Redis away)
-            if fields:
-                log.info("reclaimed job %s of an idle worker", job_id)
-                self._spawn(job_id, fields)
-        for job_id in deleted:
-            await self._jobs.done(job_id)  # deleted entries still pending: nothing to run
+            log.info("reclaimed job %s of an idle worker from %s", job.job_id, job.stream)
+            self._spawn(job)
 
-    async def _hand_back(self, job_id: str) -> None:
+    async def _hand_back(self, job: Job) -> None:
         """Make a handed-back job look abandoned at once, so that the next reclaim pass (of any
         worker, or of this one's successor, which reclaims as it starts) takes it."""
-        await self._jobs.hand_back(self.name, job_id, self._settings.reclaim_idle_ms)
+        await self._jobs.hand_back(self.name, job, self._settings.reclaim_idle_ms)
 
-    def _spawn(self, job_id: str, fields: dict[str, str]) -> None:
-        task = asyncio.create_task(self._handle(job_id, fields), name=f"job-{job_id}")
+    def _spawn(self, job: Job) -> None:
+        task = asyncio.create_task(self._handle(job), name=f"job-{job.job_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, job_id: str, fields: dict[str, str]) -> None:
-        job = Job.parse(job_id, fields)
-        if job is None:
-            log.error("dropping malformed job %s: %r", job_id, fields)
-            await self._jobs.done(job_id)
-            return
+    async def _handle(self, job: Job) -> None:
         try:
             finished = await self._run_again_on_redis_errors(job)
         except (RedisError, OSError) as exc:
@@ -186,7 +176,7 @@ class Worker:
             await self._admission.release_if_done(job.conversation_id, job.turn_id, job.attempt)
         if finished:
             with contextlib.suppress(RedisError, OSError):
-                await self._jobs.done(job_id)
+                await self._jobs.done(job)
 
     async def _run_again_on_redis_errors(self, job: Job) -> bool:
         """:meth:`_run_attempt`, run again at once (with jittered backoff) when it stopped on a
@@ -240,9 +230,12 @@ class Worker:
         run.task = asyncio.create_task(generation.run(), name=f"turn {turn_id}")
         self._runs[(conversation_id, turn_id)] = run
         heartbeat = Periodic(
-            lambda: self._heartbeat(run), self._settings.lease_heartbeat_s, name=f"lease {turn_id}"
+            lambda: self._heartbeat(run, job),
+            self._settings.lease_heartbeat_s,
+            name=f"lease {turn_id}",
         )
         try:
+            await self._jobs.watch_stops(conversation_id)  # a cluster's channel of its own
             try:
                 await run.task
             except asyncio.CancelledError:
@@ -263,17 +256,18 @@ class Worker:
             if self._runs.get((conversation_id, turn_id)) is run:
                 del self._runs[(conversation_id, turn_id)]
             await heartbeat.stop()
+            await self._jobs.unwatch_stops(conversation_id)
             if generation.handed_back:
-                await self._hand_back(job_id)
+                await self._hand_back(job)
         await self._refresh_index_ttl(conversation_id, turn_id)
         return True
 
-    async def _heartbeat(self, run: Run) -> bool:
+    async def _heartbeat(self, run: Run, job: Job) -> bool:
         """Renew the lease and keep the job fresh; False once the lease is lost."""
         try:
             if await run.writer.renew():
                 run.request_stop(STOP)  # a stop whose notification we missed
-            await self._jobs.touch(self.name, run.job_id)  # so no other worker reclaims it
+            await self._jobs.touch(self.name, job)  # so no other worker reclaims it
             if time.monotonic() - run.slot_refreshed > SLOT_REFRESH_S:
                 await self._admission.refresh(run.conversation_id, run.turn_id, run.attempt)
                 run.slot_refreshed = time.monotonic()
@@ -286,8 +280,9 @@ class Worker:
         return True
 
     async def _listen_for_stops(self) -> None:
-        """Stop requests are published so they reach this worker at once, wherever it runs."""
-        await self._jobs.listen_for_stops(self._blocking_redis, self._on_stop, self._stopping)
+        """Stop requests are published so they reach this worker at once, wherever it runs
+        (and on a cluster, the same subscription hears the job partitions' doorbells)."""
+        await self._jobs.listen(self._blocking_redis, self._on_stop, self._stopping)
 
     def _on_stop(self, conversation_id: str, turn_id: str, attempt: int) -> None:
         run = self._runs.get((conversation_id, turn_id))

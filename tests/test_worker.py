@@ -21,9 +21,10 @@ def test_a_dead_workers_job_is_reclaimed_and_run_when_nothing_was_delivered(
     api = broker_factory(role="api")
     turn = start_turn(api.base_url, turn_id="orphan", tokens=5, tokens_per_s=0)
     keys = api.runtime.keys
+    partition = api.runtime.jobs.stream_of("conv-1")
     # A worker takes the job and the lease, then dies before its first event.
-    jobs = raw_redis.xreadgroup(JOB_GROUP, "dead-worker", {keys.jobs: ">"}, count=1)
-    assert jobs, "the turn's job is on the job stream"
+    jobs = raw_redis.xreadgroup(JOB_GROUP, "dead-worker", {partition: ">"}, count=1)
+    assert jobs, "the turn's job is on its conversation's job partition"
     # It had called the model once: the new worker's call is a silent retry (worker_lost).
     raw_redis.hset(keys.turn("conv-1", "orphan"), mapping={"status": "streaming", "calls:1": 1})
     raw_redis.hset(keys.lease("conv-1", "orphan"), mapping={"token": "1", "owner": "dead-worker"})
@@ -42,7 +43,7 @@ def test_a_dead_workers_job_is_reclaimed_and_run_when_nothing_was_delivered(
     assert final["status"] == "complete"
     events = read_sse(api.base_url, turn["stream_id"]).events
     assert [e.event for e in events].count("attempt") == 1
-    assert raw_redis.xpending(keys.jobs, JOB_GROUP)["pending"] == 0
+    assert raw_redis.xpending(partition, JOB_GROUP)["pending"] == 0
     worker_metrics = workers[0]
     assert worker_metrics.metric("broker_retries_total", '{reason="worker_lost"}') == 1
     assert worker_metrics.metric("broker_lease_takeovers_total") == 1
@@ -125,7 +126,7 @@ def test_a_duplicate_job_of_a_running_turn_starts_no_second_generation(
     job of the same turn in the same worker (a repeated POST that queued the turn again) took
     the lease from the running generation and called the model a second time."""
     turn = start_turn(broker.base_url, turn_id="twice-queued", tokens=30, tokens_per_s=30)
-    jobs = broker.runtime.keys.jobs
+    jobs = broker.runtime.jobs.stream_of("conv-1")
     entries: Any = raw_redis.xrange(jobs)
     raw_redis.xadd(jobs, entries[0][1])  # the same attempt, queued again while it runs
     final = wait_final(broker.base_url, "twice-queued")
