@@ -194,7 +194,7 @@ async def shared_attach_secret(redis: Redis, settings: Settings, secured: bool) 
     """
     if settings.attach_secret:
         return settings.attach_secret.encode()
-    key = f"{settings.key_prefix}:attach-secret:{'secured' if secured else 'open'}"
+    key = Keys(settings.key_prefix).attach_secret(secured)
     await redis.set(key, secrets.token_hex(32), nx=True)
     value = await rc.get(redis, key)
     if value is None:  # deleted between the two calls: try once more

@@ -139,6 +139,11 @@ class Keys:
         """String: turn id → conversation id (outlives the data as a tombstone)."""
         return f"{self.prefix}:turn-index:{turn_id}"
 
+    def attach_secret(self, secured: bool) -> str:
+        """String: the key that signs attach tokens when ``BROKER_ATTACH_SECRET`` is unset, one
+        for a secured broker and one for an open one; global by nature, read once at start."""
+        return f"{self.prefix}:attach-secret:{'secured' if secured else 'open'}"
+
     def stream_index(self, stream_id: str) -> str:
         """String: stream id → ``<conversation_id> <turn_id>`` (a tombstone outliving the data)."""
         return f"{self.prefix}:stream-index:{stream_id}"

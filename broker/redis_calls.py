@@ -73,16 +73,6 @@ async def xread(redis: Redis, key: str, after: str, count: int, block_ms: int) -
     return cast(RawEntries, reply[0][1])  # RESP2: [[key, entries]]
 
 
-async def xreadgroup(
-    redis: Redis, group: str, consumer: str, key: str, count: int, block_ms: int
-) -> Entries:
-    reply = cast(
-        list[Any] | None,
-        await redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=block_ms),
-    )
-    return cast(Entries, reply[0][1]) if reply else []
-
-
 async def xautoclaim(
     redis: Redis, key: str, group: str, consumer: str, min_idle_ms: int, count: int, start: str
 ) -> tuple[str, Entries, list[str]]:
