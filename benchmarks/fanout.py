@@ -48,7 +48,7 @@ from benchmarks.harness import (
     wait_status,
     xlen,
 )
-from benchmarks.servers import reset_peak_rss, status_kib
+from benchmarks.servers import commandstats, reset_peak_rss, status_kib
 from benchmarks.sse import SSEReader, entry_ms, open_sse, turn_body
 from benchmarks.workloads import warm_up
 from broker.vocabulary import FINAL_STATUSES
@@ -238,14 +238,11 @@ class _RssSampler:
         return self.peak_kib / 1024
 
 
-def _commandstats(client: redis.Redis) -> dict[str, int]:
-    """Calls per command since the server started, less INFO and MONITOR (the benchmark's)."""
-    info: dict[str, Any] = client.info("commandstats")
-    return {
-        name.removeprefix("cmdstat_"): int(stats["calls"])
-        for name, stats in info.items()
-        if name not in ("cmdstat_info", "cmdstat_monitor")
-    }
+def _sum(snapshots: list[dict[str, int]]) -> dict[str, int]:
+    out: collections.Counter[str] = collections.Counter()
+    for snapshot in snapshots:
+        out.update(snapshot)
+    return dict(out)
 
 
 def _diff(after: dict[str, int], before: dict[str, int], own: dict[str, int]) -> dict[str, int]:
@@ -255,10 +252,12 @@ def _diff(after: dict[str, int], before: dict[str, int], own: dict[str, int]) ->
 
 
 class Monitor:
-    """Counts the commands Redis runs (``MONITOR``), telling clients' from Lua scripts' calls.
+    """Counts the commands one Redis node runs (``MONITOR``), telling clients' from Lua scripts'
+    calls.
 
     ``INFO commandstats`` counts both alike; MONITOR prefixes a script's calls with ``[0 lua]``.
-    Its cost is one copy of each command to this connection: fine at the fan-out's pace.
+    Its cost is one copy of each command to this connection: fine at the fan-out's pace. A
+    cluster gets one per primary, their counts summed.
     """
 
     def __init__(self, port: int) -> None:
@@ -405,7 +404,7 @@ class FanOut:
             hwm_reset = reset_peak_rss(ctx.broker.pid)
             sampler = _RssSampler(ctx.broker.pid)
             whole = ctx.meter(viewer_pids)
-            all_before = _commandstats(client)
+            all_before = commandstats(ctx.nodes)
             began = time.time()
             for conn in pipes:
                 conn.send((stream_id, pace))
@@ -423,14 +422,18 @@ class FanOut:
         if window_end - window_start < 0.3:  # tiny runs: take the whole turn
             window_start, window_end = first_ms / 1000, last_at + 0.5
         time.sleep(max(0.0, window_start - time.time()))
-        before = _commandstats(client)
+        before_by_node = [commandstats([node]) for node in ctx.nodes]
         entries_before = xlen(client, key)
         steady = ctx.meter(viewer_pids)
-        with Monitor(ctx.redis_server.port) as monitor:
+        with contextlib.ExitStack() as stack:
+            monitors = [stack.enter_context(Monitor(port)) for port in ctx.redis_server.ports]
             time.sleep(max(0.0, window_end - time.time()))
         steady_cpu = steady.cores()
         entries_after = xlen(client, key)
-        after = _commandstats(client)
+        after_by_node = [commandstats([node]) for node in ctx.nodes]
+        monitored: collections.Counter[tuple[str, str]] = collections.Counter()
+        for monitor in monitors:
+            monitored.update(monitor.calls)
         # A writer that cannot keep its pace is stopped at twice the turn's duration: the
         # viewers then read what was written, and its `end` (cancelled).
         turn_deadline = first_ms / 1000 + 2 * tokens / pace + 5
@@ -442,7 +445,7 @@ class FanOut:
             cancelled = True
             if not _all_done(pipes, done, 120):
                 raise TimeoutError("viewers did not finish after the turn was cancelled")
-        all_after = _commandstats(client)
+        all_after = commandstats(ctx.nodes)
         turn_status = wait_status(client, turn_id, turn_id, tuple(FINAL_STATUSES), timeout=60)
         stored = xlen(client, key)
         written = count_deltas(client, key)
@@ -465,13 +468,19 @@ class FanOut:
         viewers = sum(r["viewers"] for r in results)
         received = sum(r["deltas"] for r in results)
         missing = max(0, viewers * written - received)
+        before, after = _sum(before_by_node), _sum(after_by_node)
         steady_calls = _diff(after, before, own={"xlen": 2})
+        # How the steady state's commands spread over the nodes (one on a single server).
+        by_node = [
+            sum(_diff(a, b, own={}).values())
+            for a, b in zip(after_by_node, before_by_node, strict=True)
+        ]
         steady_deltas = entries_after - entries_before
         steady_total = sum(steady_calls.values())
         whole_calls = _diff(all_after, all_before, own={"xlen": 2})
         whole_total = sum(whole_calls.values())
-        monitored_deltas = monitor.calls[("lua", "xadd")] + monitor.calls[("client", "xadd")]
-        client_calls = {c: n for (source, c), n in monitor.calls.items() if source == "client"}
+        monitored_deltas = monitored[("lua", "xadd")] + monitored[("client", "xadd")]
+        client_calls = {c: n for (source, c), n in monitored.items() if source == "client"}
         p50, p99 = percentile(histogram, 50), percentile(histogram, 99)
         if p50 is None or p99 is None or steady_deltas <= 0:
             raise RuntimeError("no delta was read in the steady state")
@@ -530,6 +539,7 @@ class FanOut:
                 ],
                 "steady_deltas": steady_deltas,
                 "commands_per_delta_by_name": per_delta,
+                "steady_commands_by_node": by_node,
                 "client_commands_per_delta_by_name": client_per_delta,
                 "steady_window_s": round(window_end - window_start, 2),
                 "commands_per_delta_whole_turn": round(whole_total / max(written, 1), 3),

@@ -9,11 +9,12 @@ from typing import Any, Final, Protocol, cast
 
 import redis
 
-from benchmarks.servers import KEY_PREFIX, Broker, CpuMeter, RedisServer
+from benchmarks.servers import KEY_PREFIX, Broker, CpuMeter, RedisServers
 from broker.keys import Keys
 from broker.vocabulary import FINAL_STATUSES
 
 KEYS: Final = Keys(KEY_PREFIX)
+Node = redis.Redis  # a plain client of one server (``Context.redis`` hides the module's name)
 DELTA: Final = "delta"
 
 
@@ -87,10 +88,15 @@ class Outcome:
 
 @dataclasses.dataclass
 class Context:
-    """The servers under test and the sizes of this run."""
+    """The servers under test and the sizes of this run.
 
-    redis_server: RedisServer
+    ``redis`` serves commands on one slot (on a cluster, a cluster client that routes them);
+    ``nodes`` has one plain client per primary, for what must see every node.
+    """
+
+    redis_server: RedisServers
     redis: redis.Redis
+    nodes: list[Node]
     broker: Broker
     sizes: Sizes
     run_id: str
@@ -98,7 +104,7 @@ class Context:
     def meter(self, client_pids: Sequence[int | None] = ()) -> CpuMeter:
         """CPU use from now on; ``client_pids`` are client processes besides this one."""
         pids = [pid for pid in client_pids if pid is not None]
-        return CpuMeter(self.broker.pid, self.redis_server.pid, pids)
+        return CpuMeter(self.broker.pid, self.redis_server.pids, pids)
 
     def turn_id(self, workload: str, repeat: int, index: int = 0) -> str:
         return f"{workload}-{self.run_id}-{repeat}-{index}"

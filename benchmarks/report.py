@@ -55,6 +55,15 @@ def figures(samples: dict[str, list[float]], noisy: set[str]) -> dict[str, dict[
     return out
 
 
+def _topology(report: dict[str, Any]) -> str:
+    """How the run's Redis was laid out; results from before clusters were measured say nothing."""
+    topology = str(report.get("topology", "single"))
+    if topology == "single":
+        return "one server"
+    primaries = topology.removeprefix("cluster-")
+    return f"a Redis Cluster of {primaries} primaries"
+
+
 def render(report: dict[str, Any]) -> str:
     """The table printed at the end of a run."""
     machine, software = report["machine"], report["software"]
@@ -62,7 +71,8 @@ def render(report: dict[str, Any]) -> str:
         f"broker {software['broker']} at {software['commit']}, {report['profile']} sizes, "
         f"{report['repeat']} repeat(s), {report['started_at']}",
         f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, "
-        f"Linux {machine['kernel']}; {software['python']}; {software['redis']}",
+        f"Linux {machine['kernel']}; {software['python']}; {software['redis']}, "
+        f"{_topology(report)}",
         "",
     ]
     header = (
@@ -114,7 +124,8 @@ def render(report: dict[str, Any]) -> str:
 def compare(report: dict[str, Any], old: dict[str, Any]) -> str:
     """Median against median, figure by figure, with the change in the good direction."""
     lines = [
-        f"compared with {old['software']['commit']} ({old['started_at']}, {old['profile']} sizes)",
+        f"compared with {old['software']['commit']} ({old['started_at']}, {old['profile']} sizes, "
+        f"{_topology(old)}; this run: {_topology(report)})",
         f"{'figure':<40} {'before':>10} {'after':>10}  change",
     ]
     for name, entry in report["figures"].items():

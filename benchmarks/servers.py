@@ -1,6 +1,7 @@
-"""The processes under test: a private Redis on a loopback port and a ``broker serve`` child.
+"""The processes under test: a private Redis on a loopback port (or a 3-primary Redis Cluster of
+them) and a ``broker serve`` child.
 
-Both are children of the benchmark and get a parent-death signal, so a benchmark killed with
+All are children of the benchmark and get a parent-death signal, so a benchmark killed with
 SIGKILL leaves nothing running. Process figures (RSS, CPU time) come from ``/proc``.
 """
 
@@ -18,16 +19,20 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import redis
+from redis.crc import key_slot
 
 from broker.embedded_redis import find_server_binary
 
 REPO = Path(__file__).resolve().parent.parent
 KEY_PREFIX = "bench"
 _PR_SET_PDEATHSIG = 1
+SLOTS = 16384
+BUS_PORT_OFFSET = 10000  # a cluster node's bus port is its port plus this
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -41,6 +46,21 @@ def free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+def free_port_pair() -> int:
+    """A loopback port that was free a moment ago, as was its cluster bus port."""
+    for _ in range(200):
+        port = free_port()
+        if port + BUS_PORT_OFFSET > 65535:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + BUS_PORT_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise ServerError("no free port with a free cluster bus port")
 
 
 def _die_with_parent() -> None:
@@ -97,11 +117,51 @@ def system_busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / _CLOCK_TICKS
 
 
-class RedisServer:
-    """A Redis-compatible server on ``127.0.0.1:<free port>``, no persistence, noeviction."""
+class RedisServers(Protocol):
+    """The Redis under test: one server, or a cluster of primaries.
 
-    def __init__(self, binary: str | None = None) -> None:
+    ``client()`` is for commands on one slot (a cluster client routes them); what must see every
+    node (statistics, flushing, scans) goes to ``nodes()``, one plain client per primary.
+    """
+
+    binary: str
+
+    @property
+    def topology(self) -> str: ...  # "single" or "cluster-<primaries>", as the results say
+
+    @property
+    def url(self) -> str: ...  # the broker's BROKER_REDIS_URL
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    @property
+    def ports(self) -> list[int]: ...  # one per primary, in the order of ``nodes()``
+
+    def client(self) -> redis.Redis: ...
+
+    def nodes(self) -> list[redis.Redis]: ...
+
+    def port_for(self, key: str) -> int: ...  # the port of the node that serves ``key``
+
+    def version(self) -> str: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class RedisServer:
+    """A Redis-compatible server on ``127.0.0.1:<free port>``, no persistence, noeviction.
+
+    With ``cluster_node`` it starts in cluster mode, with no slots: :class:`LocalCluster` joins it.
+    """
+
+    topology = "single"
+
+    def __init__(self, binary: str | None = None, *, cluster_node: bool = False) -> None:
         self.binary = find_server_binary(binary)
+        self.cluster_node = cluster_node
         self.port = 0
         self._dir: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -113,15 +173,29 @@ class RedisServer:
         return self._process.pid
 
     @property
+    def pids(self) -> list[int]:
+        return [self.pid]
+
+    @property
+    def ports(self) -> list[int]:
+        return [self.port]
+
+    @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
 
+    def nodes(self) -> list[redis.Redis]:
+        return [self.client()]
+
+    def port_for(self, key: str) -> int:
+        return self.port
+
     def start(self, timeout: float = 10.0) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="bench-redis-"))
-        self.port = free_port()
+        self.port = free_port_pair() if self.cluster_node else free_port()
         args = [
             self.binary,
             "--bind",
@@ -139,6 +213,8 @@ class RedisServer:
             "--logfile",
             str(self._dir / "server.log"),
         ]
+        if self.cluster_node:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         self._process = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
@@ -179,6 +255,131 @@ class RedisServer:
         directory, self._dir = self._dir, None
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def slot_ranges(primaries: int) -> list[tuple[int, int]]:
+    """The slots split into ``primaries`` contiguous ranges, as ``redis-cli --cluster create``
+    splits them: 0-5460, 5461-10922, 10923-16383 for three."""
+    ranges: list[tuple[int, int]] = []
+    first = 0
+    for i in range(primaries):
+        last = SLOTS - 1 if i == primaries - 1 else round((i + 1) * SLOTS / primaries - 1)
+        ranges.append((first, last))
+        first = last + 1
+    return ranges
+
+
+class LocalCluster:
+    """A Redis Cluster of ``primaries`` primaries (no replicas), each a :class:`RedisServer` in
+    cluster mode; the slots are split in contiguous ranges (``CLUSTER ADDSLOTSRANGE``, Redis >=
+    7.0) and the nodes meet. ``start`` returns once every node sees all slots served."""
+
+    def __init__(self, binary: str | None = None, *, primaries: int = 3) -> None:
+        self.binary = find_server_binary(binary)
+        self.primaries = primaries
+        self.servers: list[RedisServer] = []
+        self._ranges = slot_ranges(primaries)
+
+    @property
+    def topology(self) -> str:
+        return f"cluster-{self.primaries}"
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    @property
+    def pids(self) -> list[int]:
+        return [server.pid for server in self.servers]
+
+    @property
+    def ports(self) -> list[int]:
+        return [server.port for server in self.servers]
+
+    def client(self) -> redis.Redis:
+        """A cluster client, typed as the single-server one: only one-slot commands go to it."""
+        cluster = redis.RedisCluster(
+            host="127.0.0.1", port=self.servers[0].port, decode_responses=True
+        )
+        return cast(redis.Redis, cluster)
+
+    def nodes(self) -> list[redis.Redis]:
+        return [server.client() for server in self.servers]
+
+    def port_for(self, key: str) -> int:
+        slot = key_slot(key.encode())
+        for server, (low, high) in zip(self.servers, self._ranges, strict=True):
+            if low <= slot <= high:
+                return server.port
+        raise AssertionError(f"slot {slot} is in no range")
+
+    def version(self) -> str:
+        return self.servers[0].version()
+
+    def start(self, timeout: float = 20.0) -> None:
+        try:
+            for _ in range(self.primaries):
+                server = RedisServer(self.binary, cluster_node=True)
+                self.servers.append(server)
+                server.start()
+            self._join(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _join(self, timeout: float) -> None:
+        nodes = self.nodes()
+        try:
+            for node, (low, high) in zip(nodes, self._ranges, strict=True):
+                node.cluster("ADDSLOTSRANGE", str(low), str(high))
+            for server in self.servers[1:]:
+                nodes[0].cluster("MEET", "127.0.0.1", str(server.port))
+            deadline = time.monotonic() + timeout
+            while not all(self._converged(node.cluster("INFO")) for node in nodes):
+                if time.monotonic() > deadline:
+                    raise ServerError(f"the cluster did not converge in {timeout} s")
+                time.sleep(0.02)
+        finally:
+            for node in nodes:
+                node.close()
+
+    def _converged(self, info: dict[str, Any]) -> bool:
+        return (
+            info["cluster_state"] == "ok"
+            and int(info["cluster_known_nodes"]) == self.primaries
+            and int(info["cluster_slots_ok"]) == SLOTS
+        )
+
+    def stop(self) -> None:
+        servers, self.servers = self.servers, []
+        for server in servers:
+            server.stop()
+
+
+def commandstats(nodes: Iterable[redis.Redis]) -> dict[str, int]:
+    """Calls per command since the servers started, summed over ``nodes``, less INFO and MONITOR
+    (the benchmark's)."""
+    out: collections.Counter[str] = collections.Counter()
+    for node in nodes:
+        info: dict[str, Any] = node.info("commandstats")
+        for name, stats in info.items():
+            if name not in ("cmdstat_info", "cmdstat_monitor"):
+                out[name.removeprefix("cmdstat_")] += int(stats["calls"])
+    return dict(out)
+
+
+def delete_matching(nodes: Iterable[redis.Redis], pattern: str) -> int:
+    """Delete the keys matching ``pattern`` on every node, one key per command (a cluster node
+    refuses a DEL of keys in different slots); returns how many."""
+    deleted = 0
+    for node in nodes:
+        keys = list(node.scan_iter(pattern, count=1000))
+        with node.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.unlink(key)
+            pipe.execute()
+        deleted += len(keys)
+    return deleted
 
 
 class Broker:
@@ -275,13 +476,14 @@ class Broker:
 
 
 class CpuMeter:
-    """CPU used by the broker, Redis, this process (and reaped children) and everything else."""
+    """CPU used by the broker, Redis (every node of a cluster), this process (and reaped
+    children) and everything else."""
 
     def __init__(
-        self, broker_pid: int | None, redis_pid: int, client_pids: Sequence[int] = ()
+        self, broker_pid: int | None, redis_pids: Sequence[int], client_pids: Sequence[int] = ()
     ) -> None:
         self._broker_pid = broker_pid
-        self._redis_pid = redis_pid
+        self._redis_pids = list(redis_pids)
         self._client_pids = list(client_pids)
         self._start = self._read()
 
@@ -290,7 +492,8 @@ class CpuMeter:
         own = times.user + times.system + times.children_user + times.children_system
         own += sum(cpu_seconds(pid) for pid in self._client_pids)
         broker = cpu_seconds(self._broker_pid) if self._broker_pid is not None else 0.0
-        return time.monotonic(), system_busy_seconds(), broker, cpu_seconds(self._redis_pid), own
+        redis_cpu = sum(cpu_seconds(pid) for pid in self._redis_pids)
+        return time.monotonic(), system_busy_seconds(), broker, redis_cpu, own
 
     def cores(self) -> dict[str, float]:
         """Cores busy since the meter started: broker, redis, client, other (foreign load)."""

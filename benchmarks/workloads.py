@@ -388,7 +388,7 @@ class Memory:
             pipe.execute()
         four = int(client.memory_usage(key, samples=0) or 0)
         client.delete(key)
-        config = client.config_get("stream-node-max-*")
+        config = ctx.nodes[0].config_get("stream-node-max-*")  # every node has the same
         return Outcome(
             values={
                 "memory.bytes_per_delta": four / n,
