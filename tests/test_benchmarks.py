@@ -40,6 +40,7 @@ def test_the_catalogue_has_every_figure_the_issue_asks_for() -> None:
     assert {figure.workload for figure in FIGURES} == set(WORKLOADS)
 
 
+@pytest.mark.single_node("the benchmarks start single servers of their own")
 @pytest.mark.timeout(240)
 def test_a_smoke_run_reports_a_number_for_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "results.json"

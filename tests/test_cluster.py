@@ -3,110 +3,34 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any, cast
 
 import orjson
 import pytest
-import redis as redis_lib
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from broker.deps import Deps
-from broker.embedded_redis import find_server_binary
 from broker.keys import Keys, scoped
 from broker.lease import TurnWriter
 from broker.ledger import Ledger, Slot
 from broker.metrics import Metrics
 from broker.scripts import Scripts
 from broker.settings import Settings
-
-
-def _free_port_pair() -> int:
-    """A port p such that p and p + 10000 (the cluster bus) are both free."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port: int = probe.getsockname()[1]
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
+from tests.conftest import CLUSTER_MODE
+from tests.redis_cluster import LocalCluster
 
 
 @pytest.fixture(scope="module")
-def cluster_port() -> Iterator[int]:
-    binary = find_server_binary(os.environ.get("BROKER_TEST_REDIS_SERVER") or None)
-    base = Path(tempfile.mkdtemp(prefix="broker-cluster-"))
-    ports = [_free_port_pair() for _ in range(3)]
-    processes = []
-    try:
-        for port in ports:
-            node = base / str(port)
-            node.mkdir()
-            processes.append(
-                subprocess.Popen(
-                    [
-                        binary,
-                        "--port",
-                        str(port),
-                        "--bind",
-                        "127.0.0.1",
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-node-timeout",
-                        "2000",
-                        "--dir",
-                        str(node),
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-        clients = [redis_lib.Redis(port=p, decode_responses=True) for p in ports]
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                for client in clients:
-                    client.ping()
-                break
-            except redis_lib.ConnectionError:
-                assert time.monotonic() < deadline, "cluster nodes did not start"
-                time.sleep(0.02)
-        ranges = [(0, 5460), (5461, 10922), (10923, 16383)]
-        for client, (low, high) in zip(clients, ranges, strict=True):
-            client.cluster("ADDSLOTS", *range(low, high + 1))
-        for port in ports[1:]:
-            clients[0].cluster("MEET", "127.0.0.1", str(port))
-        while any(c.cluster("INFO")["cluster_state"] != "ok" for c in clients):
-            assert time.monotonic() < deadline, "cluster did not converge"
-            time.sleep(0.05)
-        for client in clients:
-            client.close()
-        yield ports[0]
-    finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=10)
-        shutil.rmtree(base, ignore_errors=True)
+def cluster_port(request: pytest.FixtureRequest) -> Iterator[int]:
+    """A node of the session's cluster on the cluster pass; elsewhere, a cluster of our own."""
+    if CLUSTER_MODE:
+        session: LocalCluster = request.getfixturevalue("session_cluster")
+        yield session.ports[0]
+        return
+    with LocalCluster(os.environ.get("BROKER_TEST_REDIS_SERVER") or None) as own:
+        yield own.ports[0]
 
 
 @pytest.fixture

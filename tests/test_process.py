@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from broker.embedded_redis import EmbeddedRedis
 from tests.conftest import BrokerProcess
@@ -71,6 +72,7 @@ def no_redis_env() -> dict[str, str]:
     return {"BROKER_REDIS_URL": ""}
 
 
+@pytest.mark.single_node("the embedded server is one server by design")
 def test_embedded_server_starts_and_stops_with_the_broker(broker_processes: Spawn) -> None:
     proc = broker_processes(no_redis_env())
     pid, socket_path = embedded_pid(proc)
@@ -83,6 +85,7 @@ def test_embedded_server_starts_and_stops_with_the_broker(broker_processes: Spaw
     assert not socket_path.parent.exists(), "the private directory is removed"
 
 
+@pytest.mark.single_node("the embedded server is one server by design")
 def test_embedded_server_dies_with_a_killed_broker(broker_processes: Spawn) -> None:
     proc = broker_processes(no_redis_env())
     pid, _ = embedded_pid(proc)
@@ -91,6 +94,7 @@ def test_embedded_server_dies_with_a_killed_broker(broker_processes: Spawn) -> N
     wait_until(lambda: not alive(pid), 10)
 
 
+@pytest.mark.single_node("the embedded server is one server by design")
 def test_embedded_server_logs_its_binary_and_version(broker_processes: Spawn) -> None:
     proc = broker_processes(no_redis_env())
     started = next(line for line in proc.lines if "embedded redis started" in line)
@@ -136,6 +140,7 @@ def test_bad_settings_fail_with_one_clear_line() -> None:
     assert "hunter2" not in result.stderr
 
 
+@pytest.mark.single_node("sets an evicting policy on a server of its own")
 def test_an_evicting_redis_gets_a_loud_warning(broker_processes: Spawn) -> None:
     import redis
 

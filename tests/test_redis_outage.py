@@ -113,6 +113,7 @@ def final_state(base_url: str, turn_id: str, timeout: float) -> dict[str, Any]:
     return state
 
 
+@pytest.mark.single_node("kills and restarts a server of its own")
 def test_the_first_turn_after_redis_comes_back_empty_runs_at_once(
     own_redis: RestartableRedis, broker_processes: Spawn
 ) -> None:
@@ -178,6 +179,7 @@ class Reader(threading.Thread):
         return "".join(str(data["text"]) for _, kind, data in self.events if kind == "delta")
 
 
+@pytest.mark.single_node("kills and restarts a server of its own")
 @pytest.mark.parametrize("own_redis", [True], indirect=True, ids=["aof"])
 def test_a_redis_restart_under_running_generations_interrupts_none(
     own_redis: RestartableRedis, brokers: list[RunningBroker]
