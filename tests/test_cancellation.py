@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from broker.periodic import Periodic
 from tests.conftest import BrokerFactory, RunningBroker
@@ -29,18 +30,23 @@ from tests.helpers import wait_until
 def swallowing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Either redis-py as it is, or a client that never lets a cancellation through a call."""
     if request.param == "always-swallowed":
-        original: Callable[..., Awaitable[Any]] = Redis.execute_command
-
-        async def execute_command(self: Redis, *args: Any, **options: Any) -> Any:
-            call = asyncio.ensure_future(original(self, *args, **options))
-            try:
-                return await asyncio.shield(call)
-            except asyncio.CancelledError:
-                return await call  # the reply arrives and the cancellation is lost
-
-        monkeypatch.setattr(Redis, "execute_command", execute_command)
+        for client_class in (Redis, RedisCluster):  # the broker's clients are one or the other
+            monkeypatch.setattr(
+                client_class, "execute_command", swallowed(client_class.execute_command)
+            )
     mode: str = request.param
     return mode
+
+
+def swallowed(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def execute_command(self: Any, *args: Any, **options: Any) -> Any:
+        call = asyncio.ensure_future(original(self, *args, **options))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            return await call  # the reply arrives and the cancellation is lost
+
+    return execute_command
 
 
 READING = {"EventStreamResponse._pump", "_wait_for_disconnect", "EventStreamResponse._watch_sends"}
@@ -96,9 +102,10 @@ def test_a_shutdown_ends_a_generation_whose_cancellation_was_swallowed(
     broker = broker_factory()
     # Hold the generation in a Redis call when the shutdown's cancellation lands.
     entered = asyncio.Event()
-    original = Redis.hincrby
+    client_class = type(broker.runtime.redis)  # a RedisCluster on a cluster
+    original = client_class.hincrby
 
-    async def slow_hincrby(self: Redis, *args: Any, **kwargs: Any) -> Any:
+    async def slow_hincrby(self: Any, *args: Any, **kwargs: Any) -> Any:
         if str(args[1]).startswith("calls:"):  # the generation counting its upstream calls
             entered.set()
             try:  # long enough for the test to stop the worker meanwhile
@@ -107,7 +114,7 @@ def test_a_shutdown_ends_a_generation_whose_cancellation_was_swallowed(
                 await asyncio.sleep(1)  # as redis-py does now and then: the cancel is lost
         return await original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Redis, "hincrby", slow_hincrby)
+    monkeypatch.setattr(client_class, "hincrby", slow_hincrby)
     start_long_turn(broker, tokens_per_s=20)  # 250 s of generation
 
     async def shut_down() -> float:

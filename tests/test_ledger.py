@@ -27,6 +27,7 @@ from broker.ledger import Ledger, Slot
 from broker.metrics import Metrics
 from broker.scripts import Scripts, script_source
 from broker.settings import Settings
+from tests.conftest import sync_client
 
 _n = itertools.count()
 FP = "f" * 64
@@ -140,7 +141,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.redis = redis_lib.Redis.from_url(self.redis_url, decode_responses=True)
+        self.redis = sync_client(self.redis_url)
         self.scripts = {
             name: self.redis.register_script(script_source(name))
             for name in ("claim_tool", "renew_tool", "finish_tool")
