@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from typing import Any, Literal
@@ -17,12 +18,21 @@ from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
 from broker.jobs import JobQueue
 from broker.keys import ID_PATTERN, scoped, unscoped
 from broker.providers import Providers
-from broker.vocabulary import ACTIVE_STATUSES, AttemptStatus, TurnStatus, encode_turn_ref
+from broker.vocabulary import (
+    ACTIVE_STATUSES,
+    FINAL_STATUSES,
+    AttemptStatus,
+    TurnStatus,
+    encode_turn_ref,
+)
 
 log = logging.getLogger("broker.turns")
 
 ID_REGEX = ID_PATTERN.pattern
 RESCUE_INTERVAL_MS = 1_000
+# A stop waits this long for the running attempt to end before it answers, looking this often.
+CANCEL_WAIT_S = 5.0
+CANCEL_POLL_S = 0.02
 
 
 class Message(BaseModel):
@@ -331,8 +341,23 @@ class Turns:
             await self._admission.release_if_done(conversation_id, turn_id, outcome.attempt)
         if outcome.result == "signalled":
             await self._notify_stop(conversation_id, turn_id, outcome.attempt)
+            await self._settle(conversation_id, turn_id)
         log.info("turn %s: stop requested (%s)", turn_id, outcome.result)
         return await self.get(turn_id, tenant)
+
+    async def _settle(self, conversation_id: str, turn_id: str) -> None:
+        """Wait, up to ``CANCEL_WAIT_S``, for a signalled attempt to end, so that the stop
+        button answers with the stopped turn; a worker that does not answer in time (a lost
+        notification, a dead worker) leaves the turn to its stop flag, and the answer shows it
+        still running."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CANCEL_WAIT_S
+        key = self._keys.turn(conversation_id, turn_id)
+        while loop.time() < deadline:
+            status = await rc.hget(self._redis, key, "status")
+            if status is None or status in FINAL_STATUSES:
+                return
+            await asyncio.sleep(CANCEL_POLL_S)
 
     async def _notify_stop(self, conversation_id: str, turn_id: str, attempt: int) -> None:
         """Reach the worker holding the lease at once, wherever it runs.

@@ -134,7 +134,8 @@ def test_bad_settings_fail_with_one_clear_line() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "broker: BROKER_REDIS_URL must start with redis://, rediss:// or unix://, "
+        "broker: BROKER_REDIS_URL must start with redis://, rediss://, unix://, "
+        "redis+cluster:// or rediss+cluster://, "
         "not http:// (the URL is not repeated: it may hold a password)"
     )
     assert "hunter2" not in result.stderr
