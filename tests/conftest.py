@@ -105,6 +105,9 @@ def async_client(url: str) -> Redis:
         cluster = RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in nodes],
             decode_responses=True,
+            # No reply deadline, as a single-server client has none: the cluster client's 5 s
+            # default equals a feed's BLOCK, so every quiet XREAD timed out and was sent again.
+            socket_timeout=None,
             **options,
         )
         return cast(Redis, cluster)
