@@ -93,8 +93,9 @@ def test_blocking_reads_outlast_their_block_time(broker: RunningBroker) -> None:
     cluster = as_cluster(blocking)
     if cluster is None:
         timeouts = [blocking.connection_pool.connection_kwargs["socket_timeout"]]
-    else:  # the connections to every node
-        timeouts = [node.connection_kwargs["socket_timeout"] for node in cluster.get_nodes()]
+    else:  # what the client gives every node's connections (it may not know its nodes yet)
+        known = [node.connection_kwargs["socket_timeout"] for node in cluster.get_nodes()]
+        timeouts = [cluster.connection_kwargs["socket_timeout"], *known]
     assert timeouts
     assert all(timeout > FEED_BLOCK_MS / 1000 for timeout in timeouts)
 
