@@ -324,6 +324,10 @@ class Server(uvicorn.Server):
     hold it for ever. Draining first ends them after their terminal events.
     """
 
+    # True once startup has printed its address and set its gauges: startup writes nothing more
+    # to stdout after this, so an in-process caller can wait for it instead of `started`.
+    announced: bool = False
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         """Handle SIGINT/SIGTERM as a graceful stop that exits 0 (uvicorn re-raises them)."""
@@ -348,6 +352,7 @@ class Server(uvicorn.Server):
         if rt is not None:
             connections = self.server_state.connections
             rt.metrics.http_connections.set_function(lambda: len(connections))
+        self.announced = self.started
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         rt = _find_runtime(self.config.loaded_app)

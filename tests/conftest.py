@@ -207,11 +207,13 @@ def start_broker(redis_url: str, **overrides: Any) -> RunningBroker:
     thread = threading.Thread(target=run, name="broker", daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
-    while not server.started and not ready.is_set():
+    # `announced`, not `started`: startup prints its address after uvicorn sets `started`, and
+    # that line must not land inside a test's captured output.
+    while not server.announced and not ready.is_set():
         if time.monotonic() > deadline:
             raise TimeoutError("broker did not start")
         time.sleep(0.005)
-    if not server.started:
+    if not server.announced:
         raise RuntimeError(f"broker failed to start: {holder.get('error')!r}")
     port = server.servers[0].sockets[0].getsockname()[1]
     return RunningBroker(settings, f"http://127.0.0.1:{port}", server, thread, holder["loop"])
