@@ -16,6 +16,7 @@ from urllib.parse import unquote
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.cluster import LoadBalancingStrategy
 from redis.exceptions import RedisError, ResponseError
 
 from broker.errors import BrokerError
@@ -91,12 +92,15 @@ def client(
     max_connections: int = 512,
     socket_timeout: float = 10.0,
     wait_s: float | None = None,
+    from_replicas: bool = False,
 ) -> Redis:
     """A client for ``url`` that answers strings.
 
     ``socket_timeout`` bounds every reply; a client used for blocking reads must be given more
     than its longest BLOCK, or a quiet stream reads as a dead server. With ``wait_s``, a call
     that finds all ``max_connections`` busy waits that long for one instead of failing at once.
+    With ``from_replicas`` (a cluster only), reads go to a replica of the slot's primary (to the
+    primary while it has none); writes still go to the primary.
     """
     options: dict[str, Any] = {
         "decode_responses": True,
@@ -106,6 +110,8 @@ def client(
         "health_check_interval": 30,
     }
     if is_cluster_url(url):
+        if from_replicas:
+            options["load_balancing_strategy"] = LoadBalancingStrategy.ROUND_ROBIN_REPLICAS
         return _cluster_client(url, options)
     if wait_s is None:
         redis = Redis.from_url(url, **options)
@@ -133,6 +139,24 @@ def as_cluster(redis: Redis) -> RedisCluster | None:
     """``redis`` as the cluster client it is, or None for a single-server client."""
     value: object = redis
     return value if isinstance(value, RedisCluster) else None
+
+
+def route(redis: Redis, key: str, *, read: bool = False) -> dict[str, Any]:
+    """The keyword that sends a command on ``key`` straight to the node serving it, on a cluster
+    (a replica for a ``read`` by a client that reads replicas); ``{}`` for one server.
+
+    Without it, redis-py's cluster client asks a node where the keys of ``XREAD`` and
+    ``XREADGROUP`` are (``COMMAND GETKEYS``, twice) on every call: three round trips for one.
+    A redirect (a moved slot) is still followed.
+    """
+    cluster = as_cluster(redis)
+    if cluster is None:
+        return {}
+    strategy = cluster.load_balancing_strategy if read else None
+    node = cluster.nodes_manager.get_node_from_slot(
+        cluster.keyslot(key), strategy is not None, strategy
+    )
+    return {"target_nodes": node}
 
 
 async def drop_idle_connections(redis: Redis) -> None:

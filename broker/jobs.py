@@ -15,10 +15,12 @@ How a worker waits for jobs depends on the server:
 
 * one server: one ``XREADGROUP ... BLOCK`` over every partition, on one connection;
 * a cluster refuses a read of keys in different slots, and a blocking connection per partition
-  per process would not scale: the worker polls every partition with non-blocking reads in one
-  pipeline (sent per node), and when all are empty waits for a doorbell, a sharded Pub/Sub
-  message that :meth:`JobQueue.enqueue` sends in the partition's slot, for at most
-  :data:`BELL_WAIT_S`, so a missed doorbell costs at most that.
+  per process would not scale: the worker waits for doorbells, sharded Pub/Sub messages that
+  :meth:`JobQueue.enqueue` sends in the partition's slot, and reads, without blocking, only the
+  partitions whose doorbell rang (and those that had more jobs than it took). Once every
+  :data:`BELL_WAIT_S` it reads every partition (in one pipeline, sent per node), so a missed
+  doorbell costs at most that; and a partition's key takes a few commands per job, not one per
+  job of every partition.
 
 Stop notifications go on one classic channel on a single server, and on a cluster on each
 conversation's own sharded channel, which a worker subscribes to while it runs one of the
@@ -43,14 +45,15 @@ from redis.asyncio.cluster import ClusterPubSub
 from redis.exceptions import RedisClusterException, RedisError
 
 from broker import redis_calls as rc
-from broker.connection import as_cluster
+from broker.connection import as_cluster, route
 from broker.keys import JOB_GROUP, Keys, job_partition
 from broker.vocabulary import decode_attempt_ref, encode_attempt_ref
 
 log = logging.getLogger("broker.jobs")
 
-# On a cluster: the longest a worker with no jobs waits for a doorbell before it polls again.
-BELL_WAIT_S = 0.25
+# On a cluster: how often a worker reads every partition, whatever the doorbells said (the
+# longest a job whose doorbell was missed waits).
+BELL_WAIT_S = 1.0
 # On a cluster, the subscriber waits this long on each node in turn (redis-py reads one node's
 # connection at a time): a doorbell or a stop is seen within this times the nodes but one.
 BELL_POLL_S = 0.05
@@ -109,7 +112,11 @@ class JobQueue:
         self._partitions = partitions
         self._cluster = as_cluster(redis) is not None if cluster is None else cluster
         self.streams = tuple(keys.job_stream(i) for i in range(partitions))
-        self._bells = frozenset(keys.job_bell(i) for i in range(partitions))
+        self._bells = {keys.job_bell(i): self.streams[i] for i in range(partitions)}
+        # On a cluster: the partitions to read next, their doorbell rang or they had more jobs
+        # than the last read took; and when every partition is read again (loop time).
+        self._due: set[str] = set()
+        self._full_poll_at = 0.0
         # Each partition's XAUTOCLAIM cursor: a pass goes on where the last one stopped.
         self._reclaim_cursors = dict.fromkeys(self.streams, "0-0")
         # Jobs delivered to this consumer beyond what a read asked for (each partition answers
@@ -163,14 +170,14 @@ class JobQueue:
         """
         if self._held:
             return [self._held.popleft() for _ in range(min(count, len(self._held)))]
-        per_stream = -(-count // self._partitions)  # at least one each, about count in all
         if self._cluster:
-            self._bell.clear()  # a doorbell from now on ends the wait below
-            batches = await self._poll(consumer, per_stream)
+            batches = await self._read_due(consumer, count)
             if not any(entries for _, entries in batches):
-                await self._wait_for_bell(min(block_ms / 1000, BELL_WAIT_S), stopping)
+                wait_s = self._full_poll_at - asyncio.get_running_loop().time()
+                await self._wait_for_bell(min(block_ms / 1000, max(0.0, wait_s)), stopping)
                 return []
         else:
+            per_stream = -(-count // self._partitions)  # at least one each, about count in all
             reply = await self._redis.xreadgroup(
                 JOB_GROUP,
                 consumer,
@@ -183,13 +190,36 @@ class JobQueue:
         self._held.extend(jobs[count:])
         return jobs[:count]
 
-    async def _poll(self, consumer: str, per_stream: int) -> list[tuple[str, rc.RawEntries]]:
-        """One non-blocking read of each partition, in one pipeline (split per node)."""
+    async def _read_due(self, consumer: str, count: int) -> list[tuple[str, rc.RawEntries]]:
+        """On a cluster: one non-blocking read of each partition due (all of them once every
+        :data:`BELL_WAIT_S`), in one pipeline (split per node)."""
+        now = asyncio.get_running_loop().time()
+        if now >= self._full_poll_at:
+            self._full_poll_at = now + BELL_WAIT_S
+            streams = list(self.streams)
+        else:
+            streams = [stream for stream in self.streams if stream in self._due]
+        # Cleared before the read: a doorbell from now on makes its partition due again and
+        # ends the wait that follows an empty read.
+        self._due.clear()
+        self._bell.clear()
+        if not streams:
+            return []
+        per_stream = -(-count // len(streams))  # at least one each, about count in all
         async with self._redis.pipeline(transaction=False) as pipe:
-            for stream in self.streams:
-                pipe.xreadgroup(JOB_GROUP, consumer, {stream: ">"}, count=per_stream)
+            for stream in streams:
+                command = ("XREADGROUP", "GROUP", JOB_GROUP, consumer, "COUNT", per_stream)
+                pipe.execute_command(*command, "STREAMS", stream, ">", **route(self._redis, stream))
             replies = await pipe.execute()
-        return [batch for reply in replies for batch in _stream_entries(reply)]
+        batches = [batch for reply in replies for batch in _stream_entries(reply)]
+        # A partition that answered all it was asked may hold more: read it again next time.
+        self._due.update(stream for stream, entries in batches if len(entries) >= per_stream)
+        return batches
+
+    def _wake_all(self) -> None:
+        """On a cluster: read every partition at the next read (doorbells may have been missed)."""
+        self._full_poll_at = 0.0
+        self._bell.set()
 
     async def _wait_for_bell(self, timeout_s: float, stopping: asyncio.Event | None) -> None:
         waiters = [asyncio.ensure_future(self._bell.wait())]
@@ -370,7 +400,7 @@ class JobQueue:
         self._pubsub = pubsub
         for channel in [*sorted(self._bells), *self._watched]:
             await pubsub.ssubscribe(channel)
-        self._bell.set()  # jobs may have come while no doorbell was heard: read at once
+        self._wake_all()  # jobs may have come while no doorbell was heard: read them all at once
         wait_s = BELL_POLL_S
         while not stopping.is_set():
             message = await self._next_sharded(pubsub, wait_s)
@@ -380,7 +410,9 @@ class JobQueue:
             wait_s = BELL_POLL_S if message is None else 0.0
             if message is None or message["type"] != "smessage":
                 continue
-            if str(message["channel"]) in self._bells:
+            stream = self._bells.get(str(message["channel"]))
+            if stream is not None:
+                self._due.add(stream)
                 self._bell.set()
             else:
                 on_stop(*decode_attempt_ref(str(message["data"])))

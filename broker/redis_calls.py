@@ -11,6 +11,8 @@ from typing import Any, cast
 
 from redis.asyncio import Redis
 
+from broker.connection import route
+
 Entries = list[tuple[str, dict[str, str]]]
 # A stream entry's fields as a broker client answers them (``connection.RAW_STREAM_REPLIES``):
 # Redis's own flat list, field, value, field, value... A client with redis-py's usual parsing
@@ -65,7 +67,8 @@ async def last_entry_id(redis: Redis, key: str) -> str | None:
 
 
 async def xread(redis: Redis, key: str, after: str, count: int, block_ms: int) -> RawEntries:
-    reply = await redis.xread({key: after}, count=count, block=block_ms)
+    args = ("XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", key, after)
+    reply = await redis.execute_command(*args, **route(redis, key, read=True))  # type: ignore[no-untyped-call]  # untyped in redis-py
     if not reply:
         return []
     if isinstance(reply, dict):  # RESP3: {key: entries}

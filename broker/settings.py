@@ -18,6 +18,14 @@ ROLES = ("all", "api", "worker")
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
 
+# Settings with a range: (lowest, highest).
+BOUNDED = {
+    "job_partitions": (1, 1024),
+    "replica_acks": (0, 16),  # 0: writes do not wait for replicas
+    "replica_wait_ms": (1, 60_000),
+}
+
+
 class SettingsError(BrokerError, ValueError):
     """A ``BROKER_*`` variable has a value the broker cannot use."""
 
@@ -42,7 +50,9 @@ class Settings:
     max_message_chars: int = 200_000
     lease_ttl_ms: int = 10_000
     job_reclaim_idle_ms: int = 0  # 0: follow the lease (BROKER_LEASE_TTL_MS plus 500 ms)
-    job_partitions: int = 8  # job streams, each in a slot of its own (spread over a cluster)
+    job_partitions: int = 16  # job streams, each in a slot of its own (spread over a cluster)
+    replica_acks: int = 0  # replicas each script's write waits for (WAIT); 0: do not wait
+    replica_wait_ms: int = 500  # how long a write waits for them before it goes on anyway
     worker_concurrency: int = 64
     sse_heartbeat_s: float = 15.0
     sse_retry_ms: int = 1_000
@@ -103,39 +113,7 @@ class Settings:
                 "redis+cluster:// or rediss+cluster://, "
                 f"not {shown}:// (the URL is not repeated: it may hold a password)"
             )
-        if not 1 <= self.job_partitions <= 1024:
-            raise SettingsError("BROKER_JOB_PARTITIONS must be from 1 to 1024")
-        positive = (
-            "stream_ttl",
-            "tombstone_ttl",
-            "max_stream_events",
-            "max_body_bytes",
-            "max_messages",
-            "max_message_chars",
-            "lease_ttl_ms",
-            "worker_concurrency",
-            "sse_heartbeat_s",
-            "sse_retry_ms",
-            "sse_send_timeout_s",
-            "drain_timeout_s",
-            "json_page_size",
-            "sse_replay_page",
-            "max_attempts_per_turn",
-            "session_retry_window",
-            "upstream_idle_timeout_s",
-            "anthropic_max_tokens",
-            "max_tool_steps",
-            "tool_lease_ms",
-            "tool_in_flight_wait_s",
-            "attach_token_ttl",
-            "attach_token_max_ttl",
-            "max_header_bytes",
-            "header_timeout_s",
-            "max_connections",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"BROKER_{name.upper()} must be positive")
+        _check_numbers(self)
         if self.max_stream_events < 8:
             raise SettingsError("BROKER_MAX_STREAM_EVENTS must be at least 8")
         if self.job_reclaim_idle_ms < 0 or 0 < self.job_reclaim_idle_ms <= self.lease_ttl_ms:
@@ -232,8 +210,9 @@ class Settings:
 
     @property
     def reclaim_every_s(self) -> float:
-        """The period of the reclaim pass: a crashed turn is taken over soon after its lease."""
-        return min(0.5, self.reclaim_idle_ms / 4000)
+        """The period of the reclaim pass: a crashed turn is taken over within a second (or a
+        quarter of the reclaim time) after its lease; more often would only cost commands."""
+        return min(1.0, self.reclaim_idle_ms / 4000)
 
     @property
     def lease_heartbeat_s(self) -> float:
@@ -288,3 +267,41 @@ def _parse(name: str, type_name: str, raw: str) -> Any:
         kind = "a duration (like 90, 30s, 24h)" if name in DURATIONS else "a number"
         raise SettingsError(f"BROKER_{name.upper()} must be {kind}, not {raw!r}") from None
     return raw
+
+
+def _check_numbers(settings: Settings) -> None:
+    """The settings with a range are in it, the positive ones positive."""
+    for name, (low, high) in BOUNDED.items():
+        if not low <= getattr(settings, name) <= high:
+            raise SettingsError(f"BROKER_{name.upper()} must be from {low} to {high}")
+    positive = (
+        "stream_ttl",
+        "tombstone_ttl",
+        "max_stream_events",
+        "max_body_bytes",
+        "max_messages",
+        "max_message_chars",
+        "lease_ttl_ms",
+        "worker_concurrency",
+        "sse_heartbeat_s",
+        "sse_retry_ms",
+        "sse_send_timeout_s",
+        "drain_timeout_s",
+        "json_page_size",
+        "sse_replay_page",
+        "max_attempts_per_turn",
+        "session_retry_window",
+        "upstream_idle_timeout_s",
+        "anthropic_max_tokens",
+        "max_tool_steps",
+        "tool_lease_ms",
+        "tool_in_flight_wait_s",
+        "attach_token_ttl",
+        "attach_token_max_ttl",
+        "max_header_bytes",
+        "header_timeout_s",
+        "max_connections",
+    )
+    for name in positive:
+        if getattr(settings, name) <= 0:
+            raise SettingsError(f"BROKER_{name.upper()} must be positive")

@@ -229,6 +229,79 @@ async def test_a_doorbell_wakes_a_cluster_reader_at_once(
         await asyncio.wait_for(listener, 10)
 
 
+async def bells_subscribed(aredis: Redis, keys: Keys) -> None:
+    """Wait until a listener has subscribed to every partition's doorbell (a cluster answers
+    per node; a channel counts on its own node only)."""
+    channels = [keys.job_bell(i) for i in range(PARTITIONS)]
+    cluster = as_cluster(aredis)
+    deadline = time.monotonic() + 10
+    while True:
+        counts = collections.Counter[str]()
+        for channel in channels:
+            # A cluster is asked on the channel's own node: only it counts the channel's
+            # subscribers.
+            where = {} if cluster is None else {"target_nodes": cluster.get_node_from_key(channel)}
+            for name, n in await aredis.pubsub_shardnumsub(channel, **where):
+                counts[name.decode() if isinstance(name, bytes) else name] += int(n)
+        if all(counts[channel] > 0 for channel in channels):
+            return
+        assert time.monotonic() < deadline, f"doorbells not subscribed: {counts}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_cluster_reader_reads_only_the_partitions_whose_doorbell_rang(
+    aredis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No full read of every partition within the test: only doorbells, and partitions that had
+    # more than a read took, make a partition due.
+    monkeypatch.setattr(jobs_module, "BELL_WAIT_S", 30.0)
+    keys = Keys(f"jobs{os.getpid()}-{next(_n)}")
+    queue = JobQueue(aredis, keys, PARTITIONS, cluster=True)
+    await queue.ensure_group()
+    quiet, rung = queue.streams[2], queue.streams[5]
+    stopping = asyncio.Event()
+    listener = asyncio.create_task(queue.listen(aredis, lambda *_: None, stopping))
+    try:
+        await bells_subscribed(aredis, keys)
+        # The first read after subscribing reads every partition (doorbells may have been
+        # missed before); this job proves the whole round trip works.
+        await queue.enqueue(conversation_in(5), "first", 1)
+        assert [job.turn_id for job in await read_all(queue, "w1", 1)] == ["first"]
+        # A job whose doorbell never rang waits; a rung partition is read, and read again
+        # without a doorbell while it answers as many jobs as asked.
+        await aredis.xadd(
+            quiet, {"conversation_id": conversation_in(2), "turn_id": "quiet", "attempt": "1"}
+        )
+        for turn in ("b", "c"):
+            await aredis.xadd(
+                rung, {"conversation_id": conversation_in(5), "turn_id": turn, "attempt": "1"}
+            )
+        await queue.enqueue(conversation_in(5), "d", 1)
+        got = [job.turn_id for _ in range(3) for job in await read_all(queue, "w1", 1)]
+        assert got == ["b", "c", "d"]
+        assert await queue.read("w1", 1, 200, stopping) == []
+        assert (await aredis.xinfo_groups(quiet))[0]["pending"] == 0
+        assert await aredis.xlen(quiet) == 1
+    finally:
+        stopping.set()
+        await asyncio.wait_for(listener, 10)
+
+
+async def test_a_job_whose_doorbell_was_missed_is_read_by_the_next_full_read(
+    aredis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(jobs_module, "BELL_WAIT_S", 0.2)
+    keys = Keys(f"jobs{os.getpid()}-{next(_n)}")
+    queue = JobQueue(aredis, keys, PARTITIONS, cluster=True)  # no listener: no doorbell at all
+    await queue.ensure_group()
+    assert await queue.read("w1", 1, 100) == []
+    await aredis.xadd(
+        queue.streams[2],
+        {"conversation_id": conversation_in(2), "turn_id": "missed", "attempt": "1"},
+    )
+    assert [job.turn_id for job in await read_all(queue, "w1", 1)] == ["missed"]
+
+
 @pytest.mark.parametrize("cluster", MODES)
 async def test_a_stop_reaches_the_listener_of_the_running_turn(
     aredis: Redis, cluster: bool | None
