@@ -41,8 +41,8 @@ from broker.api import (
 from broker.api.connections import ConnectionLimits, guarded
 from broker.api.schemas import install_components
 from broker.auth import Authenticator
-from broker.connection import check_eviction_policy, client, connect, redact
-from broker.deps import Deps
+from broker.connection import check_eviction_policy, client, connect, is_cluster_url, redact
+from broker.deps import Deps, scripts_for
 from broker.dialects.aisdk import router as aisdk_router
 from broker.dialects.openai import router as openai_router
 from broker.embedded_redis import EmbeddedRedis
@@ -53,7 +53,6 @@ from broker.ledger import Dispatcher, Ledger
 from broker.metrics import Metrics
 from broker.providers import Providers
 from broker.reader import Streams
-from broker.scripts import Scripts
 from broker.settings import Settings
 from broker.sse import RawSend
 from broker.tools import ToolRegistry
@@ -81,19 +80,25 @@ class Runtime:
         tools: ToolRegistry,
         auth: Authenticator | None = None,
         providers: Providers | None = None,
+        replica_reads: Redis | None = None,
     ) -> None:
         self.settings = settings
         self.redis = redis
         self.blocking_redis = blocking_redis
+        # With BROKER_REPLICA_ACKS on a cluster: the readers' client, which reads the replicas.
+        self.replica_reads = replica_reads
         self.metrics = metrics
         self.embedded = embedded
         self.keys = Keys(settings.key_prefix)
-        self.scripts = Scripts(redis)
+        self.scripts = scripts_for(redis, settings, metrics)
         self.deps = Deps(redis, self.scripts, self.keys, settings, metrics)
         self.jobs = JobQueue(redis, self.keys, settings.job_partitions)
         self.providers = providers if providers is not None else Providers(settings)
-        self.hub = Hub(blocking_redis, metrics, redis)
-        self.streams = Streams(self.deps, self.hub)
+        if replica_reads is None:
+            self.hub = Hub(blocking_redis, metrics, redis)
+        else:
+            self.hub = Hub(replica_reads, metrics)
+        self.streams = Streams(self.deps, self.hub, replica_reads)
         self.auth = auth or Authenticator(settings, secrets.token_bytes(32))
         if auth is None:
             log.warning("attach tokens are signed with a key of this process only")
@@ -128,11 +133,20 @@ class Runtime:
             redis = await connect(url)
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
             blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
+            replica_reads = None
+            if settings.replica_acks > 0 and is_cluster_url(url):
+                # Readers are told only what a replica has: with writes that wait for the
+                # replicas, an event a reader saw survives the failover of its primary.
+                replica_reads = client(
+                    url, socket_timeout=FEED_BLOCK_MS / 1000 + 10, from_replicas=True
+                )
             providers = Providers(settings)
             metrics = Metrics(providers={p.name: p.models for p in providers})
             auth = Authenticator(settings, b"")
             auth.attach_secret = await shared_attach_secret(redis, settings, auth.enabled)
-            rt = cls(settings, redis, blocking, metrics, embedded, tools, auth, providers)
+            rt = cls(
+                settings, redis, blocking, metrics, embedded, tools, auth, providers, replica_reads
+            )
             if not rt.auth.enabled:
                 log.warning(
                     "AUTHENTICATION IS OFF: anyone who can reach this broker can start, read and "
@@ -178,7 +192,9 @@ class Runtime:
         with contextlib.suppress(Exception):
             await self.http.aclose()
         await self.providers.aclose()
-        for redis in (self.redis, self.blocking_redis):
+        for redis in (self.redis, self.blocking_redis, self.replica_reads):
+            if redis is None:
+                continue
             with contextlib.suppress(Exception):
                 await redis.aclose()
         if self.embedded is not None:

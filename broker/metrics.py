@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from broker import __version__
+from broker.scripts import NAMES as SCRIPT_NAMES
 
 TURN_STATUSES = ("complete", "interrupted", "cancelled", "failed")
 UPSTREAM_OUTCOMES = ("ok", "retryable_error", "fatal_error", "interrupted", "cancelled")
@@ -103,6 +104,15 @@ class Metrics:
             "Writes refused because the writer's lease was lost or taken over.",
             registry=r,
         )
+        self.replica_waits_short = Counter(
+            "broker_replica_waits_short_total",
+            "Script writes whose WAIT ended before BROKER_REPLICA_ACKS replicas had them "
+            "(the write stands; a failover now could lose it).",
+            ["script"],
+            registry=r,
+        )
+        for script in SCRIPT_NAMES:
+            self.replica_waits_short.labels(script)
         self.lease_takeovers = Counter(
             "broker_lease_takeovers_total",
             "Leases claimed on a turn whose previous writer stopped heartbeating.",

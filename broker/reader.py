@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Final, Literal
 
 import orjson
+from redis.asyncio import Redis
 
 from broker import redis_calls as rc
 from broker.deps import Deps
@@ -94,8 +95,10 @@ class _Watched:
 class Streams:
     """Locating, replaying, following and paging turn streams."""
 
-    def __init__(self, deps: Deps, hub: Hub) -> None:
-        self._redis = deps.redis
+    def __init__(self, deps: Deps, hub: Hub, reads: Redis | None = None) -> None:
+        # Every read of a stream and of its turn's state goes to ``reads`` (a cluster's
+        # replicas, with BROKER_REPLICA_ACKS), else to the process's client.
+        self._redis = reads if reads is not None else deps.redis
         self._keys = deps.keys
         self._settings = deps.settings
         self._metrics = deps.metrics

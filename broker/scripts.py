@@ -9,19 +9,25 @@ tests of a script's contract itself.
 
 redis-py's ``register_script`` sends EVALSHA and reloads the script by itself after
 ``NOSCRIPT`` (a restarted or failed-over server), so callers never see that case.
+
+With ``replica_acks`` (``BROKER_REPLICA_ACKS``), each call is followed by ``WAIT <replica_acks>
+<wait_ms>`` on the same connection, in the same round trip: the call returns once that many
+replicas have its write (turn state, events, leases, the tool ledger), or once the wait is over,
+as Redis's ``WAIT`` never undoes a write. A wait that ends short is reported to ``on_short``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any, Literal
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
+from broker.connection import as_cluster
 from broker.errors import FencedWrite, StopRequested, StreamFull
 
 Event = tuple[str, str]  # (event type, JSON data) as a script appends it
@@ -120,11 +126,21 @@ def script_source(name: str) -> str:
 class Scripts:
     """Registered scripts for one Redis client."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        replica_acks: int = 0,
+        wait_ms: int = 500,
+        on_short: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.redis = redis
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(script_source(name)) for name in NAMES
         }
+        self.replica_acks = replica_acks
+        self._wait_ms = wait_ms
+        self._on_short = on_short
 
     async def load(self) -> None:
         """Load every script now, so a broken script fails the start, not the first turn."""
@@ -146,6 +162,8 @@ class Scripts:
 
     async def __call__(self, name: str, keys: list[str], args: list[Any]) -> Any:
         try:
+            if self.replica_acks > 0:
+                return await self._call_replicated(name, keys, args)
             return await self._scripts[name](keys=keys, args=args)
         except ResponseError as exc:
             message = str(exc)
@@ -156,6 +174,35 @@ class Scripts:
             if "STREAM_FULL" in message:
                 raise StreamFull(message.split("STREAM_FULL", 1)[1].strip()) from None
             raise
+
+    async def _call_replicated(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """EVALSHA, then WAIT on the same connection (WAIT counts the replicas that have this
+        connection's writes): one pipeline, which a cluster sends to the node of the keys."""
+        script = self._scripts[name]
+        cluster = as_cluster(self.redis)
+        for attempt in (1, 2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                # As a raw command: a cluster pipeline refuses its ``evalsha`` method (not the
+                # command, whose keys it routes like any other).
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                wait = ("WAIT", self.replica_acks, self._wait_ms)
+                if cluster is not None:
+                    node = cluster.get_node_from_key(keys[0])
+                    pipe.execute_command(*wait, target_nodes=node)
+                else:
+                    pipe.execute_command(*wait)
+                reply, acked = await pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError) and attempt == 1:
+                # A server that lost its scripts (restarted, failed over): load, send again.
+                script.sha = await self.redis.script_load(script.script)
+                continue
+            break
+        if isinstance(reply, Exception):
+            raise reply
+        replicas = acked if isinstance(acked, int) else 0
+        if replicas < self.replica_acks and self._on_short is not None:
+            self._on_short(name, replicas)
+        return reply
 
     # One typed method per script; the KEYS and ARGV are those of the script's header.
 

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +84,10 @@ class LocalCluster:
         primaries: int = 3,
         node_timeout_ms: int = 2000,
         startup_timeout_s: float = 20.0,
+        server_args: Sequence[str] = (),
     ) -> None:
         self.binary = find_server_binary(binary)
+        self.server_args = tuple(server_args)  # more options for every node
         self.primaries = primaries
         self.node_timeout_ms = node_timeout_ms
         self.startup_timeout_s = startup_timeout_s
@@ -144,6 +146,7 @@ class LocalCluster:
                     "noeviction",
                     "--logfile",
                     "server.log",
+                    *self.server_args,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

@@ -18,17 +18,21 @@ import asyncio
 import functools
 import os
 import signal
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
+import orjson
 import pytest
 import redis
 from redis.crc import key_slot
 
 from broker_client import AttachPolicy, BrokerClient, TurnText
 from tests.conftest import RunningBroker, start_broker
-from tests.helpers import get_turn, start_turn, wait_final, wait_until
+from tests.helpers import get_turn, read_sse, start_turn, wait_final, wait_until
 from tests.redis_cluster import LocalCluster
 
 READER = AttachPolicy(max_retries=200, base_delay=0.05, max_delay=0.3, read_timeout=10)
@@ -41,6 +45,8 @@ class Reader(threading.Thread):
         super().__init__(daemon=True)
         self.base_url, self.stream_id = base_url, stream_id
         self.ids: list[str] = []
+        # (offset, type, data, wall-clock time of receipt) of every event received
+        self.received: list[tuple[str, str, dict[str, Any], float]] = []
         self.text = TurnText()
         self.reconnects = 0
         self.error: BaseException | None = None
@@ -55,6 +61,7 @@ class Reader(threading.Thread):
         async with BrokerClient(self.base_url, policy=READER) as client:
             async for event in client.attach(self.stream_id, on_reconnect=self._reconnected):
                 self.ids.append(event.id)
+                self.received.append((event.id, event.type, event.data, time.time()))
                 self.text.feed(event)
 
     def _reconnected(self, _info: Any) -> None:
@@ -155,8 +162,8 @@ def synced(node: redis.Redis) -> bool:
 class ReplicatedCluster(LocalCluster):
     """Three primaries with one replica each: ``replica_of[primary port] = replica port``."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, server_args: tuple[str, ...] = ()) -> None:
+        super().__init__(server_args=server_args)
         self.replica_of: dict[int, int] = {}
 
     def start(self) -> str:
@@ -216,6 +223,97 @@ def test_a_primary_failover_mid_generation_keeps_readers_resuming_and_ends_the_t
             assert get_turn(broker.base_url, turn["turn_id"])["status"] == final["status"]
         finally:
             broker.stop()
+
+
+def test_with_replica_acks_a_failover_loses_no_event_a_reader_was_told() -> None:
+    """BROKER_REPLICA_ACKS=1: writes wait for the replica, readers read it. The conversation's
+    replica is made to miss the primary's last writes (asleep, its link cut), then the primary
+    dies: what those writes appended is lost, but no reader was told it, and every event any
+    reader got is in the stream the promoted replica serves."""
+    cluster = ReplicatedCluster(server_args=("--enable-debug-command", "yes"))
+    with cluster:
+        broker = start_broker(cluster.url, lease_ttl_ms=3_000, replica_acks=1, replica_wait_ms=100)
+        try:
+            prefix = broker.settings.key_prefix
+            turn = start_turn(broker.base_url, "acked", tokens=200, tokens_per_s=40)
+            readers = [Reader(broker.base_url, turn["stream_id"]) for _ in range(2)]
+            for reader in readers:
+                reader.start()
+            wait_until(lambda: all(len(r.ids) >= 10 for r in readers), timeout=20)
+            slot = tag_slot("acked", prefix)
+            primary = owner(cluster, slot)
+            replica = cluster.replica_of[primary]
+            stream = f"{prefix}:{{c:acked}}:events:{turn['turn_id']}"
+            with redis.Redis(port=primary, decode_responses=True) as node:
+                before = node.xlen(stream)
+                # The replica stops reading for 1.5 s, and its link is cut: what the primary
+                # appends from now on, it never sends.
+                asleep = threading.Thread(target=sleep_node, args=(replica, 2.0), daemon=True)
+                asleep.start()
+                wait_until(lambda: not answers(replica), timeout=5)
+                assert node.client_kill_filter(_type="replica") >= 1
+                wait_until(lambda: node.xlen(stream) >= before + 8, timeout=10)
+                on_primary = {entry_id for entry_id, _ in node.xrange(stream)}
+            cluster.kill(primary)
+            asleep.join(timeout=10)
+            survivor = next(p for p in cluster.ports if p not in (primary, replica))
+            wait_until(lambda: owner_from(survivor, slot) == replica, timeout=30, interval=0.1)
+            final = wait_final(broker.base_url, turn["turn_id"], timeout=60)
+            for reader in readers:
+                reader.join(timeout=60)
+                assert not reader.is_alive(), "a reader never finished"
+                assert reader.error is None, reader.error
+            events = read_sse(broker.base_url, turn["stream_id"], offset="-1").events
+            stored = {(e.id, e.event, canonical(e.data)) for e in events}
+            # The fault lost writes: appended on the primary, gone from the promoted replica.
+            lost = {entry_id_of(offset) for offset in on_primary} - {
+                entry_id_of(e.id) for e in events
+            }
+            assert lost, "the primary's last appends all reached the replica: nothing was at stake"
+            for reader in readers:
+                seen = {(i, kind, canonical(data)) for i, kind, data, _ in reader.received}
+                assert not seen - stored, f"told, then lost: {sorted(seen - stored)[:3]}"
+                assert reader.text.status == final["status"]
+            assert final["status"] in ("complete", "interrupted")
+            assert short_waits(broker.base_url) > 0, "no write waited for the replica in vain"
+        finally:
+            broker.stop()
+
+
+def sleep_node(port: int, seconds: float) -> None:
+    with redis.Redis(port=port, socket_timeout=seconds + 10) as node:
+        node.execute_command("DEBUG", "SLEEP", str(seconds))
+
+
+def answers(port: int) -> bool:
+    """Whether the node on ``port`` answers a PING within 200 ms (on a bare socket: the
+    client library would retry a timed-out call until it succeeds)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def entry_id_of(offset: str) -> str:
+    """The Redis entry id of a wire offset or of an entry id (``<ms>-<seq>``, unpadded)."""
+    ms, _, seq = offset.partition("-")
+    return f"{int(ms)}-{int(seq)}"
+
+
+def canonical(data: Any) -> bytes:
+    return orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
+
+
+def short_waits(base_url: str) -> float:
+    """The broker's ``broker_replica_waits_short_total``, over every script."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("broker_replica_waits_short_total{")
+    )
 
 
 def owner_from(port: int, slot: int) -> int | None:
