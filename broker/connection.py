@@ -1,8 +1,9 @@
 """Connecting to Redis: one clear line when it fails, a loud warning when eviction is on.
 
 ``BROKER_REDIS_URL`` names one server (``redis://``, ``rediss://``, ``unix://``) or a Redis Cluster
-(``redis+cluster://[user:password@]host:port,host:port`` or ``rediss+cluster://`` with TLS): one
-or more of its nodes, from which the client learns the rest. A cluster client follows MOVED and
+(``redis+cluster://[user:password@]host:port,host:port`` or ``rediss+cluster://`` with TLS, which
+takes the TLS options of :data:`CLUSTER_TLS_OPTIONS` as a query): one or more of its nodes, from
+which the client learns the rest. A cluster client follows MOVED and
 ASK redirects and refreshes its slot map when the topology changes. It serves the same commands
 as the single-server client for the broker's keys (every command touches one slot, or one
 conversation's slot), so the rest of the broker holds either as a ``Redis``.
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import logging
 from typing import Any, cast
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.cluster import LoadBalancingStrategy
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from broker.errors import BrokerError
 
@@ -54,6 +55,17 @@ CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 CLUSTER_MAX_CONNECTIONS = 10_000
 
 
+# The query options a TLS cluster URL takes, as redis-py names them for a single server's URL.
+CLUSTER_TLS_OPTIONS = (
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+)
+CERT_REQS = ("none", "optional", "required")
+
+
 def is_cluster_url(url: str) -> bool:
     return url.startswith(CLUSTER_SCHEMES)
 
@@ -64,12 +76,15 @@ def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     scheme, _, rest = url.partition("://")
     rest, _, query = rest.partition("?")
     rest, _, database = rest.partition("/")
-    if query or database not in ("", "0"):
+    if database not in ("", "0"):
         raise RedisConnectError(
-            "a cluster URL takes no database and no options: redis+cluster://host:port,host:port"
+            "a cluster URL takes no database (a cluster has only database 0): "
+            "redis+cluster://host:port,host:port"
         )
     credentials, _, hosts = rest.rpartition("@")
     options: dict[str, Any] = {"ssl": scheme == "rediss+cluster"}
+    if query:
+        options |= _tls_options(query, tls=options["ssl"])
     if credentials:
         user, colon, password = credentials.partition(":")
         options["username"] = unquote(user) or None
@@ -84,6 +99,33 @@ def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
             )
         nodes.append((host, int(port)))
     return nodes, options
+
+
+def _tls_options(query: str, *, tls: bool) -> dict[str, Any]:
+    """The TLS options of a cluster URL's query; ``RedisConnectError`` for any other."""
+    if not tls:
+        raise RedisConnectError(
+            "only a TLS cluster URL (rediss+cluster://) takes options: "
+            + ", ".join(CLUSTER_TLS_OPTIONS)
+        )
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in CLUSTER_TLS_OPTIONS:
+            raise RedisConnectError(
+                f"a cluster URL takes no option {name[:40]!r}; it takes "
+                + ", ".join(CLUSTER_TLS_OPTIONS)
+            )
+        if name == "ssl_cert_reqs":
+            if value not in CERT_REQS:
+                raise RedisConnectError(f"ssl_cert_reqs must be one of {', '.join(CERT_REQS)}")
+            options[name] = value
+        elif name == "ssl_check_hostname":
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise RedisConnectError("ssl_check_hostname must be true or false")
+            options[name] = value.lower() in ("true", "1", "yes")
+        else:
+            options[name] = value
+    return options
 
 
 def client(
@@ -178,7 +220,7 @@ async def connect(url: str) -> Redis:
     redis = client(url, wait_s=5.0)
     try:
         await redis.ping()
-    except (RedisError, OSError) as exc:
+    except (RedisError, RedisClusterException, OSError) as exc:  # a cluster's: no node answered
         await redis.aclose()
         raise RedisConnectError(f"cannot connect to Redis at {redact(url)}: {exc}") from None
     return redis

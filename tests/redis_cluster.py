@@ -6,12 +6,17 @@ on a free port whose cluster bus port (port + 10000) is free too. The slots are 
 ranges with ``CLUSTER ADDSLOTSRANGE`` (Redis >= 7.0), the nodes meet, and ``start`` returns once
 every node sees all of them and every slot served. The children get a parent-death signal, so a
 killed test process leaves no server behind.
+
+With ``tls`` (a :class:`TlsFiles`), each node also listens with TLS on a port of its own and the
+nodes talk TLS on their bus; the plain port stays for the test's own setup calls, and
+``tls_url`` names the TLS ports (a TLS client is told the TLS ports of the other nodes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import shutil
 import signal
 import socket
@@ -61,6 +66,15 @@ def free_port_pair(taken: Collection[int] = ()) -> int:
     raise RuntimeError("no free port with a free cluster bus port")
 
 
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a server certificate for 127.0.0.1 and the CA that signed it."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 def slot_ranges(primaries: int) -> list[tuple[int, int]]:
     """The slots split into ``primaries`` contiguous ranges: 0-5460, 5461-10922, 10923-16383."""
     # As redis-cli --cluster create splits them.
@@ -85,9 +99,12 @@ class LocalCluster:
         node_timeout_ms: int = 2000,
         startup_timeout_s: float = 20.0,
         server_args: Sequence[str] = (),
+        tls: TlsFiles | None = None,
     ) -> None:
         self.binary = find_server_binary(binary)
         self.server_args = tuple(server_args)  # more options for every node
+        self.tls = tls
+        self.tls_ports: list[int] = []
         self.primaries = primaries
         self.node_timeout_ms = node_timeout_ms
         self.startup_timeout_s = startup_timeout_s
@@ -99,6 +116,13 @@ class LocalCluster:
     def url(self) -> str:
         """The broker's cluster URL naming every node: ``redis+cluster://127.0.0.1:p1,...``."""
         return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports)
+
+    @property
+    def tls_url(self) -> str:
+        """The TLS URL of every node, trusting the cluster's CA."""
+        assert self.tls is not None, "a cluster without TLS"
+        nodes = ",".join(f"127.0.0.1:{port}" for port in self.tls_ports)
+        return f"rediss+cluster://{nodes}?ssl_ca_certs={self.tls.ca}"
 
     @property
     def pids(self) -> list[int]:
@@ -120,9 +144,18 @@ class LocalCluster:
         """Start one node on a fresh port pair, again on another if the port was taken meanwhile."""
         assert self._dir is not None
         for _ in range(5):
-            port = free_port_pair(set(self.ports))
+            port = free_port_pair({*self.ports, *self.tls_ports})
             node_dir = self._dir / str(port)
             node_dir.mkdir()
+            tls_args: list[str] = []
+            tls_port = 0
+            if self.tls is not None:
+                tls_port = free_port_pair({*self.ports, *self.tls_ports, port})
+                tls_args = [
+                    *("--tls-port", str(tls_port), "--tls-cluster", "yes"),
+                    *("--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key)),
+                    *("--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"),
+                ]
             process = subprocess.Popen(
                 [
                     self.binary,
@@ -146,6 +179,7 @@ class LocalCluster:
                     "noeviction",
                     "--logfile",
                     "server.log",
+                    *tls_args,
                     *self.server_args,
                 ],
                 stdin=subprocess.DEVNULL,
@@ -155,6 +189,8 @@ class LocalCluster:
             )
             if self._serving(port, process):
                 self.ports.append(port)
+                if self.tls is not None:
+                    self.tls_ports.append(tls_port)
                 self._processes.append(process)
                 return
             # Lost the port to someone else between the probe and the bind: try another.
@@ -178,7 +214,8 @@ class LocalCluster:
         try:
             for node, (low, high) in zip(nodes, slot_ranges(self.primaries), strict=True):
                 node.cluster("ADDSLOTSRANGE", str(low), str(high))
-            for port in self.ports[1:]:
+            # A node's bus listens next to its client port, the TLS one when the bus is TLS.
+            for port in (self.tls_ports if self.tls is not None else self.ports)[1:]:
                 nodes[0].cluster("MEET", "127.0.0.1", str(port))
             deadline = time.monotonic() + self.startup_timeout_s
             while not all(self._converged(node) for node in nodes):
@@ -228,6 +265,7 @@ class LocalCluster:
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
         self.ports = []
+        self.tls_ports = []
 
     def __enter__(self) -> LocalCluster:
         self.start()
