@@ -277,9 +277,37 @@ class Streams:
             if subscription is not None:
                 self._hub.unsubscribe(subscription)
 
-    async def page(self, location: Location, start: StartPoint) -> dict[str, Any]:
-        """A catch-up page for polling clients."""
+    async def page(
+        self, location: Location, start: StartPoint, wait_s: float = 0.0
+    ) -> dict[str, Any]:
+        """A catch-up page for polling clients; with ``wait_s``, a long poll: when nothing is
+        stored past the start and the stream is open, the page waits up to ``wait_s`` for the
+        first new event (an empty page once it runs out).
+
+        A waiting page rides its stream's feed like an SSE reader: it costs the Redis reads of
+        the page before and after the wait, and nothing while it waits, however many wait.
+        """
         cursor = await self.resolve(location, start)
+        page = await self._json_page(location, cursor)
+        if wait_s <= 0 or page["events"] or page["closed"]:
+            return page
+        subscription = self._hub.subscribe(
+            self.events_key(location), cursor, self.turn_key(location)
+        )
+        try:
+            # Anything the feed passed before this reader joined is in Redis by now.
+            page = await self._json_page(location, cursor)
+            if page["events"] or page["closed"]:
+                return page
+            subscription.cursor = cursor
+            await subscription.get_all(wait_s)  # a batch, or None: quiet for wait_s
+        except HubClosed:
+            return page  # shutting down: the client polls again elsewhere
+        finally:
+            self._hub.unsubscribe(subscription)
+        return await self._json_page(location, cursor)
+
+    async def _json_page(self, location: Location, cursor: Cursor) -> dict[str, Any]:
         # Look at the status first: if it is final now, the page below reaches the `end` event.
         at_rest = await self._at_rest(location)
         size = self._settings.json_page_size

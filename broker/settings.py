@@ -23,6 +23,7 @@ BOUNDED = {
     "job_partitions": (1, 1024),
     "replica_acks": (0, 16),  # 0: writes do not wait for replicas
     "replica_wait_ms": (1, 60_000),
+    "long_poll_max_s": (0, 300),  # 0: no long polls (a ?wait= above 0 is refused)
 }
 
 
@@ -59,6 +60,7 @@ class Settings:
     sse_send_timeout_s: float = 30.0
     drain_timeout_s: float = 10.0
     json_page_size: int = 1_000
+    long_poll_max_s: float = 25.0  # the longest ?wait= of a JSON page (a long poll)
     sse_replay_page: int = 4_096  # events per read (and per write) when an SSE reader replays
     simulate_max_tokens_per_s: float = 0.0
     max_attempts_per_turn: int = 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import orjson
@@ -247,11 +249,19 @@ async def read_stream(
     token: Annotated[
         str | None, Query(description="an attach token, for clients that cannot send headers")
     ] = None,
+    wait: Annotated[
+        str | None,
+        Query(
+            description="format=json only: seconds to wait for the first new event when none "
+            "is stored past the offset (a long poll), from 0 to BROKER_LONG_POLL_MAX_S"
+        ),
+    ] = None,
 ) -> Response:
     """Read a turn's events as SSE (default) or as a JSON catch-up page (``format=json``)."""
     rt = runtime(request)
     if format not in (None, "sse", "json"):
         raise BadRequest("format must be sse or json", code="bad_format")
+    wait_s = long_poll_wait(wait, rt.settings.long_poll_max_s, json=format == "json")
     if principal.stream_id is not None and principal.stream_id != stream_id:
         rt.metrics.auth_failures.labels("forbidden").inc()
         raise Forbidden("the attach token is for another stream", code="wrong_stream")
@@ -261,8 +271,46 @@ async def read_stream(
     start = StartPoint.parse(request.headers.get("last-event-id") or offset)
     location = await rt.streams.locate(stream_id, principal.tenant, start=start)
     if format == "json":
-        return json_response(await rt.streams.page(location, start))
+        page = rt.streams.page(location, start, wait_s)
+        return json_response(await page if wait_s <= 0 else await until_gone(request, page))
     return await event_stream(rt.deps, rt.streams, location, start, principal)
+
+
+def long_poll_wait(raw: str | None, max_s: float, *, json: bool) -> float:
+    """The seconds of a ``wait`` parameter; 400 unless it is a whole number in range (and the
+    read a JSON page)."""
+    if raw is None:
+        return 0.0
+    if not json:
+        raise BadRequest("wait applies to format=json only (SSE waits by itself)", code="bad_wait")
+    if not raw.isascii() or not raw.isdigit() or int(raw) > max_s:
+        raise BadRequest(
+            f"wait must be a whole number of seconds from 0 to {max_s:g}", code="bad_wait"
+        )
+    return float(raw)
+
+
+async def until_gone(request: Request, page: Coroutine[Any, Any, dict[str, Any]]) -> Any:
+    """A long poll's page, or an empty answer as soon as its client hangs up (the wait ends,
+    its place on the feed is given back)."""
+    waiting = asyncio.ensure_future(page)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if waiting.done():
+        return waiting.result()
+    # The wait unsubscribes however its task ends: a cancellation swallowed by the Redis client
+    # only lets it run out its wait.
+    waiting.cancel()
+    return {}
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone (a GET's body is empty: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @ops_router.get("/healthz", response_model=Status)
