@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from broker import redis_calls as rc
 from broker.admission import Admission
@@ -35,10 +35,23 @@ CANCEL_WAIT_S = 5.0
 CANCEL_POLL_S = 0.02
 
 
+def _whole(value: Any) -> Any:
+    """``60.0`` as ``60``: JSON has one kind of number, and JSON Schema's ``integer`` is any
+    number without a fraction. Fractions, booleans and strings pass unchanged, for the strict
+    integer check to refuse."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer of a request body (the request models are strict: `true` and `"5"` are not one).
+WholeNumber = Annotated[int, BeforeValidator(_whole)]
+
+
 class Message(BaseModel):
     """One message of the conversation as the model should see it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
@@ -51,7 +64,7 @@ class Message(BaseModel):
 class TurnRequest(BaseModel):
     """The body of ``POST /v1/turns``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     conversation_id: str = Field(pattern=ID_REGEX)
     turn_id: str | None = Field(default=None, pattern=ID_REGEX)
@@ -67,7 +80,7 @@ class TurnRequest(BaseModel):
 class AttemptRequest(BaseModel):
     """The body of ``POST /v1/turns/{turn_id}/attempts``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     strategy: Literal["continue", "regenerate"]
 
@@ -75,10 +88,10 @@ class AttemptRequest(BaseModel):
 class CanonicalRequest(BaseModel):
     """The body of ``POST /v1/turns/{turn_id}/canonical``: promote an attempt, by CAS."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    attempt: int = Field(ge=1)
-    expected: int | None = Field(
+    attempt: WholeNumber = Field(ge=1)
+    expected: WholeNumber | None = Field(
         default=None, ge=1, description="the canonical attempt the client saw (null: none)"
     )
 

@@ -30,7 +30,7 @@ from broker.auth import Principal, require_actor
 from broker.errors import BadRequest, Forbidden, Unauthorized
 from broker.metrics import AUTH_FAILURES
 from broker.reader import StartPoint
-from broker.turns import AttemptRequest, CanonicalRequest, TurnRequest
+from broker.turns import AttemptRequest, CanonicalRequest, TurnRequest, WholeNumber
 from broker.viewer import event_stream
 
 if TYPE_CHECKING:
@@ -90,13 +90,14 @@ Actor = Annotated[Principal, Depends(actor)]
 class AttachTokenRequest(BaseModel):
     """The body of ``POST /v1/turns/{turn_id}/attach-tokens`` (all optional)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: `true`, `"5"` and `0.5` are not a lifetime, and a boolean is only true or false.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    ttl_s: float | None = Field(
+    ttl_s: WholeNumber | None = Field(
         default=None,
-        gt=0,
+        ge=1,
         le=31_536_000,
-        description="lifetime in seconds (default BROKER_ATTACH_TOKEN_TTL, capped at "
+        description="lifetime in whole seconds (default BROKER_ATTACH_TOKEN_TTL, capped at "
         "BROKER_ATTACH_TOKEN_MAX_TTL)",
     )
     one_viewer: bool = Field(

@@ -22,7 +22,7 @@ TEXT_PART_TYPES = frozenset({"text"})
 class UIPart(BaseModel):
     """One part of a UI message: any ``type``; a text part carries its ``text``."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str = Field(min_length=1, max_length=128)
     text: str | None = None
@@ -37,7 +37,7 @@ class UIPart(BaseModel):
 class UIMessage(BaseModel):
     """A UI message as ``useChat`` keeps it: an id, a role and parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     id: str = Field(min_length=1, max_length=128)
     role: Literal["system", "user", "assistant"]
@@ -51,7 +51,7 @@ class UIMessage(BaseModel):
 class ChatRequest(BaseModel):
     """The body ``DefaultChatTransport`` posts, plus the broker's own fields from ``body``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     id: str = Field(description="the chat id: the broker's conversation id")
     messages: list[UIMessage] = Field(min_length=1)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.errors import BadRequest
 from broker.keys import ID_PATTERN
 from broker.providers import Providers
+from broker.turns import WholeNumber
 
 ID_REGEX = ID_PATTERN.pattern
 
@@ -22,7 +23,7 @@ class ParamError(BadRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["input_text", "output_text", "text"]
     text: str
@@ -32,7 +33,7 @@ class ContentPart(BaseModel):
 class InputMessage(BaseModel):
     """One message of ``input``, with string or text-part content."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
@@ -49,7 +50,7 @@ class InputMessage(BaseModel):
 class BrokerExtension(BaseModel):
     """The ``broker`` extension field: the native ``params`` (e.g. ``simulate``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     params: dict[str, Any] = Field(default_factory=dict)
 
@@ -57,7 +58,7 @@ class BrokerExtension(BaseModel):
 class ResponsesRequest(BaseModel):
     """The body of ``POST /v1/responses``: the subset people send, plus ``broker``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1, max_length=256)
     input: str | list[InputMessage]
@@ -67,7 +68,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    max_output_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
+    max_output_tokens: WholeNumber | None = Field(default=None, ge=1, le=10_000_000)
     previous_response_id: str | None = Field(default=None, max_length=128)
     store: bool | None = None
     broker: BrokerExtension | None = Field(
@@ -76,7 +77,7 @@ class ResponsesRequest(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
@@ -89,7 +90,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool | None = None
 
@@ -97,7 +98,7 @@ class StreamOptions(BaseModel):
 class ChatRequest(BaseModel):
     """The body of ``POST /v1/chat/completions``: the subset people send, plus ``broker``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
@@ -105,12 +106,12 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
+    max_tokens: WholeNumber | None = Field(default=None, ge=1, le=10_000_000)
+    max_completion_tokens: WholeNumber | None = Field(default=None, ge=1, le=10_000_000)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: WholeNumber | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: WholeNumber | None = Field(default=None, ge=1, le=1)
     user: str | None = Field(default=None, max_length=256)
     broker: BrokerExtension | None = None
 
