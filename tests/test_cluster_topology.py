@@ -245,15 +245,17 @@ def test_with_replica_acks_a_failover_loses_no_event_a_reader_was_told() -> None
             replica = cluster.replica_of[primary]
             stream = f"{prefix}:{{c:acked}}:events:{turn['turn_id']}"
             with redis.Redis(port=primary, decode_responses=True) as node:
-                before = node.xlen(stream)
-                # The replica stops reading for 1.5 s, and its link is cut: what the primary
-                # appends from now on, it never sends.
-                asleep = threading.Thread(target=sleep_node, args=(replica, 2.0), daemon=True)
+                # The replica stops reading for a while, and its link is cut: what the primary
+                # appends from now on, it never sends (the replica, asleep, cannot reconnect).
+                asleep = threading.Thread(target=sleep_node, args=(replica, 5.0), daemon=True)
                 asleep.start()
                 wait_until(lambda: not answers(replica), timeout=5)
                 assert node.client_kill_filter(_type="replica") >= 1
-                wait_until(lambda: node.xlen(stream) >= before + 8, timeout=10)
+                cut = node.xlen(stream)
+                wait_until(lambda: node.xlen(stream) >= cut + 3, timeout=10)
                 on_primary = {entry_id for entry_id, _ in node.xrange(stream)}
+            # Still asleep: it never got those appends, and will not from a dead primary.
+            assert not answers(replica), "the replica woke before its primary died"
             cluster.kill(primary)
             asleep.join(timeout=10)
             survivor = next(p for p in cluster.ports if p not in (primary, replica))
