@@ -19,6 +19,7 @@ DOCUMENT = ROOT / "docs" / "architecture.md"
 GROUND = {
     "broker",
     "broker.canonical",
+    "broker.compression",
     "broker.connection",
     "broker.deps",
     "broker.embedded_redis",
