@@ -41,6 +41,7 @@ from broker.api import (
 from broker.api.connections import ConnectionLimits, guarded
 from broker.api.schemas import install_components
 from broker.auth import Authenticator
+from broker.compression import Compression
 from broker.connection import check_eviction_policy, client, connect, is_cluster_url, redact
 from broker.deps import Deps, scripts_for
 from broker.dialects.aisdk import router as aisdk_router
@@ -253,6 +254,8 @@ def create_app(
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(HeaderSizeLimit, limit=settings.max_header_bytes)
+    if settings.compression == "on":  # gzip for clients that ask; streams code their own bodies
+        app.add_middleware(Compression)
     app.add_middleware(SecurityHeaders)
     origins = cors_origins(settings.cors_origins)
     if origins:  # outermost, so that even a 413 or 431 is readable by the calling page

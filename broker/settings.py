@@ -58,6 +58,7 @@ class Settings:
     sse_heartbeat_s: float = 15.0
     sse_retry_ms: int = 1_000
     sse_send_timeout_s: float = 30.0
+    compression: str = "on"  # on | off: gzip for clients that ask (Accept-Encoding)
     drain_timeout_s: float = 10.0
     json_page_size: int = 1_000
     long_poll_max_s: float = 25.0  # the longest ?wait= of a JSON page (a long poll)
@@ -106,6 +107,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
             raise SettingsError(f"BROKER_LOG_FORMAT must be text or json, not {self.log_format!r}")
+        if self.compression not in ("on", "off"):
+            raise SettingsError(f"BROKER_COMPRESSION must be on or off, not {self.compression!r}")
         if self.role not in ROLES:
             raise SettingsError(f"BROKER_ROLE must be one of {', '.join(ROLES)}, not {self.role!r}")
         if self.redis_url is not None and not self.redis_url.startswith(REDIS_URL_SCHEMES):

@@ -31,6 +31,8 @@ from typing import Any, Final, Protocol
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from broker.compression import CODING, GZIP, GzipStream, stream_headers
+
 log = logging.getLogger("broker.sse")
 
 PING = b": ping\n\n"
@@ -79,8 +81,9 @@ class RawSend:
     An event stream's body chunks go straight to it: the middleware between only looks at a
     response's start (its headers), and on a live stream with a thousand readers each layer
     is paid a thousand times per batch. This holds only while every middleware passes the start
-    on before the body (none buffers or compresses a response): one that held the start back
-    would let body chunks reach the server first. Event streams are never compressed.
+    on before the body (none holds an event stream's start back): one that held the start back
+    would let body chunks reach the server first. An event stream compresses its own body
+    (``broker.compression``): the middleware that chooses the coding passes its start at once.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -118,10 +121,15 @@ class EventStreamResponse(Response):
         self._sending_since: float | None = None
         self._send_body: Send | None = None  # set once the response has started
         self._finishing: asyncio.Task[None] | None = None  # a direct write the client holds up
+        self._gzip: GzipStream | None = None  # set at the start when the client asked for gzip
         self._over = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self._raw_headers})
+        coding = scope.get(CODING)  # chosen by broker.compression's middleware, when it is on
+        if coding == GZIP:
+            self._gzip = GzipStream()  # one per response: its history is this stream's frames
+        headers = self._raw_headers + stream_headers(coding)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         self._send_body = scope.get(RAW_SEND, send)
         pump = asyncio.create_task(self._pump())
         watch = asyncio.create_task(_wait_for_disconnect(receive))
@@ -155,7 +163,9 @@ class EventStreamResponse(Response):
         busy = self._sending_since is not None or self._finishing is not None
         if send is None or busy or self._over:
             return False
-        message = {"type": "http.response.body", "body": chunk, "more_body": True}
+        # Coded only now that it will be sent: the compressor's output must follow the writes.
+        body = chunk if self._gzip is None else self._gzip.write(chunk)
+        message = {"type": "http.response.body", "body": body, "more_body": True}
         steps = send(message).__await__()
         try:
             waiting_on = steps.send(None)
@@ -215,6 +225,8 @@ class EventStreamResponse(Response):
             await finishing  # a direct write goes first: it was accepted before this chunk
         send = self._send_body
         assert send is not None
+        if self._gzip is not None:  # each chunk is flushed whole: nothing waits in the compressor
+            chunk = self._gzip.write(chunk) if more else self._gzip.finish(chunk)
         # A write that blocks (the client stopped reading) is ended by _watch_sends: one
         # timer per response instead of one per write. Each slice restarts the clock: a client
         # that takes bytes, however slowly, is not the one the timeout is for.
