@@ -102,17 +102,30 @@ class JobQueue:
     ``redis`` serves every call but :meth:`listen`. ``cluster`` chooses the cluster way (polled
     reads with doorbells, sharded stop channels) or the single server's; by default it follows
     ``redis``. One server serves the cluster way too, which tests use.
+
+    ``queue`` names the queue: ``jobs`` (generations) or ``webhooks`` (completion
+    notifications, :mod:`broker.webhooks`), each its own partitions with the same consumer
+    group. ``bells=False`` sends no doorbells: a queue whose readers poll (on a cluster, every
+    :data:`BELL_WAIT_S`) and hear nothing.
     """
 
     def __init__(
-        self, redis: Redis, keys: Keys, partitions: int, *, cluster: bool | None = None
+        self,
+        redis: Redis,
+        keys: Keys,
+        partitions: int,
+        *,
+        cluster: bool | None = None,
+        queue: str = "jobs",
+        bells: bool = True,
     ) -> None:
         self._redis = redis
         self._keys = keys
         self._partitions = partitions
         self._cluster = as_cluster(redis) is not None if cluster is None else cluster
-        self.streams = tuple(keys.job_stream(i) for i in range(partitions))
-        self._bells = {keys.job_bell(i): self.streams[i] for i in range(partitions)}
+        self._ring = bells
+        self.streams = tuple(keys.job_stream(i, queue) for i in range(partitions))
+        self._bells = {keys.job_bell(i, queue): self.streams[i] for i in range(partitions)}
         # On a cluster: the partitions to read next, their doorbell rang or they had more jobs
         # than the last read took; and when every partition is read again (loop time).
         self._due: set[str] = set()
@@ -136,7 +149,7 @@ class JobQueue:
         partition = job_partition(conversation_id, self._partitions)
         stream = self.streams[partition]
         job = {"conversation_id": conversation_id, "turn_id": turn_id, "attempt": str(attempt)}
-        if not self._cluster:
+        if not self._cluster or not self._ring:
             return str(await self._redis.xadd(stream, job))  # type: ignore[arg-type]
         # The doorbell shares the partition's slot: one round trip. A lost doorbell only delays
         # the job until the next poll, so its failure does not fail the enqueue.
@@ -280,6 +293,14 @@ class JobQueue:
         jobs = await self._decode(batches)
         self._held.extend(jobs[count:])
         return jobs[:count]
+
+    async def claim(self, consumer: str, stream: str, job_id: str) -> Job | None:
+        """Take one pending job by its id, whoever holds it (it is ``consumer``'s now); None when
+        it is settled, deleted or not yet read by anyone."""
+        claimed = await self._redis.xclaim(stream, JOB_GROUP, consumer, 0, [job_id])
+        for entry_id, fields in cast(rc.RawEntries, claimed or []):
+            return Job.parse(stream, str(entry_id), fields)
+        return None
 
     async def touch(self, consumer: str, job: Job) -> None:
         """Reset a job's idle time, so that no other worker reclaims a live job."""

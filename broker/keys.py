@@ -11,7 +11,10 @@ and no key is global by accident:
   retry budget ``{s:<session>}``;
 * the job queue is ``job_partitions`` streams, ``<prefix>:{jobs:<i>}``, each in a slot of its own
   (with its doorbell channel ``<prefix>:{jobs:<i>}:bell`` on a cluster); a conversation's jobs
-  all go to one partition (:func:`job_partition`);
+  all go to one partition (:func:`job_partition`); the completion webhooks' queue is the same
+  shape, ``<prefix>:{webhooks:<i>}``, with each notification's delivery state beside its job
+  (``<prefix>:{webhooks:<i>}:try:<job id>``, ``...:hold:<job id>``, and ``...:sent:<attempt>``
+  once delivered);
 * the two index keys map ids a client holds (turn id, stream id) to their conversation; they live
   in their own slots and are only read and written with single-key commands;
 * on a single server, stop notifications go on one classic Pub/Sub channel, ``<prefix>:stops``
@@ -65,13 +68,29 @@ class Keys:
         # A single server's one classic Pub/Sub channel for every stop notification.
         self.stop_channel = f"{prefix}:stops"
 
-    def job_stream(self, partition: int) -> str:
-        """Redis Stream: one partition of the job queue, read by the workers' consumer group."""
-        return f"{self.prefix}:{{jobs:{partition}}}"
+    def job_stream(self, partition: int, queue: str = "jobs") -> str:
+        """Redis Stream: one partition of a job queue (``jobs``, generations; ``webhooks``,
+        completion notifications), read by the workers' consumer group."""
+        return f"{self.prefix}:{{{queue}:{partition}}}"
 
-    def job_bell(self, partition: int) -> str:
+    def job_bell(self, partition: int, queue: str = "jobs") -> str:
         """Sharded Pub/Sub channel (a cluster's): rung when a job lands on the partition."""
-        return f"{self.job_stream(partition)}:bell"
+        return f"{self.job_stream(partition, queue)}:bell"
+
+    def webhook_try(self, stream: str, job_id: str) -> str:
+        """Hash: one notification's delivery (tries, its body, its URL), in the slot of the
+        webhook partition ``stream`` that holds its job."""
+        return f"{stream}:try:{job_id}"
+
+    def webhook_sent(self, stream: str, conversation_id: str, turn_id: str, attempt: int) -> str:
+        """String with a PEXPIRE: the attempt's notification was delivered (a second job of the
+        same attempt is settled unsent); in the slot of the attempt's webhook partition."""
+        return f"{stream}:sent:{conversation_id} {turn_id} {attempt}"
+
+    def webhook_hold(self, stream: str, job_id: str) -> str:
+        """String with a PEXPIRE: no worker sends the notification before it expires (a try in
+        flight, or the backoff after a failed one)."""
+        return f"{stream}:hold:{job_id}"
 
     def stops(self, conversation_id: str) -> str:
         """Sharded Pub/Sub channel (a cluster's): stop notifications of the conversation's turns."""
