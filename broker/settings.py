@@ -12,6 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.errors import BrokerError
+from broker.webhook_config import (
+    WebhookConfigError,
+    decode_secret,
+    parse_hosts,
+    parse_tenant_urls,
+    parse_url,
+)
 
 ROLES = ("all", "api", "worker")
 # A cluster URL names one or more of its nodes: redis+cluster://[user:password@]host:port,host:port
@@ -24,6 +31,10 @@ BOUNDED = {
     "replica_acks": (0, 16),  # 0: writes do not wait for replicas
     "replica_wait_ms": (1, 60_000),
     "long_poll_max_s": (0, 300),  # 0: no long polls (a ?wait= above 0 is refused)
+    "webhook_max_tries": (1, 1000),
+    "webhook_backoff_ms": (1, 3_600_000),
+    "webhook_backoff_max_ms": (1, 86_400_000),
+    "webhook_recheck_ms": (10, 60_000),
 }
 
 
@@ -103,6 +114,16 @@ class Settings:
     turn_rate_per_s: float = 10.0  # per tenant; 0 = no rate limit
     turn_burst: int = 100
     max_streams_per_tenant: int = 200  # turns queued or generating at once; 0 = no limit
+    # Completion webhooks (broker.webhooks, broker.notifier); off without a secret.
+    webhook_secret: str | None = dataclasses.field(default=None, repr=False)  # whsec_<base64>
+    webhook_url: str | None = None  # an open broker's, and the tenants' without their own
+    webhook_urls: str | None = None  # tenant=url,tenant=url
+    webhook_hosts: str | None = None  # hosts a turn's notify.url may name; *.example.com, *
+    webhook_max_tries: int = 12  # sends of one notification before it is given up
+    webhook_backoff_ms: int = 1_000  # the pause after the first failed send, doubled after each
+    webhook_backoff_max_ms: int = 600_000  # the longest pause
+    webhook_timeout_s: float = 10.0  # one send, connect to answer
+    webhook_recheck_ms: int = 1_500  # how often a notification's turn is looked at again
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -119,6 +140,7 @@ class Settings:
                 f"not {shown}:// (the URL is not repeated: it may hold a password)"
             )
         _check_numbers(self)
+        _check_webhooks(self)
         if self.max_stream_events < 8:
             raise SettingsError("BROKER_MAX_STREAM_EVENTS must be at least 8")
         if self.job_reclaim_idle_ms < 0 or 0 < self.job_reclaim_idle_ms <= self.lease_ttl_ms:
@@ -310,3 +332,32 @@ def _check_numbers(settings: Settings) -> None:
     for name in positive:
         if getattr(settings, name) <= 0:
             raise SettingsError(f"BROKER_{name.upper()} must be positive")
+
+
+def _check_webhooks(settings: Settings) -> None:
+    """The webhook settings parse, and a configured URL has a secret to sign with."""
+    values = (
+        ("BROKER_WEBHOOK_SECRET", settings.webhook_secret, decode_secret),
+        ("BROKER_WEBHOOK_URL", settings.webhook_url, parse_url),
+        ("BROKER_WEBHOOK_URLS", settings.webhook_urls, parse_tenant_urls),
+        ("BROKER_WEBHOOK_HOSTS", settings.webhook_hosts, parse_hosts),
+    )
+    for name, value, parse in values:
+        if not value:
+            continue
+        try:
+            parse(value)
+        except WebhookConfigError as exc:
+            shown = "" if name == "BROKER_WEBHOOK_SECRET" else f" ({value[:80]!r})"
+            raise SettingsError(f"{name} {exc}{shown}") from None
+    if (settings.webhook_url or settings.webhook_urls) and not settings.webhook_secret:
+        raise SettingsError(
+            "BROKER_WEBHOOK_URL or BROKER_WEBHOOK_URLS is set but BROKER_WEBHOOK_SECRET is not: "
+            "webhooks are signed (broker new-webhook-secret prints one)"
+        )
+    if settings.webhook_backoff_ms > settings.webhook_backoff_max_ms:
+        raise SettingsError(
+            "BROKER_WEBHOOK_BACKOFF_MS must not exceed BROKER_WEBHOOK_BACKOFF_MAX_MS"
+        )
+    if settings.webhook_timeout_s <= 0:
+        raise SettingsError("BROKER_WEBHOOK_TIMEOUT_S must be positive")
