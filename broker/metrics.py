@@ -25,6 +25,11 @@ STREAM_MODES = ("sse", "json")
 STRATEGIES = ("initial", "continue", "regenerate")
 ATTEMPT_OUTCOMES = ("complete", "partial", "cancelled", "failed")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# What became of one send of a completion webhook (broker.notifier).
+WEBHOOK_OUTCOMES = ("delivered", "retried", "gave_up")
+# From an attempt's end to its webhook's 2xx: a first try takes well under a second, retries
+# take minutes.
+WEBHOOK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600)
 
 
 AUTH_FAILURES = ("missing", "bad_credentials", "bad_token", "token_expired", "forbidden")
@@ -232,9 +237,29 @@ class Metrics:
         )
         for reason in CONNECTION_CLOSE_REASONS:
             self.connections_closed.labels(reason)
+        self.webhook_deliveries = Counter(
+            "broker_webhook_deliveries_total",
+            "Completion webhook sends, by outcome: delivered (a 2xx), retried (a failed send "
+            "that will be tried again), gave_up (BROKER_WEBHOOK_MAX_TRIES failed, or no target).",
+            ["outcome"],
+            registry=r,
+        )
+        _at_zero(self.webhook_deliveries, WEBHOOK_OUTCOMES)
+        self.webhook_delivery_seconds = Histogram(
+            "broker_webhook_delivery_seconds",
+            "Time from an attempt's end to the 2xx of its completion webhook, retries included.",
+            buckets=WEBHOOK_BUCKETS,
+            registry=r,
+        )
         self.requests_abandoned = Counter(
             "broker_requests_abandoned_total",
             "Requests whose client left before the whole body arrived (routine on mobile "
             "networks; nothing was done for them).",
             registry=r,
         )
+
+
+def _at_zero(counter: Counter, values: tuple[str, ...]) -> None:
+    """Create a one-label counter's series at zero for each of ``values``."""
+    for value in values:
+        counter.labels(value)

@@ -49,6 +49,7 @@ NAMES = (
     "renew_viewer",
     "release_viewer",
     "release_lease",
+    "take_webhook",
 )
 
 
@@ -112,6 +113,20 @@ class ToolClaim:
     token: str = ""  # claimed, reclaimed
     payload: str = ""  # completed, failed: the stored JSON; args_mismatch: the fingerprint
     wait_ms: int = 0  # in_flight: the holder's lease left
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WebhookTake:
+    """``take_webhook``: ``take`` (send ``body`` to ``url`` now; ``tries`` failed before),
+    ``wait`` (held for ``wait_ms`` more by a send in flight or a backoff) or ``sent`` (the
+    attempt's notification was delivered already)."""
+
+    result: Literal["take", "wait", "sent"]
+    tries: int = 0
+    body: str = ""
+    url: str = ""
+    ended_ms: int = 0
+    wait_ms: int = 0
 
 
 def _text(reply: Sequence[Any], index: int) -> str:
@@ -239,6 +254,7 @@ class Scripts:
         session: str,
         record: str,
         response_format: str,
+        notify: str = "",
     ) -> Created:
         reply = await self(
             "create_turn",
@@ -252,6 +268,7 @@ class Scripts:
                 session,
                 record,
                 response_format,
+                notify,
             ],
         )
         result = str(reply[0])
@@ -413,3 +430,26 @@ class Scripts:
 
     async def release_viewer(self, *, viewer: str, holder: str) -> bool:
         return int(await self("release_viewer", [viewer], [holder])) == 1
+
+    async def take_webhook(
+        self,
+        *,
+        delivery: str,
+        hold: str,
+        sent: str,
+        body: str,
+        url: str,
+        ended_ms: int,
+        hold_ms: int,
+        ttl_ms: int,
+    ) -> WebhookTake:
+        reply = await self(
+            "take_webhook", [delivery, hold, sent], [body, url, ended_ms, hold_ms, ttl_ms]
+        )
+        if str(reply[0]) == "sent":
+            return WebhookTake("sent")
+        if str(reply[0]) == "wait":
+            return WebhookTake("wait", wait_ms=int(reply[1]))
+        return WebhookTake(
+            "take", int(reply[1]), _text(reply, 2), _text(reply, 3), int(_text(reply, 4) or 0)
+        )

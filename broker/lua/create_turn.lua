@@ -11,6 +11,7 @@
 -- ARGV[6]  session              the retry-budget session (the conversation id by default)
 -- ARGV[7]  attempt record       JSON of attempt 1 ({"n":1,"strategy":"initial",...})
 -- ARGV[8]  response format      text | json
+-- ARGV[9]  notify               the turn's own completion webhook URL ("" or absent: none)
 --
 -- Returns  {"created", stream_id, status, attempt, created_ms}
 --          {"exists",  stream_id, status, attempt, created_ms, enqueued}   same fingerprint
@@ -35,6 +36,9 @@ redis.call('HSET', turn,
   'fingerprint', ARGV[1], 'stream_id', ARGV[2], 'conversation_id', ARGV[3], 'turn_id', ARGV[4],
   'request', ARGV[5], 'session', ARGV[6], 'status', 'queued', 'attempt', 1, 'fence', 0,
   'enqueued', 0, 'created_ms', created_ms, 'attempt:1', ARGV[7], 'response_format', ARGV[8])
+if ARGV[9] and ARGV[9] ~= '' then
+  redis.call('HSET', turn, 'notify', ARGV[9])
+end
 redis.call('ZADD', KEYS[3], created_ms, ARGV[4])
 redis.call('PERSIST', KEYS[3])
 return {'created', ARGV[2], 'queued', '1', created_ms}
