@@ -17,6 +17,7 @@ from broker.embedded_redis import EmbeddedRedisError
 from broker.providers import Providers
 from broker.settings import ROLES, Settings, SettingsError
 from broker.tools import ToolConfigError, ToolRegistry
+from broker.webhook_config import new_secret
 
 
 def _loadgen() -> ModuleType | None:
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--role", choices=ROLES, help="all (default), api or worker (BROKER_ROLE)")
     commands.add_parser("providers", help="list the configured providers and their models")
     commands.add_parser("new-key", help="print a new random API key (for BROKER_API_KEYS)")
+    commands.add_parser(
+        "new-webhook-secret", help="print a new random secret (for BROKER_WEBHOOK_SECRET)"
+    )
     loadgen = _loadgen()
     if loadgen is not None:
         loadgen.add_parser(commands)
@@ -122,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return list_providers()
     if args.command == "new-key":
         print(new_api_key())
+        return 0
+    if args.command == "new-webhook-secret":
+        print(new_secret())
         return 0
     try:
         settings = Settings.from_env(host=args.host, port=args.port, role=args.role)

@@ -52,12 +52,15 @@ from broker.jobs import JobQueue
 from broker.keys import Keys
 from broker.ledger import Dispatcher, Ledger
 from broker.metrics import Metrics
+from broker.notifier import Notifier
 from broker.providers import Providers
 from broker.reader import Streams
 from broker.settings import Settings
 from broker.sse import RawSend
 from broker.tools import ToolRegistry
 from broker.turns import Turns
+from broker.webhook_config import WebhookConfig
+from broker.webhooks import Webhooks, webhook_queue
 from broker.worker import Worker
 
 log = logging.getLogger("broker")
@@ -66,6 +69,8 @@ log = logging.getLogger("broker")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 # Open files a process needs besides its client connections (Redis, logs, the listening socket).
 FILE_HEADROOM = 1_024
+# On shutdown, how long webhook sends in flight may finish (a cut one is sent again later).
+WEBHOOK_DRAIN_S = 2.0
 
 
 class Runtime:
@@ -104,7 +109,12 @@ class Runtime:
         if auth is None:
             log.warning("attach tokens are signed with a key of this process only")
         self.admission = Admission(self.deps)
-        self.turns = Turns(self.deps, self.providers, self.admission, self.jobs)
+        # Completion webhooks: per-turn URLs need an allow-list once credentials are on.
+        self.webhook_config = WebhookConfig.from_settings(settings, secured=self.auth.enabled)
+        self.webhook_queue = webhook_queue(redis, self.keys, settings.job_partitions)
+        self.webhooks = Webhooks(redis, self.keys, self.webhook_queue, self.webhook_config)
+        self.notifier: Notifier | None = None
+        self.turns = Turns(self.deps, self.providers, self.admission, self.jobs, self.webhooks)
         self.tools = tools
         self.ledger = Ledger(self.deps)
         self.http = httpx.AsyncClient(follow_redirects=False)
@@ -165,6 +175,8 @@ class Runtime:
             metrics.eviction_policy_safe.set(1 if policy == "noeviction" else 0)
             await rt.scripts.load()
             await rt.jobs.ensure_group()
+            if rt.webhook_config.enabled:
+                await rt.webhook_queue.ensure_group()
         except BaseException:
             if embedded is not None:
                 embedded.stop()
@@ -174,6 +186,10 @@ class Runtime:
                 rt.deps, blocking, rt.providers, rt.jobs, rt.dispatcher, rt.admission
             )
             rt.worker.start()
+            if rt.webhook_config.enabled:
+                rt.notifier = Notifier(rt.deps, rt.webhook_queue, rt.http, rt.webhook_config)
+                rt.notifier.start()
+                rt.worker.on_attempt_ended = rt.notifier.nudge
         return rt
 
     async def drain(self) -> None:
@@ -183,6 +199,8 @@ class Runtime:
         self._drained = True
         if self.worker is not None:
             await self.worker.stop(self.settings.drain_timeout_s)
+        if self.notifier is not None:  # after the worker: the attempts it ended are nudged
+            await self.notifier.stop(min(self.settings.drain_timeout_s, WEBHOOK_DRAIN_S))
         await self.hub.close()
 
     async def close(self) -> None:

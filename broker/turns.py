@@ -25,6 +25,7 @@ from broker.vocabulary import (
     TurnStatus,
     encode_turn_ref,
 )
+from broker.webhooks import NotifyRequest, Webhooks
 
 log = logging.getLogger("broker.turns")
 
@@ -75,6 +76,8 @@ class TurnRequest(BaseModel):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     response_format: Literal["text", "json"] = "text"
     session_id: str | None = Field(default=None, pattern=ID_REGEX)
+    # Where to POST once each attempt is at rest; delivery, not the work: not fingerprinted.
+    notify: NotifyRequest | None = None
 
 
 class AttemptRequest(BaseModel):
@@ -112,10 +115,16 @@ class Turns:
     """Creating and reading turns."""
 
     def __init__(
-        self, deps: Deps, providers: Providers, admission: Admission, jobs: JobQueue
+        self,
+        deps: Deps,
+        providers: Providers,
+        admission: Admission,
+        jobs: JobQueue,
+        webhooks: Webhooks | None = None,
     ) -> None:
         self._admission = admission
         self._jobs = jobs
+        self._webhooks = webhooks
         self._redis = deps.redis
         self._scripts = deps.scripts
         self._keys = deps.keys
@@ -150,10 +159,11 @@ class Turns:
         ids are the tenant's own: another tenant may use the same ones without meeting them.
         """
         self._check_limits(request)
+        self._check_notify(request)
         turn_id = request.turn_id or f"t_{secrets.token_hex(16)}"
         conversation_id = scoped(tenant, request.conversation_id)
         # The session names a retry budget, not the work: it is not part of the fingerprint.
-        body = request.model_dump(exclude={"turn_id", "session_id"})
+        body = request.model_dump(exclude={"turn_id", "session_id", "notify"})
         for message in body["messages"]:
             if message.get("partial") is None:
                 message.pop("partial", None)
@@ -213,6 +223,7 @@ class Turns:
             session=session,
             record=orjson.dumps(record).decode(),
             response_format=request.response_format,
+            notify=request.notify.url if request.notify is not None else "",
         )
         result = created.result
         if result == "expired":
@@ -258,7 +269,18 @@ class Turns:
             "links": links(turn_id, stream_id),
         }
 
+    def _check_notify(self, request: TurnRequest) -> None:
+        """A turn's ``notify.url``: 400 malformed, 422 off or a host not allowed."""
+        if request.notify is None:
+            return
+        if self._webhooks is None:
+            raise NotAllowed("this broker sends no completion webhooks", code="notify_not_allowed")
+        self._webhooks.check(request.notify.url)
+
     async def _enqueue(self, conversation_id: str, turn_id: str, attempt: int) -> None:
+        if self._webhooks is not None:
+            # Before the job: the notification is in Redis before the attempt can end.
+            await self._webhooks.watch(conversation_id, turn_id, attempt)
         await self._jobs.enqueue(conversation_id, turn_id, attempt)
         await self._redis.hset(self._keys.turn(conversation_id, turn_id), "enqueued", "1")
 

@@ -24,6 +24,7 @@ import random
 import secrets
 import socket
 import time
+from collections.abc import Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -80,6 +81,9 @@ class Worker:
         self._active: set[tuple[str, str]] = set()
         self._retry = RetryPolicy(deps)
         self._listener: asyncio.Task[None] | None = None
+        # Called with (conversation_id, turn_id, attempt) when a job's attempt is over here (the
+        # completion webhooks' nudge); it must not block.
+        self.on_attempt_ended: Callable[[str, str, int], None] | None = None
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run(), name="broker-worker")
@@ -177,6 +181,8 @@ class Worker:
         if finished:
             with contextlib.suppress(RedisError, OSError):
                 await self._jobs.done(job)
+            if self.on_attempt_ended is not None:
+                self.on_attempt_ended(job.conversation_id, job.turn_id, job.attempt)
 
     async def _run_again_on_redis_errors(self, job: Job) -> bool:
         """:meth:`_run_attempt`, run again at once (with jittered backoff) when it stopped on a

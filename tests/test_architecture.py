@@ -34,13 +34,15 @@ GROUND = {
     "broker.settings",
     "broker.sse",
     "broker.vocabulary",
+    "broker.webhook_config",
 }
-SHARED = {"broker.admission", "broker.auth", "broker.jobs"}
+SHARED = {"broker.admission", "broker.auth", "broker.jobs", "broker.webhooks"}
 READING = {"broker.fanout", "broker.frames", "broker.reader", "broker.viewer"}
 WRITING = {
     "broker.generation",
     "broker.lease",
     "broker.ledger",
+    "broker.notifier",
     "broker.output",
     "broker.retry",
     "broker.tool_steps",
