@@ -1,6 +1,7 @@
 """``python -m benchmarks``: run the workloads, print the table, write the JSON.
 
-One private Redis (with ``--cluster``, a private 3-primary Redis Cluster) serves the whole run.
+One private Redis (with ``--cluster``, a private 3-primary Redis Cluster, with ``--replicas`` N
+replicas per primary) serves the whole run.
 Each broker workload gets a fresh broker process (and an empty Redis), so its memory and CPU
 figures are its own; its repeats share that broker.
 """
@@ -70,6 +71,20 @@ def _parser() -> argparse.ArgumentParser:
         help="run against a 3-primary Redis Cluster of that binary, started by the run",
     )
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --cluster: N replicas per primary (0)",
+    )
+    parser.add_argument(
+        "--replica-acks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the brokers' BROKER_REPLICA_ACKS: each script call waits for N replicas (0)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=DEFAULT_JSON,
@@ -98,6 +113,19 @@ def _selected(only: list[str] | None) -> list[str]:
     return [name for name in WORKLOADS if name in names]
 
 
+def _check_replicas(args: argparse.Namespace) -> None:
+    """``--replicas`` needs a cluster, and acknowledgements need that many replicas: a write
+    that waits for replicas that do not exist waits out BROKER_REPLICA_WAIT_MS every time."""
+    if args.replicas < 0 or args.replica_acks < 0:
+        raise ValueError("--replicas and --replica-acks cannot be negative")
+    if args.replicas and not args.cluster:
+        raise ValueError("--replicas needs --cluster")
+    if args.replica_acks > args.replicas:
+        raise ValueError(
+            f"--replica-acks {args.replica_acks} needs at least as many --replicas per primary"
+        )
+
+
 class Run:
     """One invocation: the shared Redis, the samples gathered so far, progress on stderr."""
 
@@ -107,6 +135,7 @@ class Run:
         self.redis_server = redis_server
         self.redis = redis_server.client()
         self.nodes = redis_server.nodes()
+        self.replica_nodes = redis_server.replica_nodes()
         self.run_id = uuid.uuid4().hex[:6]
         self.samples: dict[str, list[float]] = collections.defaultdict(list)
         self.workloads: dict[str, dict[str, Any]] = {}
@@ -148,12 +177,22 @@ class Run:
         self.workloads[name] = {"repeats": [], "error": None}
         for node in self.nodes:  # FLUSHALL acts on one node of a cluster
             node.flushall()
-        broker = Broker(self.redis_server.url, concurrency=workload.worker_concurrency)
+        broker = Broker(
+            self.redis_server.url,
+            concurrency=workload.worker_concurrency,
+            env={"BROKER_REPLICA_ACKS": str(self.args.replica_acks)},
+        )
         profiler: Profiler | None = None
         try:
             broker.start()
             ctx = Context(
-                self.redis_server, self.redis, self.nodes, broker, self.sizes, self.run_id
+                self.redis_server,
+                self.redis,
+                self.nodes,
+                broker,
+                self.sizes,
+                self.run_id,
+                self.replica_nodes,
             )
             workload.prepare(ctx)
             if self.args.profile is not None:
@@ -184,7 +223,7 @@ class Run:
 
     def close(self) -> None:
         self.redis.close()
-        for node in self.nodes:
+        for node in self.nodes + self.replica_nodes:
             node.close()
 
 
@@ -208,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         selected = _selected(args.only)
         if args.repeat < 1:
             raise ValueError("--repeat must be at least 1")
+        _check_replicas(args)
     except ValueError as exc:
         print(f"benchmarks: {exc}", file=sys.stderr)
         return 2
@@ -218,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started_at, began = _now(), time.monotonic()
     try:
         redis_server: RedisServers = (
-            LocalCluster(args.redis_server) if args.cluster else RedisServer(args.redis_server)
+            LocalCluster(args.redis_server, replicas=args.replicas)
+            if args.cluster
+            else RedisServer(args.redis_server)
         )
         redis_server.start()
     except (EmbeddedRedisError, ServerError) as exc:
@@ -229,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         described = machine.describe(redis_server.version(), redis_server.binary)
         run.say(
             f"{profile} sizes, {args.repeat} repeat(s): {', '.join(selected)} "
-            f"against {described['software']['redis']} ({redis_server.topology})"
+            f"against {described['software']['redis']} ({redis_server.topology}, "
+            f"replica acks {args.replica_acks})"
         )
         if "redis" in selected:
             run.ceilings()
@@ -247,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "duration_s": round(time.monotonic() - began, 1),
         "profile": profile,
         "topology": redis_server.topology,
+        "replicas": args.replicas,  # per primary
+        "replica_acks": args.replica_acks,  # the brokers' BROKER_REPLICA_ACKS
         "repeat": args.repeat,
         "sizes": dataclasses.asdict(sizes),
         **described,

@@ -257,11 +257,14 @@ class Monitor:
 
     ``INFO commandstats`` counts both alike; MONITOR prefixes a script's calls with ``[0 lua]``.
     Its cost is one copy of each command to this connection: fine at the fan-out's pace. A
-    cluster gets one per primary, their counts summed.
+    cluster gets one per node, their counts summed. On a replica (``primary_port`` given), what
+    arrives over the link from its primary (the primary's writes, replayed) counts as
+    ``replication``, not as a client's.
     """
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, primary_port: int | None = None) -> None:
         self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._primary = None if primary_port is None else f" 127.0.0.1:{primary_port}".encode()
         self._sock = socket.create_connection(("127.0.0.1", port))
         self._sock.sendall(b"MONITOR\r\n")
         self._thread = threading.Thread(target=self._read, name="redis-monitor", daemon=True)
@@ -295,7 +298,12 @@ class Monitor:
         opened, closed = line.find(b"["), line.find(b"] ")
         if not line.startswith(b"+") or opened < 0 or closed < 0:
             return  # +OK, or a reply we do not count
-        source = "lua" if line[opened:closed].endswith(b" lua") else "client"
+        origin = line[opened:closed]
+        source = "client"
+        if origin.endswith(b" lua"):
+            source = "lua"
+        elif self._primary is not None and origin.endswith(self._primary):
+            source = "replication"
         command = line[closed + 2 :].split(b" ", 1)[0].strip(b'"').decode().lower()
         self.calls[(source, command)] += 1
 
@@ -405,6 +413,7 @@ class FanOut:
             sampler = _RssSampler(ctx.broker.pid)
             whole = ctx.meter(viewer_pids)
             all_before = commandstats(ctx.nodes)
+            replicas_before = commandstats(ctx.replica_nodes)
             began = time.time()
             for conn in pipes:
                 conn.send((stream_id, pace))
@@ -427,6 +436,10 @@ class FanOut:
         steady = ctx.meter(viewer_pids)
         with contextlib.ExitStack() as stack:
             monitors = [stack.enter_context(Monitor(port)) for port in ctx.redis_server.ports]
+            replica_monitors = [
+                stack.enter_context(Monitor(port, primary))
+                for port, primary in ctx.redis_server.replica_links
+            ]
             time.sleep(max(0.0, window_end - time.time()))
         steady_cpu = steady.cores()
         entries_after = xlen(client, key)
@@ -434,6 +447,18 @@ class FanOut:
         monitored: collections.Counter[tuple[str, str]] = collections.Counter()
         for monitor in monitors:
             monitored.update(monitor.calls)
+        # Replicas run no scripts: what their clients (the broker's readers, with replica reads)
+        # send is what they run for the broker. Their INFO commandstats would count the
+        # replication stream too, the primaries' writes a second time, so MONITOR counts them.
+        replicas_monitored: collections.Counter[tuple[str, str]] = collections.Counter()
+        for monitor in replica_monitors:
+            replicas_monitored.update(monitor.calls)
+        replica_calls = {
+            c: n for (source, c), n in replicas_monitored.items() if source == "client"
+        }
+        replicated = sum(
+            n for (source, _), n in replicas_monitored.items() if source == "replication"
+        )
         # A writer that cannot keep its pace is stopped at twice the turn's duration: the
         # viewers then read what was written, and its `end` (cancelled).
         turn_deadline = first_ms / 1000 + 2 * tokens / pace + 5
@@ -446,6 +471,7 @@ class FanOut:
             if not _all_done(pipes, done, 120):
                 raise TimeoutError("viewers did not finish after the turn was cancelled")
         all_after = commandstats(ctx.nodes)
+        replicas_after = commandstats(ctx.replica_nodes)
         turn_status = wait_status(client, turn_id, turn_id, tuple(FINAL_STATUSES), timeout=60)
         stored = xlen(client, key)
         written = count_deltas(client, key)
@@ -469,7 +495,8 @@ class FanOut:
         received = sum(r["deltas"] for r in results)
         missing = max(0, viewers * written - received)
         before, after = _sum(before_by_node), _sum(after_by_node)
-        steady_calls = _diff(after, before, own={"xlen": 2})
+        steady_calls = collections.Counter(_diff(after, before, own={"xlen": 2}))
+        steady_calls.update(replica_calls)
         # How the steady state's commands spread over the nodes (one on a single server).
         by_node = [
             sum(_diff(a, b, own={}).values())
@@ -480,7 +507,10 @@ class FanOut:
         whole_calls = _diff(all_after, all_before, own={"xlen": 2})
         whole_total = sum(whole_calls.values())
         monitored_deltas = monitored[("lua", "xadd")] + monitored[("client", "xadd")]
-        client_calls = {c: n for (source, c), n in monitored.items() if source == "client"}
+        client_calls = collections.Counter(
+            {c: n for (source, c), n in monitored.items() if source == "client"}
+        )
+        client_calls.update(replica_calls)
         p50, p99 = percentile(histogram, 50), percentile(histogram, 99)
         if p50 is None or p99 is None or steady_deltas <= 0:
             raise RuntimeError("no delta was read in the steady state")
@@ -540,9 +570,29 @@ class FanOut:
                 "steady_deltas": steady_deltas,
                 "commands_per_delta_by_name": per_delta,
                 "steady_commands_by_node": by_node,
+                # With replicas: what the broker sent each replica, and what its primary's link
+                # replayed on the replicas, per delta.
+                "steady_client_commands_by_replica": [
+                    sum(n for (source, _), n in m.calls.items() if source == "client")
+                    for m in replica_monitors
+                ],
+                "replica_client_commands_per_delta_by_name": {
+                    name: round(calls / monitored_deltas, 3)
+                    for name, calls in sorted(replica_calls.items(), key=lambda kv: -kv[1])
+                },
+                "replicated_commands_per_delta": round(replicated / monitored_deltas, 3),
                 "client_commands_per_delta_by_name": client_per_delta,
                 "steady_window_s": round(window_end - window_start, 2),
+                # The primaries only: with replica reads, the viewers' replays and reads went
+                # to the replicas, whose INFO counts (the primaries' writes replayed included)
+                # follow, by name, over the whole turn.
                 "commands_per_delta_whole_turn": round(whole_total / max(written, 1), 3),
+                "replica_commands_whole_turn": dict(
+                    sorted(
+                        _diff(replicas_after, replicas_before, own={}).items(),
+                        key=lambda kv: -kv[1],
+                    )
+                ),
                 "rss_sampled_peak_mib": round(rss_sampled, 1),
                 "cpu_cores_steady": steady_cpu,
                 "cpu_cores": whole_cpu,

@@ -91,7 +91,8 @@ class Context:
     """The servers under test and the sizes of this run.
 
     ``redis`` serves commands on one slot (on a cluster, a cluster client that routes them);
-    ``nodes`` has one plain client per primary, for what must see every node.
+    ``nodes`` has one plain client per primary, for what must see every node;
+    ``replica_nodes`` one per replica (none without replicas).
     """
 
     redis_server: RedisServers
@@ -100,6 +101,7 @@ class Context:
     broker: Broker
     sizes: Sizes
     run_id: str
+    replica_nodes: list[Node] = dataclasses.field(default_factory=list)
 
     def meter(self, client_pids: Sequence[int | None] = ()) -> CpuMeter:
         """CPU use from now on; ``client_pids`` are client processes besides this one."""

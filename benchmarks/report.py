@@ -56,12 +56,20 @@ def figures(samples: dict[str, list[float]], noisy: set[str]) -> dict[str, dict[
 
 
 def _topology(report: dict[str, Any]) -> str:
-    """How the run's Redis was laid out; results from before clusters were measured say nothing."""
+    """How the run's Redis was laid out, and whether the brokers' writes waited for replicas;
+    results from before clusters (or replicas) were measured say nothing of them."""
     topology = str(report.get("topology", "single"))
     if topology == "single":
-        return "one server"
-    primaries = topology.removeprefix("cluster-")
-    return f"a Redis Cluster of {primaries} primaries"
+        shown = "one server"
+    else:
+        primaries, _, replicas = topology.removeprefix("cluster-").partition("x")
+        shown = f"a Redis Cluster of {primaries} primaries"
+        if replicas:
+            shown += f", {replicas} replica{'s' if replicas != '1' else ''} each"
+    acks = int(report.get("replica_acks", 0))
+    if acks:
+        shown += f", writes waiting for {acks} replica ack{'s' if acks > 1 else ''}"
+    return shown
 
 
 def render(report: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """The processes under test: a private Redis on a loopback port (or a 3-primary Redis Cluster of
-them) and a ``broker serve`` child.
+them, with or without replicas) and a ``broker serve`` child.
 
 All are children of the benchmark and get a parent-death signal, so a benchmark killed with
 SIGKILL leaves nothing running. Process figures (RSS, CPU time) come from ``/proc``.
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -122,12 +122,13 @@ class RedisServers(Protocol):
 
     ``client()`` is for commands on one slot (a cluster client routes them); what must see every
     node (statistics, flushing, scans) goes to ``nodes()``, one plain client per primary.
+    Replicas, if any, are listed by ``replica_links``; ``pids`` has them too.
     """
 
     binary: str
 
     @property
-    def topology(self) -> str: ...  # "single" or "cluster-<primaries>", as the results say
+    def topology(self) -> str: ...  # "single", "cluster-<primaries>[x<replicas>]"
 
     @property
     def url(self) -> str: ...  # the broker's BROKER_REDIS_URL
@@ -138,9 +139,14 @@ class RedisServers(Protocol):
     @property
     def ports(self) -> list[int]: ...  # one per primary, in the order of ``nodes()``
 
+    @property
+    def replica_links(self) -> list[tuple[int, int]]: ...  # (replica's port, its primary's)
+
     def client(self) -> redis.Redis: ...
 
     def nodes(self) -> list[redis.Redis]: ...
+
+    def replica_nodes(self) -> list[redis.Redis]: ...  # one per replica, as ``replica_links``
 
     def port_for(self, key: str) -> int: ...  # the port of the node that serves ``key``
 
@@ -155,13 +161,21 @@ class RedisServer:
     """A Redis-compatible server on ``127.0.0.1:<free port>``, no persistence, noeviction.
 
     With ``cluster_node`` it starts in cluster mode, with no slots: :class:`LocalCluster` joins it.
+    ``options`` are more ``--name value`` arguments for the server.
     """
 
     topology = "single"
 
-    def __init__(self, binary: str | None = None, *, cluster_node: bool = False) -> None:
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        cluster_node: bool = False,
+        options: Sequence[str] = (),
+    ) -> None:
         self.binary = find_server_binary(binary)
         self.cluster_node = cluster_node
+        self.options = tuple(options)
         self.port = 0
         self._dir: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -181,6 +195,10 @@ class RedisServer:
         return [self.port]
 
     @property
+    def replica_links(self) -> list[tuple[int, int]]:
+        return []
+
+    @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
@@ -189,6 +207,9 @@ class RedisServer:
 
     def nodes(self) -> list[redis.Redis]:
         return [self.client()]
+
+    def replica_nodes(self) -> list[redis.Redis]:
+        return []
 
     def port_for(self, key: str) -> int:
         return self.port
@@ -215,6 +236,7 @@ class RedisServer:
         ]
         if self.cluster_node:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        args += self.options
         self._process = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
@@ -270,31 +292,51 @@ def slot_ranges(primaries: int) -> list[tuple[int, int]]:
 
 
 class LocalCluster:
-    """A Redis Cluster of ``primaries`` primaries (no replicas), each a :class:`RedisServer` in
-    cluster mode; the slots are split in contiguous ranges (``CLUSTER ADDSLOTSRANGE``, Redis >=
-    7.0) and the nodes meet. ``start`` returns once every node sees all slots served."""
+    """A Redis Cluster of ``primaries`` primaries, each with ``replicas`` replicas, every node a
+    :class:`RedisServer` in cluster mode.
 
-    def __init__(self, binary: str | None = None, *, primaries: int = 3) -> None:
+    The slots are split in contiguous ranges over the primaries (``CLUSTER ADDSLOTSRANGE``, Redis
+    >= 7.0), every node meets the first, and each replica is told its primary (``CLUSTER
+    REPLICATE``). ``start`` returns once every node sees all slots served and every replica of
+    every range, and each replica's link to its primary is up (its first sync done)."""
+
+    def __init__(self, binary: str | None = None, *, primaries: int = 3, replicas: int = 0) -> None:
+        if primaries < 1 or replicas < 0:
+            raise ValueError("a cluster needs at least one primary, and replicas >= 0")
         self.binary = find_server_binary(binary)
         self.primaries = primaries
-        self.servers: list[RedisServer] = []
+        self.replicas = replicas
+        self.servers: list[RedisServer] = []  # the primaries
+        self.replica_servers: list[tuple[RedisServer, RedisServer]] = []  # (replica, primary)
         self._ranges = slot_ranges(primaries)
+        # A primary starts a replica's first (diskless) sync at once, not after 5 s in case
+        # more replicas come.
+        self._options = ("--repl-diskless-sync-delay", "0")
 
     @property
     def topology(self) -> str:
+        if self.replicas:
+            return f"cluster-{self.primaries}x{self.replicas}"
         return f"cluster-{self.primaries}"
 
     @property
     def url(self) -> str:
+        # The primaries only: the cluster client learns of the replicas from them.
         return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
 
     @property
     def pids(self) -> list[int]:
-        return [server.pid for server in self.servers]
+        return [server.pid for server in self.servers] + [
+            replica.pid for replica, _ in self.replica_servers
+        ]
 
     @property
     def ports(self) -> list[int]:
         return [server.port for server in self.servers]
+
+    @property
+    def replica_links(self) -> list[tuple[int, int]]:
+        return [(replica.port, primary.port) for replica, primary in self.replica_servers]
 
     def client(self) -> redis.Redis:
         """A cluster client, typed as the single-server one: only one-slot commands go to it."""
@@ -306,6 +348,9 @@ class LocalCluster:
     def nodes(self) -> list[redis.Redis]:
         return [server.client() for server in self.servers]
 
+    def replica_nodes(self) -> list[redis.Redis]:
+        return [replica.client() for replica, _ in self.replica_servers]
+
     def port_for(self, key: str) -> int:
         slot = key_slot(key.encode())
         for server, (low, high) in zip(self.servers, self._ranges, strict=True):
@@ -316,41 +361,92 @@ class LocalCluster:
     def version(self) -> str:
         return self.servers[0].version()
 
-    def start(self, timeout: float = 20.0) -> None:
+    def start(self, timeout: float = 30.0) -> None:
         try:
             for _ in range(self.primaries):
-                server = RedisServer(self.binary, cluster_node=True)
+                server = RedisServer(self.binary, cluster_node=True, options=self._options)
                 self.servers.append(server)
                 server.start()
+            for primary in self.servers:
+                for _ in range(self.replicas):
+                    replica = RedisServer(self.binary, cluster_node=True, options=self._options)
+                    self.replica_servers.append((replica, primary))
+                    replica.start()
             self._join(timeout)
         except BaseException:
             self.stop()
             raise
 
     def _join(self, timeout: float) -> None:
-        nodes = self.nodes()
+        deadline = time.monotonic() + timeout
+        primaries = self.nodes()
+        replicas = self.replica_nodes()
+        everyone = primaries + replicas
         try:
-            for node, (low, high) in zip(nodes, self._ranges, strict=True):
+            for node, (low, high) in zip(primaries, self._ranges, strict=True):
                 node.cluster("ADDSLOTSRANGE", str(low), str(high))
-            for server in self.servers[1:]:
-                nodes[0].cluster("MEET", "127.0.0.1", str(server.port))
-            deadline = time.monotonic() + timeout
-            while not all(self._converged(node.cluster("INFO")) for node in nodes):
-                if time.monotonic() > deadline:
-                    raise ServerError(f"the cluster did not converge in {timeout} s")
-                time.sleep(0.02)
+            others = self.servers[1:] + [replica for replica, _ in self.replica_servers]
+            for server in others:
+                primaries[0].cluster("MEET", "127.0.0.1", str(server.port))
+            self._wait(
+                deadline,
+                f"the nodes did not meet in {timeout} s",
+                lambda: all(self._met(n) for n in everyone),
+            )
+            ids = {
+                server.port: str(node.cluster("MYID"))
+                for server, node in zip(self.servers, primaries, strict=True)
+            }
+            for (_, primary), node in zip(self.replica_servers, replicas, strict=True):
+                node.cluster("REPLICATE", ids[primary.port])
+            self._wait(
+                deadline,
+                f"the cluster did not converge in {timeout} s",
+                lambda: (
+                    all(self._converged(node) for node in everyone)
+                    and all(self._linked(node) for node in replicas)
+                ),
+            )
         finally:
-            for node in nodes:
+            for node in everyone:
                 node.close()
 
-    def _converged(self, info: dict[str, Any]) -> bool:
-        return (
+    @staticmethod
+    def _wait(deadline: float, what: str, done: Callable[[], bool]) -> None:
+        while not done():
+            if time.monotonic() > deadline:
+                raise ServerError(what)
+            time.sleep(0.02)
+
+    def _met(self, node: redis.Redis) -> bool:
+        info: dict[str, Any] = node.cluster("INFO")
+        return int(info["cluster_known_nodes"]) == self.primaries * (1 + self.replicas)
+
+    def _converged(self, node: redis.Redis) -> bool:
+        """``node`` sees every slot served and every range with all its replicas (what a
+        cluster client learns of the topology, from whichever node it asks)."""
+        info: dict[str, Any] = node.cluster("INFO")
+        if not (
             info["cluster_state"] == "ok"
-            and int(info["cluster_known_nodes"]) == self.primaries
+            and int(info["cluster_known_nodes"]) == self.primaries * (1 + self.replicas)
             and int(info["cluster_slots_ok"]) == SLOTS
+        ):
+            return False
+        # CLUSTER SLOTS: [first slot, last slot, primary, replica, ...] per range.
+        ranges: list[list[Any]] = node.cluster("SLOTS")
+        return len(ranges) == self.primaries and all(
+            len(served) - 2 == 1 + self.replicas for served in ranges
         )
 
+    @staticmethod
+    def _linked(node: redis.Redis) -> bool:
+        info: dict[str, Any] = node.info("replication")
+        return info.get("role") == "slave" and info.get("master_link_status") == "up"
+
     def stop(self) -> None:
+        replicas, self.replica_servers = self.replica_servers, []
+        for replica, _ in replicas:
+            replica.stop()
         servers, self.servers = self.servers, []
         for server in servers:
             server.stop()

@@ -25,6 +25,7 @@ from benchmarks.harness import (
     xlen,
     xrange,
 )
+from benchmarks.servers import commandstats
 from benchmarks.sse import entry_ms, open_sse, turn_body
 
 
@@ -105,6 +106,13 @@ async def read_to_end(
     return reading, sent
 
 
+def script_calls(ctx: Context) -> int:
+    """``EVALSHA`` calls on the primaries so far: mostly appends while a turn streams (its
+    admission, lease and end are a few more), so deltas over their difference is about the
+    deltas each append carries."""
+    return commandstats(ctx.nodes).get("evalsha", 0)
+
+
 def warm_up(ctx: Context) -> None:
     """One small turn written and read, so that no figure pays for the broker's first request."""
 
@@ -131,8 +139,10 @@ class OneStream:
         tokens = ctx.sizes.one_stream_tokens
         turn_id = ctx.turn_id(self.name, repeat)
         meter = ctx.meter()
+        scripts_before = script_calls(ctx)
         reading, posted, answered = asyncio.run(self._run(ctx, turn_id, tokens))
         cpu = meter.cores()
+        scripts = script_calls(ctx) - scripts_before
         if reading.deltas != tokens or reading.out_of_order:
             raise RuntimeError(
                 f"the reader got {reading.deltas} of {tokens} deltas, "
@@ -155,6 +165,8 @@ class OneStream:
                 "first_delta_ms": round((reading.first_delta_at - posted) * 1000, 2),
                 "seconds": round(reading.last_delta_at - posted, 3),
                 "stored_events": stored,
+                "script_calls": scripts,
+                "deltas_per_script_call": round(tokens / max(scripts, 1), 2),
                 "cpu_cores": cpu,
             },
         )
@@ -182,6 +194,7 @@ class ManyStreams:
         sizes = ctx.sizes
         turns = [ctx.turn_id(self.name, repeat, i) for i in range(sizes.streams)]
         meter = ctx.meter()
+        scripts_before = script_calls(ctx)
         began = time.monotonic()
         asyncio.run(self._start(ctx, turns, sizes.stream_tokens))
         statuses = wait_final(
@@ -191,6 +204,7 @@ class ManyStreams:
         )
         seconds = time.monotonic() - began
         cpu = meter.cores()
+        scripts = script_calls(ctx) - scripts_before
         bad = {t: s for t, s in statuses.items() if s != "complete"}
         if bad:
             raise RuntimeError(f"{len(bad)} turns did not complete: {list(bad.items())[:3]}")
@@ -210,6 +224,8 @@ class ManyStreams:
                 "span_s": span_ms / 1000,
                 "wall_s": round(seconds, 3),
                 "stream_seconds_median": round(statistics.median(per_stream), 3),
+                "script_calls": scripts,
+                "deltas_per_script_call": round(deltas / max(scripts, 1), 2),
                 "cpu_cores": cpu,
             },
         )
