@@ -139,7 +139,7 @@ def body_schema(model: type[BaseModel], *, required: bool = True) -> dict[str, A
     response_model=TurnCreated,
     responses={
         200: {"model": TurnCreated, "description": "the existing turn"},
-        **errors(409, 410, 429),
+        **errors(409, 410, 422, 429),  # 422: a notify URL this broker will not call
     },
 )
 async def create_turn(request: Request, principal: Actor) -> Response:
