@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import http.server
+import itertools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,9 +16,12 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from redis.asyncio import Redis
 from standardwebhooks import Webhook, WebhookVerificationError
 
+from broker.keys import Keys
 from broker.notifier import backoff_ms, hold_ms
+from broker.scripts import Scripts
 from broker.settings import Settings, SettingsError
 from broker.webhook_config import (
     WebhookConfig,
@@ -41,6 +46,7 @@ FAST = {
 DELIVERED = 'broker_webhook_deliveries_total{outcome="delivered"}'
 RETRIED = 'broker_webhook_deliveries_total{outcome="retried"}'
 GAVE_UP = 'broker_webhook_deliveries_total{outcome="gave_up"}'
+_scripted = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +251,62 @@ def test_a_notification_the_broker_could_not_send_is_sent_by_the_next_broker(
     assert delivery.headers["webhook-id"] == f"msg_{response.json()['stream_id']}_1"
     wait_until(lambda: webhook_jobs(raw_redis, second) == 0)
     assert second.metric(DELIVERED) == 1
+
+
+def test_a_second_job_for_a_delivered_attempt_is_settled_unsent(
+    broker_factory: BrokerFactory, receivers: Callable[..., Receiver], raw_redis: redis.Redis
+) -> None:
+    """A rescue racing the creating request may queue an attempt's notification twice."""
+    receiver = receivers()
+    broker = broker_factory(**FAST)
+    assert post_turn(broker, "twice-1", {"url": receiver.url}).status_code == 201
+    receiver.wait_for(1)
+    wait_until(lambda: webhook_jobs(raw_redis, broker) == 0)
+    conversation_id = "hooks"  # an open broker's conversations are not scoped
+    runtime = broker.runtime
+    broker.call(runtime.webhooks.queue.enqueue(conversation_id, "twice-1", 1))
+    assert webhook_jobs(raw_redis, broker) == 1
+
+    wait_until(lambda: webhook_jobs(raw_redis, broker) == 0)
+    assert len(receiver.deliveries) == 1
+    assert broker.metric(DELIVERED) == 1
+
+
+async def test_take_webhook_takes_holds_and_knows_a_delivered_attempt(aredis: Redis) -> None:
+    scripts = Scripts(aredis)
+    stream = Keys(f"wh{os.getpid()}-{next(_scripted)}").job_stream(0, "webhooks")
+    keys = {"delivery": f"{stream}:try:1-0", "hold": f"{stream}:hold:1-0"}
+    sent = f"{stream}:sent:c t 1"
+
+    async def take(body: str) -> Any:
+        return await scripts.take_webhook(
+            **keys,
+            sent=sent,
+            body=body,
+            url="http://h/x",
+            ended_ms=5,
+            hold_ms=60_000,
+            ttl_ms=60_000,
+        )
+
+    first = await take("first")
+    assert (first.result, first.tries, first.body, first.url, first.ended_ms) == (
+        "take",
+        0,
+        "first",
+        "http://h/x",
+        5,
+    )
+    held = await take("second")
+    assert held.result == "wait"
+    assert 0 < held.wait_ms <= 60_000
+    await aredis.delete(keys["hold"])  # the hold ran out (a crashed send, a backoff over)
+    await aredis.hset(keys["delivery"], "tries", 3)
+    again = await take("second")
+    assert (again.result, again.tries, again.body) == ("take", 3, "first")  # the first body
+    await aredis.set(sent, "1")
+    await aredis.delete(keys["hold"])
+    assert (await take("third")).result == "sent"
 
 
 def test_a_regenerate_notifies_again_with_a_new_id(

@@ -229,6 +229,19 @@ async def test_id_only_block_moves_the_resume_point() -> None:
     assert broker.requests[1].headers["last-event-id"] == eid(7)
 
 
+async def test_a_resume_point_event_moves_the_resume_point_and_is_not_yielded() -> None:
+    resume = f'retry: 5\nid: {eid(7)}\nevent: resume_point\ndata: {{"offset": "{eid(7)}"}}\n\n'
+    broker = Broker(
+        sse(resume, fail=drop()),
+        sse("retry: 5\n", ": ping\n", frame(8, "delta", text="a"), frame(9, "end")),
+    )
+    stats = AttachStats()
+    events = await collect(broker, offset="now", stats=stats)
+    assert ids(events) == [eid(8), eid(9)]
+    assert broker.requests[1].headers["last-event-id"] == eid(7)
+    assert (stats.events, stats.duplicates, stats.heartbeats) == (2, 0, 1)
+
+
 @pytest.mark.parametrize(
     ("status", "code", "exc_type"),
     [

@@ -14,6 +14,9 @@ export const EVENT_TYPES = Object.freeze([
   "attempt", "delta", "tool_call", "tool_result", "usage", "error", "end",
 ]);
 
+// The event whose id is where a read from `now` starts (its data repeats it as `offset`).
+const RESUME_POINT = "resume_point";
+
 /** Defaults for `attach`; times in milliseconds. */
 export const DEFAULT_POLICY = Object.freeze({
   maxRetries: 8, // consecutive failed connections before giving up
@@ -299,6 +302,11 @@ export class BrokerClient {
               if (done) break;
               arm();
               for (const sse of decoder.feed(value)) {
+                if (sse.event === RESUME_POINT) {
+                  // Where a read from `now` starts: the resume point, not an event.
+                  if (lastId === null || sse.id > lastId) advance(sse.id);
+                  continue;
+                }
                 if (lastId !== null && sse.id <= lastId) {
                   stats.duplicates += 1; // a replay overlapping what was already yielded
                   continue;
@@ -310,7 +318,7 @@ export class BrokerClient {
                 yield event;
                 if (signal?.aborted) return;
               }
-              // An id-only block moves the resume point without being an event.
+              // An id-only block (older brokers' resume point) moves it without being an event.
               const id = decoder.lastEventId;
               if (id && (lastId === null || id > lastId)) advance(id);
               if (decoder.retry !== null) retryBase = decoder.retry;
@@ -390,6 +398,9 @@ export function attachEventSource(
     onEnd?.(event);
   };
   const listener = (message) => {
+    // EventSource's own `error` event (a lost connection) shares the broker's `error` event's
+    // name: only a message is one of the stream's events.
+    if (typeof message.data !== "string") return;
     const id = message.lastEventId;
     if (handle.lastEventId !== null && id && id <= handle.lastEventId) return;
     if (id) handle.lastEventId = id;
@@ -398,6 +409,11 @@ export function attachEventSource(
     if (event.type === "end") finish(event);
   };
   for (const type of EVENT_TYPES) source.addEventListener(type, listener);
+  source.addEventListener(RESUME_POINT, (message) => {
+    // The browser keeps it as its Last-Event-ID by itself; the handle says it too.
+    const id = message.lastEventId;
+    if (id && (handle.lastEventId === null || id > handle.lastEventId)) handle.lastEventId = id;
+  });
   source.addEventListener("error", (error) => {
     // CLOSED after an error: the browser gave up (a 204 at rest, or a fatal status).
     if (source.readyState === 2) finish(null);

@@ -86,6 +86,19 @@ test("an id-only frame moves the resume point", async () => {
   assert.equal(calls[1].headers["Last-Event-ID"], "0042");
 });
 
+test("a resume_point event moves the resume point and is not yielded", async () => {
+  const { fetch, calls } = fakeFetch([
+    sse(["retry: 4\n", frame("0042", "resume_point", { offset: "0042" })]), // no end: a failure
+    sse(["retry: 4\n: ping\n", frame("0043", "delta", { attempt: 1, text: "a" }),
+      frame("0044", "end", { attempt: 1, status: "complete" })]),
+  ]);
+  const client = new BrokerClient("", { fetch, policy: fast });
+  const events = await collect(client.attach("s", { offset: "now" }));
+  assert.deepEqual(events.map((e) => [e.id, e.type]), [["0043", "delta"], ["0044", "end"]]);
+  assert.equal(calls[0].url, "/v1/streams/s?offset=now");
+  assert.equal(calls[1].headers["Last-Event-ID"], "0042");
+});
+
 test("204 stops at once; 404 throws; 503 is retried", async () => {
   let { fetch } = fakeFetch([new Response(null, { status: 204 })]);
   assert.deepEqual(await collect(new BrokerClient("", { fetch }).attach("s")), []);
@@ -212,6 +225,10 @@ test("attachEventSource parses events, drops replays and closes after end", () =
     EventSource: FakeES, onEvent: (e) => events.push(e), onEnd: (e) => (ended = e),
   });
   const es = FakeES.last;
+  es.emit("resume_point", "0000", { offset: "0000" }); // a resume point, not an event
+  assert.equal(handle.lastEventId, "0000");
+  for (const fn of es.listeners.error) fn({ type: "error" }); // a lost connection: no data
+  assert.deepEqual(events, []);
   es.emit("delta", "0001", { attempt: 1, text: "a" });
   es.emit("delta", "0001", { attempt: 1, text: "a" });
   es.emit("end", "0002", { attempt: 1, status: "complete" });

@@ -42,6 +42,9 @@ __all__ = [
 # credentials do not get better by asking again.
 _RETRYABLE_STATUSES = frozenset({408, 425, 429})
 
+# The event whose id is where a read from `now` starts (its data repeats it as `offset`).
+RESUME_POINT = "resume_point"
+
 
 @dataclass(frozen=True, slots=True)
 class AttachPolicy:
@@ -229,6 +232,11 @@ class _Cursor:
             while (chunk := await reader.next()) is not None:
                 for sse in decoder.feed(chunk):
                     event = Event.from_parts(sse.id, sse.event, sse.data)
+                    if event.type == RESUME_POINT:
+                        # Where a read from `now` starts: the resume point, not an event.
+                        if self.last_id is None or event.id > self.last_id:
+                            self._advance(event.id)
+                        continue
                     if self.last_id is not None and event.id <= self.last_id:
                         # Safety net: a replay overlapping what was already yielded.
                         self.stats.duplicates += 1
@@ -237,7 +245,8 @@ class _Cursor:
                     self.last_type = event.type
                     self.stats.events += 1
                     yield event
-                # A block with an id but no data moves the resume point without an event.
+                # A block with an id but no data (older brokers' resume point) moves the resume
+                # point without an event.
                 if decoder.last_event_id and (
                     self.last_id is None or decoder.last_event_id > self.last_id
                 ):
