@@ -35,7 +35,12 @@ from broker.compression import CODING, GZIP, GzipStream, stream_headers
 
 log = logging.getLogger("broker.sse")
 
-PING = b": ping\n\n"
+# A comment line with no blank line after it: the next frame's block takes it in, and comments
+# are ignored. A blank line would end a block of its own, which loose parsers (httpx-sse after
+# any id, fetch-event-source always) hand to their callers as an event with empty data.
+PING = b": ping\n"
+# The event that carries a read's resume point (see opening_frame).
+RESUME_POINT: Final = "resume_point"
 RAW_SEND: Final = "broker.raw_send"  # the scope key of the server's own send (see RawSend)
 # The most one write hands the server: what it buffers for a client that does not read is then
 # at most its high-water mark plus this, whatever the size of a chunk.
@@ -56,7 +61,9 @@ class Sink(Protocol):
 
 
 HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
+    # Without parameters (the stream is UTF-8 by definition): clients that compare the type as a
+    # whole string, as fetch-event-source's documented onopen does, accept it.
+    (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-store"),
     (b"x-accel-buffering", b"no"),
     (b"connection", b"keep-alive"),
@@ -64,15 +71,21 @@ HEADERS = [
 
 
 def opening_frame(retry_ms: int, resume_offset: str | None) -> bytes:
-    """``retry:``, and the resume point as an ``id:`` without data.
+    """``retry:``, and with ``resume_offset`` the ``resume_point`` event that carries it.
 
-    The id moves a client's Last-Event-ID to where this read starts without dispatching an
-    event, so a client that asked for ``now`` and drops before the first event resumes from
-    that point instead of asking for ``now`` again and missing what came between.
+    No frame is a block without data: strict parsers skip one, but loose ones hand it to their
+    callers as an event with empty data. So without a resume point, ``retry:`` is a line that
+    the first frame's block takes in (it applies when it is read). The resume point is the id
+    of a ``resume_point`` event, whose data repeats it: it moves a client's Last-Event-ID to
+    where this read starts, so a client that asked for ``now`` and drops before the first event
+    resumes from that point instead of asking for ``now`` again and missing what came between.
     """
     if resume_offset is None:
-        return f"retry: {retry_ms}\n\n".encode()
-    return f"retry: {retry_ms}\nid: {resume_offset}\n\n".encode()
+        return f"retry: {retry_ms}\n".encode()
+    data = f'{{"offset":"{resume_offset}"}}'
+    return (
+        f"retry: {retry_ms}\nid: {resume_offset}\nevent: {RESUME_POINT}\ndata: {data}\n\n"
+    ).encode()
 
 
 class RawSend:

@@ -100,9 +100,11 @@ async def event_stream(
         # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
         # a 200 that closes at once would make it reconnect every retry period for ever.
         return Response(status_code=204, headers={"Cache-Control": "no-store"})
-    # Announce where this read starts, so a client that drops before the first event resumes
-    # from here; after `now` even on an empty stream, where "the start" is the right answer.
-    announce = cursor.offset if not cursor.at_origin or start.kind == "now" else None
+    # After `now`, announce where this read starts (even on an empty stream, where "the start"
+    # is the right answer), so a client that drops before the first event resumes from here.
+    # A client that named its start already holds it: a second event with that id would only
+    # look like a duplicate to it.
+    announce = cursor.offset if start.kind == "now" else None
     viewer = await hold_viewer(deps, principal, location) if principal.one_viewer else None
     return EventStreamResponse(
         lambda sink: _frames(deps, streams, location, cursor, announce, viewer, sink),

@@ -75,7 +75,8 @@ def read_sse(
             if line == "":
                 if "id" in fields:
                     last_id = fields["id"]
-                if data:
+                # A resume_point event moves the resume point; it is not one of the stream's.
+                if data and fields.get("event") != "resume_point":
                     events.append(
                         SSEEvent(
                             fields.get("id", ""),
