@@ -216,6 +216,7 @@ class Streams:
         sink: Sink | None = None,
         *,
         direct: bool = True,
+        heartbeat_s: float | None = None,
     ) -> AsyncGenerator[Chunk | Heartbeat, None]:
         """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk).
 
@@ -223,14 +224,15 @@ class Streams:
         waits may be written by the stream's feed directly: they are not yielded. The read ends
         when the sink is over, instead of waiting for the next batch. Without ``direct`` (a
         reader that renders frames of its own, such as a dialect's), nothing is written to the
-        sink and every chunk keeps its events: the sink only ends the read.
+        sink and every chunk keeps its events: the sink only ends the read. ``heartbeat_s`` is
+        the quiet time after which a heartbeat comes (by default ``BROKER_SSE_HEARTBEAT_S``).
         """
         if sink is not None and not direct:
             sink = _Watched(sink)
         cursor = Cursor.after(after) if isinstance(after, str) else after
         # A response writing our frames needs those only, not the events behind them.
         read = _Read(self, location, cursor, keep=sink is None or not direct)
-        heartbeat_s = self._settings.sse_heartbeat_s
+        heartbeat_s = heartbeat_s or self._settings.sse_heartbeat_s
         subscription: Subscription | None = None
         try:
             async for chunk in read.stored():  # the replay

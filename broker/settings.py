@@ -67,6 +67,7 @@ class Settings:
     replica_wait_ms: int = 500  # how long a write waits for them before it goes on anyway
     worker_concurrency: int = 64
     sse_heartbeat_s: float = 15.0
+    sse_heartbeat_max_s: float = 120.0  # the longest heartbeat period a client may ask for
     sse_retry_ms: int = 1_000
     sse_send_timeout_s: float = 30.0
     compression: str = "on"  # on | off: gzip for clients that ask (Accept-Encoding)
@@ -141,6 +142,10 @@ class Settings:
             )
         _check_numbers(self)
         _check_webhooks(self)
+        if self.sse_heartbeat_max_s < self.sse_heartbeat_s:
+            raise SettingsError(
+                "BROKER_SSE_HEARTBEAT_MAX_S must be at least BROKER_SSE_HEARTBEAT_S"
+            )
         if self.max_stream_events < 8:
             raise SettingsError("BROKER_MAX_STREAM_EVENTS must be at least 8")
         if self.job_reclaim_idle_ms < 0 or 0 < self.job_reclaim_idle_ms <= self.lease_ttl_ms:

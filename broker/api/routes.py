@@ -36,6 +36,7 @@ from broker.viewer import event_stream
 if TYPE_CHECKING:
     from broker.app import Runtime
 
+    from broker.settings import Settings
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 api_router = APIRouter()
@@ -260,12 +261,20 @@ async def read_stream(
 ) -> Response:
     """Read a turn's events as SSE (default) or as a JSON catch-up page (``format=json``)."""
     rt = runtime(request)
+    heartbeat: Annotated[
+        str | None,
+        Query(
+            description="SSE only: seconds between heartbeats on a quiet stream, to save a "
+            "phone's battery: from BROKER_SSE_HEARTBEAT_S to BROKER_SSE_HEARTBEAT_MAX_S"
+        ),
+    ] = None,
     if format not in (None, "sse", "json"):
         raise BadRequest("format must be sse or json", code="bad_format")
     wait_s = long_poll_wait(wait, rt.settings.long_poll_max_s, json=format == "json")
     if principal.stream_id is not None and principal.stream_id != stream_id:
         rt.metrics.auth_failures.labels("forbidden").inc()
         raise Forbidden("the attach token is for another stream", code="wrong_stream")
+    heartbeat_s = heartbeat_period(heartbeat, rt.settings, sse=format != "json")
     if principal.one_viewer and format == "json":
         raise Forbidden("a one-viewer attach token reads over SSE only", code="sse_only")
     # 400 for a malformed offset before anything else.
@@ -274,7 +283,23 @@ async def read_stream(
     if format == "json":
         page = rt.streams.page(location, start, wait_s)
         return json_response(await page if wait_s <= 0 else await until_gone(request, page))
-    return await event_stream(rt.deps, rt.streams, location, start, principal)
+    return await event_stream(rt.deps, rt.streams, location, start, principal, heartbeat_s)
+
+
+def heartbeat_period(raw: str | None, settings: Settings, *, sse: bool) -> float | None:
+    """The seconds of a ``heartbeat`` parameter (None: the default); 400 unless it is a whole
+    number from the broker's own period to its longest (and the read SSE)."""
+    if raw is None:
+        return None
+    if not sse:
+        raise BadRequest("heartbeat applies to SSE reads only", code="bad_heartbeat")
+    low, high = settings.sse_heartbeat_s, settings.sse_heartbeat_max_s
+    if not raw.isascii() or not raw.isdigit() or not low <= int(raw) <= high:
+        raise BadRequest(
+            f"heartbeat must be a whole number of seconds from {low:g} to {high:g}",
+            code="bad_heartbeat",
+        )
+    return float(raw)
 
 
 def long_poll_wait(raw: str | None, max_s: float, *, json: bool) -> float:
