@@ -2,9 +2,13 @@
 attach token holds while its connection lasts.
 
 A one-viewer token admits one SSE connection at a time: the connection takes a lock in Redis
-named after the token (``SET NX PX``; a second connection gets 409 ``token_in_use``) and renews
-it while it lasts. A lock that changed hands (its lease ran out behind the connection, say, and
-another connection took it) ends the stream at its next frame.
+named after the token (``SET PX``) and renews it while it lasts. The newest connection wins: a
+phone whose network changed reconnects from a new address while the broker may still hold its
+old connection (a path that died without a FIN looks alive for minutes), so a new connection
+takes the lock over, and the connection that held it ends at its next frame once its renewal
+finds the lock gone (within a third of ``VIEWER_LEASE_MS``), with a last ``replaced`` event
+(no id: it is no event of the stream) that tells its client not to reconnect; the project's
+clients stop there. Two viewers of one token never read at once for longer than that.
 
 The teardown (the viewers gauge, the lock's release, leaving the feed) runs on every way out of
 the response's source, and never depends on a cancellation reaching it: redis-py may swallow
@@ -14,6 +18,7 @@ one that lands while it awaits a reply.
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncIterator
 
@@ -22,15 +27,22 @@ from starlette.responses import Response
 
 from broker.auth import Principal
 from broker.deps import Deps
-from broker.errors import Conflict
 from broker.frames import Cursor, Heartbeat
 from broker.periodic import Periodic
 from broker.reader import Location, StartPoint, Streams
 from broker.scripts import Scripts
 from broker.sse import PING, EventStreamResponse, Sink, opening_frame
 
+log = logging.getLogger("broker.viewer")
+
 # One-viewer attach tokens hold a lock for their connection, renewed while it lasts.
 VIEWER_LEASE_MS = 10_000
+# The last frame of a one-viewer connection whose lock a newer connection took.
+REPLACED = (
+    b"event: replaced\n"
+    b'data: {"code":"viewer_replaced","message":"a newer connection of this one-viewer token '
+    b'took over; do not reconnect"}\n\n'
+)
 
 
 class ViewerLock:
@@ -78,23 +90,27 @@ class _ViewerSink:
 
 
 async def hold_viewer(deps: Deps, principal: Principal, location: Location) -> ViewerLock:
-    """Take the one-viewer lock of ``principal``'s attach token; 409 while another holds it."""
+    """Take the one-viewer lock of ``principal``'s attach token, from whoever held it."""
     assert principal.token_id is not None
     key = deps.keys.viewer(location.conversation_id, principal.token_id)
     holder = secrets.token_hex(8)
-    if not await deps.redis.set(key, holder, nx=True, px=VIEWER_LEASE_MS):
-        raise Conflict(
-            "this attach token admits one viewer at a time, and one is connected",
-            code="token_in_use",
-        )
+    previous = await deps.redis.set(key, holder, px=VIEWER_LEASE_MS, get=True)
+    if previous is not None:
+        log.info("a one-viewer token's new connection took its lock over from an older one")
     return ViewerLock(deps.scripts, key, holder)
 
 
 async def event_stream(
-    deps: Deps, streams: Streams, location: Location, start: StartPoint, principal: Principal
+    deps: Deps,
+    streams: Streams,
+    location: Location,
+    start: StartPoint,
+    principal: Principal,
+    heartbeat_s: float | None = None,
 ) -> Response:
     """The SSE response of ``principal``'s read of ``location`` from ``start``: 204 when
-    nothing will ever follow that point, 409 when a one-viewer token's viewer is connected."""
+    nothing will ever follow that point. A one-viewer token's earlier connection, if any, is let
+    go."""
     cursor = await streams.resolve(location, start)
     if await streams.finished_before(location, cursor):
         # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
@@ -107,7 +123,7 @@ async def event_stream(
     announce = cursor.offset if start.kind == "now" else None
     viewer = await hold_viewer(deps, principal, location) if principal.one_viewer else None
     return EventStreamResponse(
-        lambda sink: _frames(deps, streams, location, cursor, announce, viewer, sink),
+        lambda sink: _frames(deps, streams, location, cursor, announce, viewer, sink, heartbeat_s),
         send_timeout_s=deps.settings.sse_send_timeout_s,
     )
 
@@ -120,6 +136,7 @@ async def _frames(
     announce: str | None,
     viewer: ViewerLock | None,
     sink: Sink,
+    heartbeat_s: float | None,
 ) -> AsyncIterator[bytes]:
     viewers = deps.metrics.viewers.labels("sse")
     viewers.inc()
@@ -130,11 +147,14 @@ async def _frames(
         yield opening_frame(deps.settings.sse_retry_ms, announce)
         # Closed on every way out, so that the reader leaves its feed at once, not when the
         # generator is collected.
-        async with contextlib.aclosing(streams.follow_chunks(location, cursor, sink)) as items:
+        follow = streams.follow_chunks(location, cursor, sink, heartbeat_s=heartbeat_s)
+        async with contextlib.aclosing(follow) as items:
             async for item in items:
                 if viewer is not None and viewer.lost:
-                    return
+                    break
                 yield PING if isinstance(item, Heartbeat) else item.data
+        if viewer is not None and viewer.lost:
+            yield REPLACED
     finally:
         viewers.dec()
         if viewer is not None:

@@ -189,7 +189,10 @@ async def test_another_tenants_stream_is_not_found(broker_factory: BrokerFactory
             await read_all(other, turn["stream_id"])
 
 
-async def test_a_one_viewer_token_admits_one_reader(broker_factory: BrokerFactory) -> None:
+async def test_a_one_viewer_tokens_newest_reader_takes_over_and_the_first_stops(
+    broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("broker.viewer.VIEWER_LEASE_MS", 900)  # renewed every 0.3 s
     broker = secured(broker_factory)
     turn = start_turn(broker.base_url, "conv", auth=KEY, tokens=400, tokens_per_s=40)
     async with client(broker) as owner, client(broker, api_key=None) as anonymous:
@@ -205,16 +208,29 @@ async def test_a_one_viewer_token_admits_one_reader(broker_factory: BrokerFactor
             async for _ in anonymous.attach(turn["stream_id"], token=minted.token, stop=done):
                 first_event.set()
 
-        task = asyncio.create_task(first_viewer())
+        first = asyncio.create_task(first_viewer())
+        second_reads = asyncio.Event()
+
+        async def second_viewer() -> None:
+            async for _ in anonymous.attach(turn["stream_id"], token=minted.token, stop=done):
+                if first.done():
+                    second_reads.set()  # still reading after the first was let go
+
+        second: asyncio.Task[None] | None = None
         try:
             async with asyncio.timeout(10):
                 await first_event.wait()
-            with pytest.raises(Conflict) as second:
-                await read_all(anonymous, turn["stream_id"], token=minted.token)
-            assert second.value.code == "token_in_use"
+            second = asyncio.create_task(second_viewer())
+            # The newer reader took the token over: the first is told, and does not come back.
+            with pytest.raises(Conflict) as replaced:
+                async with asyncio.timeout(10):
+                    await first
+            assert replaced.value.code == "viewer_replaced"
+            async with asyncio.timeout(10):
+                await second_reads.wait()
         finally:
             done.set()
-            await task
+            await asyncio.gather(first, *([second] if second else []), return_exceptions=True)
     async with httpx.AsyncClient(headers=bearer(KEY), timeout=10) as http:
         cancelled = await http.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel")
     assert cancelled.status_code == 200

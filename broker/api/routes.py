@@ -35,7 +35,6 @@ from broker.viewer import event_stream
 
 if TYPE_CHECKING:
     from broker.app import Runtime
-
     from broker.settings import Settings
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -258,9 +257,6 @@ async def read_stream(
             "is stored past the offset (a long poll), from 0 to BROKER_LONG_POLL_MAX_S"
         ),
     ] = None,
-) -> Response:
-    """Read a turn's events as SSE (default) or as a JSON catch-up page (``format=json``)."""
-    rt = runtime(request)
     heartbeat: Annotated[
         str | None,
         Query(
@@ -268,6 +264,9 @@ async def read_stream(
             "phone's battery: from BROKER_SSE_HEARTBEAT_S to BROKER_SSE_HEARTBEAT_MAX_S"
         ),
     ] = None,
+) -> Response:
+    """Read a turn's events as SSE (default) or as a JSON catch-up page (``format=json``)."""
+    rt = runtime(request)
     if format not in (None, "sse", "json"):
         raise BadRequest("format must be sse or json", code="bad_format")
     wait_s = long_poll_wait(wait, rt.settings.long_poll_max_s, json=format == "json")

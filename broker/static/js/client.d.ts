@@ -76,7 +76,7 @@ export interface TurnInfo {
 export interface AttachTokenOptions {
   /** Lifetime in seconds (default: the broker's BROKER_ATTACH_TOKEN_TTL, capped by its maximum). */
   ttlS?: number;
-  /** Admit one SSE connection at a time (a second one gets 409 `token_in_use`). */
+  /** Admit one SSE connection at a time (a newer one takes over; the older gets `replaced`). */
   oneViewer?: boolean;
 }
 

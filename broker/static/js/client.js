@@ -223,8 +223,9 @@ export class BrokerClient {
    * Follow a stream from `offset` until the turn is at rest, reconnecting as needed.
    * Yields `{id, type, data, attempt}` once each, in id order. Returns when a response closes
    * cleanly after an `end` event, on a 204, or when `signal` aborts. Throws BrokerHTTPError on a
-   * non-retryable status (400, 401, 403, 404, 410; 409 `token_in_use` on the first connection,
-   * waited out on a reconnect, when our own cut connection may still hold the token), and
+   * non-retryable status (400, 401, 403, 404, 410; 409 `token_in_use` from older brokers on the
+   * first connection, waited out on a reconnect), or a 409 `viewer_replaced` when a newer
+   * connection of the same one-viewer token took it over (its `replaced` event), and
    * ReattachExhausted after too many failures in a row. A `Retry-After` (429, 503) is waited out
    * (a 429 without one waits at least the base delay); one beyond `policy.maxRetryAfter` throws.
    * `token` (an attach token) is sent as `?token=` instead of the API key.
@@ -302,6 +303,13 @@ export class BrokerClient {
               if (done) break;
               arm();
               for (const sse of decoder.feed(value)) {
+                if (sse.event === "replaced") {
+                  // A newer connection of our one-viewer token took over: reconnecting would
+                  // only take it back.
+                  let reason = null;
+                  try { reason = JSON.parse(sse.data); } catch { /* keep the default */ }
+                  throw new BrokerHTTPError(409, { error: reason ?? { code: "viewer_replaced" } });
+                }
                 if (sse.event === RESUME_POINT) {
                   // Where a read from `now` starts: the resume point, not an event.
                   if (lastId === null || sse.id > lastId) advance(sse.id);

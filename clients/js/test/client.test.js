@@ -121,6 +121,29 @@ test("204 stops at once; 404 throws; 503 is retried", async () => {
   assert.deepEqual(events.map((e) => e.type), ["end"]);
 });
 
+test("a replaced event ends a one-viewer read with a 409, without reconnecting", async () => {
+  const replaced = 'event: replaced\ndata: {"code":"viewer_replaced","message":"taken over"}\n\n';
+  const { fetch, calls } = fakeFetch([
+    sse([frame("0001", "delta", { attempt: 1, text: "a" }), replaced]),
+  ]);
+  const seen = [];
+  await assert.rejects(
+    (async () => {
+      for await (const event of new BrokerClient("", { fetch, policy: fast }).attach("s")) {
+        seen.push(event.type);
+      }
+    })(),
+    (err) => {
+      assert.ok(err instanceof BrokerHTTPError);
+      assert.equal(err.status, 409);
+      assert.equal(err.code, "viewer_replaced");
+      return true;
+    },
+  );
+  assert.deepEqual(seen, ["delta"]);
+  assert.equal(calls.length, 1);
+});
+
 test("gives up after maxRetries consecutive failures", async () => {
   const fetch = async () => {
     throw new TypeError("connection refused");

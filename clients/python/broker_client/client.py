@@ -231,6 +231,16 @@ class _Cursor:
         try:
             while (chunk := await reader.next()) is not None:
                 for sse in decoder.feed(chunk):
+                    if sse.event == "replaced":
+                        # A newer connection of our one-viewer token took over: reconnecting
+                        # would only take it back.
+                        reason = Event.from_parts(sse.id, sse.event, sse.data).data
+                        raise Conflict(
+                            409,
+                            str(reason.get("code", "viewer_replaced")),
+                            str(reason.get("message", "a newer viewer took over")),
+                            reason,
+                        )
                     event = Event.from_parts(sse.id, sse.event, sse.data)
                     if event.type == RESUME_POINT:
                         # Where a read from `now` starts: the resume point, not an event.
@@ -437,8 +447,11 @@ class BrokerClient:
         last event id after a jittered backoff, never shorter than a `Retry-After`; too many
         consecutive failures raise `ReattachExhausted`. 400, 401, 403, 404 and 410 raise
         `BadRequest`, `Unauthorized`, `Forbidden`, `StreamNotFound` and `StreamExpired` at once;
-        409 `token_in_use` (a one-viewer token) raises `Conflict` on the first connection and is
-        waited out on a reconnect. Events are yielded once each, in id order.
+        A one-viewer token's newest connection takes the token over; the connection it took it
+        from gets a `replaced` event, on which this raises `Conflict` (`viewer_replaced`)
+        instead of reconnecting. (Brokers before that answered a second connection 409
+        `token_in_use`, which raises `Conflict` on the first connection and is waited out on a
+        reconnect.) Events are yielded once each, in id order.
 
         `token` (an attach token) is sent as `?token=` instead of the client's credential.
         """
