@@ -15,6 +15,7 @@ every pass. Readers are the project's own client, which reattaches from its last
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import signal
@@ -191,19 +192,34 @@ class ReplicatedCluster(LocalCluster):
         os.kill(self.pids[index], signal.SIGKILL)
 
 
+@dataclasses.dataclass(frozen=True)
+class LiveTurn:
+    turn: dict[str, Any]
+    readers: list[Reader]
+    slot: int  # the conversation's
+    primary: int  # the port of the primary serving it
+
+
+def read_live(
+    cluster: LocalCluster, broker: RunningBroker, conversation: str, **simulate: Any
+) -> LiveTurn:
+    """A turn under way with two readers attached, once both have 10 events."""
+    turn = start_turn(broker.base_url, conversation, **simulate)
+    readers = [Reader(broker.base_url, turn["stream_id"]) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    wait_until(lambda: all(len(r.ids) >= 10 for r in readers), timeout=20)
+    slot = tag_slot(conversation, broker.settings.key_prefix)
+    return LiveTurn(turn, readers, slot, owner(cluster, slot))
+
+
 def test_a_primary_failover_mid_generation_keeps_readers_resuming_and_ends_the_turn() -> None:
     cluster = ReplicatedCluster()
     with cluster:
         broker = start_broker(cluster.url, lease_ttl_ms=10_000)
         try:
-            prefix = broker.settings.key_prefix
-            turn = start_turn(broker.base_url, "failing-over", tokens=150, tokens_per_s=30)
-            readers = [Reader(broker.base_url, turn["stream_id"]) for _ in range(2)]
-            for reader in readers:
-                reader.start()
-            wait_until(lambda: all(len(r.ids) >= 10 for r in readers), timeout=20)
-            slot = tag_slot("failing-over", prefix)
-            primary = owner(cluster, slot)
+            live = read_live(cluster, broker, "failing-over", tokens=150, tokens_per_s=30)
+            turn, readers, slot, primary = live.turn, live.readers, live.slot, live.primary
             replica = cluster.replica_of[primary]
             cluster.kill(primary)
             # The replica takes over once the others count the primary as failed.
@@ -235,13 +251,8 @@ def test_with_replica_acks_a_failover_loses_no_event_a_reader_was_told() -> None
         broker = start_broker(cluster.url, lease_ttl_ms=3_000, replica_acks=1, replica_wait_ms=100)
         try:
             prefix = broker.settings.key_prefix
-            turn = start_turn(broker.base_url, "acked", tokens=200, tokens_per_s=40)
-            readers = [Reader(broker.base_url, turn["stream_id"]) for _ in range(2)]
-            for reader in readers:
-                reader.start()
-            wait_until(lambda: all(len(r.ids) >= 10 for r in readers), timeout=20)
-            slot = tag_slot("acked", prefix)
-            primary = owner(cluster, slot)
+            live = read_live(cluster, broker, "acked", tokens=200, tokens_per_s=40)
+            turn, readers, slot, primary = live.turn, live.readers, live.slot, live.primary
             replica = cluster.replica_of[primary]
             stream = f"{prefix}:{{c:acked}}:events:{turn['turn_id']}"
             with redis.Redis(port=primary, decode_responses=True) as node:

@@ -199,14 +199,20 @@ async def test_lost_job_streams_are_recreated_by_ensure_group(
     assert len(await read_all(queue, "w1", 1)) == 1
 
 
+async def cluster_way(aredis: Redis) -> tuple[JobQueue, Keys]:
+    """A queue of fresh keys that works the cluster way, its consumer group created."""
+    keys = Keys(f"jobs{os.getpid()}-{next(_n)}")
+    queue = JobQueue(aredis, keys, PARTITIONS, cluster=True)
+    await queue.ensure_group()
+    return queue, keys
+
+
 async def test_a_doorbell_wakes_a_cluster_reader_at_once(
     aredis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With a wait longer than the test, only the doorbell can end it early.
     monkeypatch.setattr(jobs_module, "BELL_WAIT_S", 30.0)
-    keys = Keys(f"jobs{os.getpid()}-{next(_n)}")
-    queue = JobQueue(aredis, keys, PARTITIONS, cluster=True)
-    await queue.ensure_group()
+    queue, _ = await cluster_way(aredis)
     stopping = asyncio.Event()
     listener = asyncio.create_task(queue.listen(aredis, lambda *_: None, stopping))
     try:
@@ -255,9 +261,7 @@ async def test_a_cluster_reader_reads_only_the_partitions_whose_doorbell_rang(
     # No full read of every partition within the test: only doorbells, and partitions that had
     # more than a read took, make a partition due.
     monkeypatch.setattr(jobs_module, "BELL_WAIT_S", 30.0)
-    keys = Keys(f"jobs{os.getpid()}-{next(_n)}")
-    queue = JobQueue(aredis, keys, PARTITIONS, cluster=True)
-    await queue.ensure_group()
+    queue, keys = await cluster_way(aredis)
     quiet, rung = queue.streams[2], queue.streams[5]
     stopping = asyncio.Event()
     listener = asyncio.create_task(queue.listen(aredis, lambda *_: None, stopping))
