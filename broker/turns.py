@@ -46,7 +46,10 @@ def _whole(value: Any) -> Any:
 
 
 # An integer of a request body (the request models are strict: `true` and `"5"` are not one).
-WholeNumber = Annotated[int, BeforeValidator(_whole)]
+# Bounds go before it, `Annotated[int, Field(ge=1), WHOLE]`: after it, pydantic's JSON schema
+# spells them `ge`/`le`, which JSON Schema does not know.
+WHOLE = BeforeValidator(_whole)
+WholeNumber = Annotated[int, WHOLE]
 
 
 class Message(BaseModel):
@@ -93,9 +96,9 @@ class CanonicalRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    attempt: WholeNumber = Field(ge=1)
-    expected: WholeNumber | None = Field(
-        default=None, ge=1, description="the canonical attempt the client saw (null: none)"
+    attempt: Annotated[int, Field(ge=1), WHOLE]
+    expected: Annotated[int, Field(ge=1), WHOLE] | None = Field(
+        default=None, description="the canonical attempt the client saw (null: none)"
     )
 
 

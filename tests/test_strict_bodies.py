@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import RunningBroker, start_broker
@@ -146,3 +147,18 @@ def test_an_ai_sdk_message_needs_string_text(broker: RunningBroker) -> None:
         "messages": [{"id": "m1", "role": "user", "parts": [{"type": "text", "text": 7}]}],
     }
     assert native_error(post(broker, "/v1/ui/chat", body))["code"] == "bad_request"
+
+
+def test_the_document_bounds_integers_as_json_schema_spells_bounds(broker: RunningBroker) -> None:
+    # pydantic wrote the bounds of a validated integer as `ge`/`le`, which JSON Schema ignores.
+    document = httpx.get(f"{broker.base_url}/openapi.json", timeout=10).json()
+    body = document["paths"]["/v1/turns/{turn_id}/attach-tokens"]["post"]["requestBody"]
+    ttl = body["content"]["application/json"]["schema"]["properties"]["ttl_s"]["anyOf"][0]
+    assert ttl == {"type": "integer", "minimum": 1, "maximum": 31_536_000}
+    chat = document["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
+    n = chat["application/json"]["schema"]["properties"]["n"]["anyOf"][0]
+    assert (n["minimum"], n["maximum"]) == (1, 1)
+    canonical = document["paths"]["/v1/turns/{turn_id}/canonical"]["post"]["requestBody"]
+    attempt = canonical["content"]["application/json"]["schema"]["properties"]["attempt"]
+    assert attempt["minimum"] == 1
+    assert '"ge"' not in orjson.dumps(document).decode()

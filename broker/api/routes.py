@@ -30,7 +30,7 @@ from broker.auth import Principal, require_actor
 from broker.errors import BadRequest, Forbidden, Unauthorized
 from broker.metrics import AUTH_FAILURES
 from broker.reader import StartPoint
-from broker.turns import AttemptRequest, CanonicalRequest, TurnRequest, WholeNumber
+from broker.turns import WHOLE, AttemptRequest, CanonicalRequest, TurnRequest
 from broker.viewer import event_stream
 
 if TYPE_CHECKING:
@@ -93,10 +93,8 @@ class AttachTokenRequest(BaseModel):
     # Strict: `true`, `"5"` and `0.5` are not a lifetime, and a boolean is only true or false.
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    ttl_s: WholeNumber | None = Field(
+    ttl_s: Annotated[int, Field(ge=1, le=31_536_000), WHOLE] | None = Field(
         default=None,
-        ge=1,
-        le=31_536_000,
         description="lifetime in whole seconds (default BROKER_ATTACH_TOKEN_TTL, capped at "
         "BROKER_ATTACH_TOKEN_MAX_TTL)",
     )

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.errors import BadRequest
 from broker.keys import ID_PATTERN
 from broker.providers import Providers
-from broker.turns import WholeNumber
+from broker.turns import WHOLE, WholeNumber
 
 ID_REGEX = ID_PATTERN.pattern
 
@@ -68,7 +68,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    max_output_tokens: WholeNumber | None = Field(default=None, ge=1, le=10_000_000)
+    max_output_tokens: Annotated[int, Field(ge=1, le=10_000_000), WHOLE] | None = None
     previous_response_id: str | None = Field(default=None, max_length=128)
     store: bool | None = None
     broker: BrokerExtension | None = Field(
@@ -106,12 +106,12 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    max_tokens: WholeNumber | None = Field(default=None, ge=1, le=10_000_000)
-    max_completion_tokens: WholeNumber | None = Field(default=None, ge=1, le=10_000_000)
+    max_tokens: Annotated[int, Field(ge=1, le=10_000_000), WHOLE] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=10_000_000), WHOLE] | None = None
     stop: str | list[str] | None = None
     seed: WholeNumber | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
-    n: WholeNumber | None = Field(default=None, ge=1, le=1)
+    n: Annotated[int, Field(ge=1, le=1), WHOLE] | None = None
     user: str | None = Field(default=None, max_length=256)
     broker: BrokerExtension | None = None
 
