@@ -72,7 +72,7 @@ def parse_api_keys(text: str, source: str) -> dict[str, str]:
     for number, entry in enumerate((e for e in entries if e), start=1):
         tenant, eq, key = entry.partition("=")
         tenant, key = tenant.strip(), key.strip()
-        if not eq or not TENANT_PATTERN.match(tenant):
+        if not eq or not TENANT_PATTERN.fullmatch(tenant):
             # Never echo the entry: it may be a key.
             raise SettingsError(
                 f"{source}: entry {number} is not tenant=key with a tenant name of letters, "
@@ -210,7 +210,7 @@ class Authenticator:
         except jwt.PyJWTError as exc:
             raise Unauthorized(f"the token is not valid: {exc}", code="bad_token") from None
         tenant = claims.get(claim)
-        if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+        if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
             raise Unauthorized(
                 f"the token's {claim!r} claim is not a tenant name (letters, digits and "
                 ". _ @ | + : -, at most 128)",
@@ -266,7 +266,7 @@ class Authenticator:
         except jwt.PyJWTError:
             raise Unauthorized("the attach token is not valid", code="bad_token") from None
         stream_id, tenant = claims.get("sid"), claims.get("ten") or None
-        if not isinstance(stream_id, str) or not STREAM_ID_PATTERN.match(stream_id):
+        if not isinstance(stream_id, str) or not STREAM_ID_PATTERN.fullmatch(stream_id):
             raise Unauthorized("the attach token is not valid", code="bad_token")
         return Principal(
             kind="attach",

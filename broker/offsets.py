@@ -16,8 +16,9 @@ START = "-1"
 NOW = "now"
 ZERO_ID = "0-0"
 
-_OFFSET = re.compile(r"^(\d{16})-(\d{10})$")
-_ENTRY_ID = re.compile(r"^(\d+)-(\d+)$")
+# ASCII digits, the whole string: `\d` takes other scripts' digits, and `$` a final newline.
+_OFFSET = re.compile(r"([0-9]{16})-([0-9]{10})")
+_ENTRY_ID = re.compile(r"([0-9]+)-([0-9]+)")
 
 
 def from_entry_id(entry_id: str) -> str:
@@ -28,7 +29,7 @@ def from_entry_id(entry_id: str) -> str:
 
 def to_entry_id(offset: str) -> str:
     """Parse a wire offset (not a sentinel) into a Redis entry id; 400 when malformed."""
-    match = _OFFSET.match(offset)
+    match = _OFFSET.fullmatch(offset)
     if match is None:
         raise BadRequest(
             f"malformed offset {offset[:64]!r}: expected -1, now, or an event id from this stream",
@@ -39,7 +40,7 @@ def to_entry_id(offset: str) -> str:
 
 def id_key(entry_id: str) -> tuple[int, int]:
     """A sort key for Redis entry ids (which do not sort as strings)."""
-    match = _ENTRY_ID.match(entry_id)
+    match = _ENTRY_ID.fullmatch(entry_id)
     if match is None:
         raise ValueError(f"not a stream entry id: {entry_id!r}")
     return int(match.group(1)), int(match.group(2))

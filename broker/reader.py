@@ -133,7 +133,7 @@ class Streams:
         return location
 
     async def _locate(self, stream_id: str, tenant: str | None) -> Location:
-        if not STREAM_ID_PATTERN.match(stream_id):
+        if not STREAM_ID_PATTERN.fullmatch(stream_id):
             raise NotFound(f"unknown stream {stream_id[:80]!r}")
         value = await rc.get(self._redis, self._keys.stream_index(stream_id))
         if value is None:

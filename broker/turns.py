@@ -304,7 +304,7 @@ class Turns:
 
         Another tenant's turn is not found: the index is looked up under the caller's tenant.
         """
-        if not ID_PATTERN.match(turn_id):
+        if not ID_PATTERN.fullmatch(turn_id):
             raise NotFound(f"unknown turn {turn_id[:80]!r}")
         conversation_id = await rc.get(self._redis, self._keys.turn_index(scoped(tenant, turn_id)))
         if conversation_id is None:
@@ -439,7 +439,7 @@ class Turns:
         then one assistant message with its canonical attempt's text, flagged ``partial`` when
         that answer was cut short. Turns without a canonical answer contribute their input only.
         """
-        if not ID_PATTERN.match(client_conversation_id):
+        if not ID_PATTERN.fullmatch(client_conversation_id):
             raise NotFound(f"unknown conversation {client_conversation_id[:80]!r}")
         conversation_id = scoped(tenant, client_conversation_id)
         keys = self._keys

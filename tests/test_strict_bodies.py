@@ -162,3 +162,36 @@ def test_the_document_bounds_integers_as_json_schema_spells_bounds(broker: Runni
     attempt = canonical["content"]["application/json"]["schema"]["properties"]["attempt"]
     assert attempt["minimum"] == 1
     assert '"ge"' not in orjson.dumps(document).decode()
+
+
+@pytest.mark.parametrize(
+    "offset",
+    [
+        "0001796045845245-0000000000\n",  # Python's `$` let a final newline through
+        "\u0661" * 16 + "-" + "\u0662" * 10,  # and `\d` the digits of other scripts
+    ],
+)
+def test_an_offset_is_ascii_digits_and_nothing_after(
+    broker: RunningBroker, turn: dict[str, Any], offset: str
+) -> None:
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    for params in ({"offset": offset}, {"format": "json", "offset": offset}):
+        response = httpx.get(url, params=params, headers=bearer(KEY), timeout=10)
+        assert native_error(response)["code"] == "bad_offset"
+
+
+def test_an_id_with_a_final_newline_is_not_an_id(broker: RunningBroker) -> None:
+    response = post(
+        broker,
+        "/v1/ui/chat",
+        {
+            "id": "chat\n",
+            "trigger": "submit-message",
+            "messages": [{"id": "m1", "role": "user", "parts": [{"type": "text", "text": "hi"}]}],
+        },
+    )
+    assert native_error(response)["code"] == "bad_chat_id"
+    stream = httpx.get(
+        f"{broker.base_url}/v1/streams/st_{'0' * 32}%0A", headers=bearer(KEY), timeout=10
+    )
+    assert stream.status_code == 404

@@ -72,7 +72,7 @@ class ChatRequest(BaseModel):
             raise BadRequest(
                 "the last message must be the user's (the one to answer)", code="bad_messages"
             )
-        if not ID_PATTERN.match(last.id):
+        if not ID_PATTERN.fullmatch(last.id):
             raise BadRequest(
                 f"message id {last.id[:80]!r} is not a usable turn id: "
                 "1-128 of A-Z a-z 0-9 . _ : -",
@@ -82,7 +82,7 @@ class ChatRequest(BaseModel):
 
     def turn_request(self) -> TurnRequest:
         """The native request for this chat's turn; 400 for what the broker cannot take."""
-        if not ID_PATTERN.match(self.id):
+        if not ID_PATTERN.fullmatch(self.id):
             raise BadRequest(
                 f"chat id {self.id[:80]!r} is not a usable conversation id: "
                 "1-128 of A-Z a-z 0-9 . _ : -",

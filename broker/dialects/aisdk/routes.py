@@ -103,7 +103,7 @@ async def _chain_start(rt: Runtime, location: Location) -> Cursor:
 
 async def _latest_turn(rt: Runtime, chat_id: str, tenant: str | None) -> str | None:
     """The chat's newest turn, if it has one."""
-    if not ID_PATTERN.match(chat_id):
+    if not ID_PATTERN.fullmatch(chat_id):
         raise NotFound(f"unknown chat {chat_id[:80]!r}")
     key = rt.keys.conversation_turns(scoped(tenant, chat_id))
     newest = await rt.redis.zrevrange(key, 0, 0)

@@ -117,7 +117,7 @@ def turn_id_of(request: Request, metadata: dict[str, str] | None, prefix: str) -
     key = request.headers.get("idempotency-key") or (metadata or {}).get("turn_id")
     if key is None:
         return f"{prefix}{secrets.token_hex(16)}"
-    if not ID_PATTERN.match(key):
+    if not ID_PATTERN.fullmatch(key):
         raise ParamError(
             "the idempotency key must be 1-128 characters of letters, digits and ._:-",
             "Idempotency-Key",
@@ -240,7 +240,7 @@ async def load(rt: Runtime, response_id: str, tenant: str | None) -> Stored:
 async def load_for_reading(rt: Runtime, response_id: str, tenant: str | None) -> Stored:
     """What a read of the response's events needs, in two round trips (a resume waits for
     them); the full :func:`load` answers the unknown and expired ones with their error."""
-    if ID_PATTERN.match(response_id):
+    if ID_PATTERN.fullmatch(response_id):
         index = rt.keys.turn_index(scoped(tenant, response_id))
         conversation_id = await rc.get(rt.redis, index)
         if conversation_id is not None:
