@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,11 +24,11 @@ from typing import Any, Protocol, cast
 import redis
 from redis.crc import key_slot
 
-from broker.embedded_redis import find_server_binary
+from broker.embedded_redis import die_with_parent, find_server_binary, server_command
 
 REPO = Path(__file__).resolve().parent.parent
 KEY_PREFIX = "bench"
-_PR_SET_PDEATHSIG = 1
+
 SLOTS = 16384
 BUS_PORT_OFFSET = 10000  # a cluster node's bus port is its port plus this
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -61,12 +59,6 @@ def free_port_pair() -> int:
                 continue
         return port
     raise ServerError("no free port with a free cluster bus port")
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: the child gets SIGTERM when we die.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _stop(process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float) -> None:
@@ -217,23 +209,9 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="bench-redis-"))
         self.port = free_port_pair() if self.cluster_node else free_port()
-        args = [
-            self.binary,
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dir",
-            str(self._dir),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--maxmemory-policy",
-            "noeviction",
-            "--logfile",
-            str(self._dir / "server.log"),
-        ]
+        args = server_command(
+            self.binary, self._dir, "--bind", "127.0.0.1", "--port", str(self.port)
+        )
         if self.cluster_node:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         args += self.options
@@ -242,7 +220,7 @@ class RedisServer:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         client = self.client()
@@ -532,7 +510,7 @@ class Broker:
             text=True,
             env=env,
             cwd=REPO,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         started = threading.Event()
         self._reader = threading.Thread(

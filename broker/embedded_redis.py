@@ -56,11 +56,37 @@ def find_server_binary(explicit: str | None = None) -> str:
     )
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec. The signal fires when the thread that forked us
-    # exits, so the broker starts the server from its main thread.
+def die_with_parent() -> None:
+    """A ``preexec_fn``: the child gets SIGTERM when the thread that started it exits.
+
+    Runs in the child between fork and exec. The signal fires when the thread that forked the
+    child exits, so servers are started from a main thread (the broker's, pytest's fixtures').
+    """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def server_command(binary: str, directory: Path, *listen: str) -> list[str]:
+    """The command line of a private, throw-away server: listening as ``listen`` says (its
+    port, socket or address options), its files in ``directory``, nothing persisted, writes
+    refused rather than keys evicted, its log in ``directory/server.log``.
+
+    The embedded server, the tests' clusters and the benchmarks' servers all start this way.
+    """
+    return [
+        binary,
+        *listen,
+        "--dir",
+        str(directory),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory-policy",
+        "noeviction",
+        "--logfile",
+        str(directory / "server.log"),
+    ]
 
 
 class EmbeddedRedis:
@@ -92,31 +118,17 @@ class EmbeddedRedis:
         self.version = _binary_version(self.binary)
         self._dir = Path(tempfile.mkdtemp(prefix="broker-redis-"))
         os.chmod(self._dir, 0o700)
-        args = [
+        args = server_command(
             self.binary,
-            "--port",
-            "0",
-            "--unixsocket",
-            str(self.socket_path),
-            "--unixsocketperm",
-            "700",
-            "--dir",
-            str(self._dir),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--maxmemory-policy",
-            "noeviction",
-            "--logfile",
-            str(self._dir / "server.log"),
-        ]
+            self._dir,
+            *("--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"),
+        )
         self._process = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while not self._accepting():

@@ -15,10 +15,8 @@ nodes talk TLS on their bus; the plain port stays for the test's own setup calls
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -29,18 +27,10 @@ from typing import Any
 
 import redis
 
-from broker.embedded_redis import find_server_binary
+from broker.embedded_redis import die_with_parent, find_server_binary, server_command
 
 SLOTS = 16384
 BUS_PORT_OFFSET = 10000
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec. The signal fires when the thread that forked the
-    # child exits, so clusters are started from the main thread (pytest's fixtures are).
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _free(port: int) -> bool:
@@ -156,36 +146,21 @@ class LocalCluster:
                     *("--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key)),
                     *("--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"),
                 ]
+            listen = ("--port", str(port), "--bind", "127.0.0.1")
+            cluster = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+            timeout = ("--cluster-node-timeout", str(self.node_timeout_ms))
             process = subprocess.Popen(
                 [
-                    self.binary,
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    str(self.node_timeout_ms),
-                    "--dir",
-                    str(node_dir),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--maxmemory-policy",
-                    "noeviction",
-                    "--logfile",
-                    "server.log",
+                    *server_command(self.binary, node_dir, *listen),
+                    *cluster,
+                    *timeout,
                     *tls_args,
                     *self.server_args,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
             if self._serving(port, process):
                 self.ports.append(port)
