@@ -262,7 +262,7 @@ def create_app(
         redoc_url=None,
     )
     install_error_handlers(app)
-    install_components(app)
+    install_components(app, settings)
     app.include_router(ops_router)
     if settings.runs_api:
         app.include_router(api_router)

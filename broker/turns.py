@@ -73,8 +73,13 @@ class TurnRequest(BaseModel):
     conversation_id: str = Field(pattern=ID_REGEX)
     turn_id: str | None = Field(default=None, pattern=ID_REGEX)
     messages: list[Message] = Field(min_length=1)
-    provider: str | None = Field(default=None, max_length=64)
-    model: str | None = Field(default=None, max_length=256)
+    # The document lists this broker's providers and models (see broker.api.schemas).
+    provider: str | None = Field(
+        default=None, max_length=64, json_schema_extra={"x-broker-catalogue": "providers"}
+    )
+    model: str | None = Field(
+        default=None, max_length=256, json_schema_extra={"x-broker-catalogue": "models"}
+    )
     params: dict[str, Any] = Field(default_factory=dict)
     tools: list[dict[str, Any]] = Field(default_factory=list)
     response_format: Literal["text", "json"] = "text"

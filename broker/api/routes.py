@@ -24,6 +24,7 @@ from broker.api.schemas import (
     TurnState,
     errors,
     json_schema,
+    stream_parameters,
     stream_responses,
 )
 from broker.auth import Principal, require_actor
@@ -238,7 +239,9 @@ async def get_turn(request: Request, turn_id: str, principal: Actor) -> Response
     return json_response(await runtime(request).turns.get(turn_id, principal.tenant))
 
 
-@api_router.get("/v1/streams/{stream_id}", responses=stream_responses())
+@api_router.get(
+    "/v1/streams/{stream_id}", responses=stream_responses(), openapi_extra=stream_parameters()
+)
 async def read_stream(
     request: Request,
     stream_id: str,
@@ -274,8 +277,11 @@ async def read_stream(
     heartbeat_s = heartbeat_period(heartbeat, rt.settings, sse=format != "json")
     if principal.one_viewer and format == "json":
         raise Forbidden("a one-viewer attach token reads over SSE only", code="sse_only")
-    # 400 for a malformed offset before anything else.
-    start = StartPoint.parse(request.headers.get("last-event-id") or offset)
+    # 400 for a malformed offset before anything else. Last-Event-ID wins over ?offset=, but a
+    # malformed ?offset= is refused even then: it is bad input all the same.
+    start = StartPoint.parse(offset)
+    if last_event_id := request.headers.get("last-event-id"):
+        start = StartPoint.parse(last_event_id)
     location = await rt.streams.locate(stream_id, principal.tenant, start=start)
     if format == "json":
         page = rt.streams.page(location, start, wait_s)

@@ -2,17 +2,28 @@
 
 The routes build their JSON themselves (orjson, no re-validation on the hot path); these models
 only describe it, so that clients and the schema fuzzer know every status a route may answer.
+The event stream is described event by event: a model per event type for the JSON of its
+``data``, the same in SSE frames and in JSON pages. Parameters that routes parse themselves
+(to keep the broker's error codes) are declared here as the routes read them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
+from broker.keys import ID_PATTERN
+from broker.settings import Settings
+
 REF_TEMPLATE = "#/components/schemas/{model}"
+# A request field whose valid values are this broker's providers or models: the document lists
+# them (`enum`) once the app runs and knows its providers.
+CATALOGUE = "x-broker-catalogue"
 # Schemas that routes reference by hand (bodies we parse ourselves): added to the document.
 COMPONENTS: dict[str, Any] = {}
 
@@ -24,8 +35,26 @@ def json_schema(model: type[BaseModel]) -> dict[str, Any]:
     return schema
 
 
-def install_components(app: FastAPI) -> None:
-    """Make ``app``'s OpenAPI document include the components of :func:`json_schema`."""
+def component(model: type[BaseModel]) -> dict[str, Any]:
+    """A ``$ref`` to ``model``, registered (with its nested models) as a document component."""
+    COMPONENTS[model.__name__] = json_schema(model)
+    return {"$ref": REF_TEMPLATE.format(model=model.__name__)}
+
+
+def install_components(app: FastAPI, settings: Settings | None = None) -> None:
+    """Make ``app``'s OpenAPI document include the components of :func:`json_schema`, and
+    say what the broker really does where FastAPI's defaults would not.
+
+    * A parameter a route declares in ``openapi_extra`` replaces the one FastAPI derived from
+      its signature (routes parse some parameters themselves, to keep the broker's error codes).
+    * FastAPI's "422 Validation Error" is not sent: a request that fails validation gets a 400
+      in the broker's error shape. Routes that do answer 422 declare it themselves.
+    * The bounds that settings choose are this app's: ``wait`` of a stream read goes up to
+      its ``BROKER_LONG_POLL_MAX_S``, ``heartbeat`` between its ``BROKER_SSE_HEARTBEAT_S``
+      and ``BROKER_SSE_HEARTBEAT_MAX_S``.
+    * A field marked with :data:`CATALOGUE` lists the providers or models this broker serves
+      (read from the running app's providers; the document is built on its first request).
+    """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -38,10 +67,96 @@ def install_components(app: FastAPI) -> None:
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in COMPONENTS.items():
                 schemas.setdefault(name, schema)
+            for operation in _operations(document):
+                _settle(operation, settings)
+            providers = getattr(getattr(app.state, "runtime", None), "providers", None)
+            if providers is not None:
+                _list_catalogue(document, catalogue(providers))
+            if not _refers_to(document["paths"], "HTTPValidationError"):
+                schemas.pop("HTTPValidationError", None)
+                schemas.pop("ValidationError", None)
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _operations(document: dict[str, Any]) -> list[dict[str, Any]]:
+    methods = ("get", "put", "post", "delete", "patch", "head", "options")
+    paths = document.get("paths", {}).values()
+    return [op for path in paths for method, op in path.items() if method in methods]
+
+
+def _settle(operation: dict[str, Any], settings: Settings | None) -> None:
+    """One operation as the broker answers it (see :func:`install_components`)."""
+    parameters: dict[tuple[str, str], dict[str, Any]] = {}
+    for parameter in operation.get("parameters", []):
+        key = (str(parameter["name"]).lower(), str(parameter["in"]))
+        parameters.pop(key, None)  # a later declaration (openapi_extra's) wins, in its place
+        parameters[key] = parameter
+    if parameters:
+        operation["parameters"] = list(parameters.values())
+    wait = parameters.get(("wait", "query"))
+    if wait is not None and settings is not None:
+        wait["schema"]["maximum"] = int(settings.long_poll_max_s)
+    heartbeat = parameters.get(("heartbeat", "query"))
+    if heartbeat is not None and settings is not None:
+        heartbeat["schema"]["minimum"] = math.ceil(settings.sse_heartbeat_s)
+        heartbeat["schema"]["maximum"] = int(settings.sse_heartbeat_max_s)
+    responses = operation.get("responses", {})
+    if _refers_to(responses.get("422", {}), "HTTPValidationError"):
+        del responses["422"]
+
+
+class _Served:
+    """What :func:`catalogue` reads of a provider (``broker.providers.base.Provider``)."""
+
+    name: str
+    models: tuple[str, ...]
+
+
+def catalogue(providers: Iterable[Any]) -> dict[str, list[str] | None]:
+    """The values of each :data:`CATALOGUE` kind; None when a provider takes any model name.
+
+    ``openai-models`` is what the OpenAI dialect's ``model`` takes: a model, a provider's name,
+    or ``provider/model``.
+    """
+    served: list[_Served] = list(providers)
+    names = [p.name for p in served]
+    if any(not p.models for p in served):
+        return {"providers": names, "models": None, "openai-models": None}
+    models = list(dict.fromkeys(m for p in served for m in p.models))
+    paths = [f"{p.name}/{m}" for p in served for m in p.models]
+    openai = list(dict.fromkeys([*models, *names, *paths]))
+    return {"providers": names, "models": models, "openai-models": openai}
+
+
+def _list_catalogue(node: Any, values: dict[str, list[str] | None]) -> None:
+    """Give every schema marked with :data:`CATALOGUE` under ``node`` its ``enum``."""
+    if isinstance(node, list):
+        for item in node:
+            _list_catalogue(item, values)
+        return
+    if not isinstance(node, dict):
+        return
+    kind = node.pop(CATALOGUE, None)
+    listed = values.get(kind) if isinstance(kind, str) else None
+    if listed is not None:
+        nullable = any(branch.get("type") == "null" for branch in node.get("anyOf", []))
+        node["enum"] = [*listed, None] if nullable else listed
+    for value in node.values():
+        _list_catalogue(value, values)
+
+
+def _refers_to(node: Any, name: str) -> bool:
+    """Whether ``node`` holds a ``$ref`` to the component ``name``."""
+    if isinstance(node, dict):
+        if node.get("$ref") == REF_TEMPLATE.format(model=name):
+            return True
+        return any(_refers_to(value, name) for value in node.values())
+    if isinstance(node, list):
+        return any(_refers_to(value, name) for value in node)
+    return False
 
 
 class ErrorDetail(BaseModel):
@@ -127,17 +242,126 @@ class AttachToken(BaseModel):
     links: AttachLinks
 
 
-class PageEvent(BaseModel):
-    id: str
-    event: str
-    data: dict[str, Any]
+# --- the events of a stream: the JSON of their `data`, one model per `event` type ---------
+
+# A wire offset (zero-padded Redis entry id); a client sends one back, or a sentinel.
+OFFSET_PATTERN = "^[0-9]{16}-[0-9]{10}$"
+# What a read accepts as its resume point: nothing (from the start), -1, now, or an offset.
+START_PATTERN = "^(|-1|now|[0-9]{16}-[0-9]{10})$"
+STREAM_ID_PATTERN = "^st_[0-9a-f]{32}$"
+# A path parameter that names a turn, a conversation or a chat: a client-minted id.
+ID_PARAMETER: dict[str, Any] = {
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": ID_PATTERN.pattern},
+}
+
+
+class AttemptEvent(BaseModel):
+    """``attempt``: an attempt begins (with its first delta: silent retries show nothing)."""
+
+    attempt: int = Field(ge=1, description="the attempt's number, 1 for the turn's first")
+    strategy: Literal["initial", "continue", "regenerate"]
+
+
+class DeltaEvent(BaseModel):
+    """``delta``: the next piece of the attempt's text; the text is the deltas joined."""
+
+    attempt: int = Field(ge=1)
+    text: str
+
+
+class ToolCallEvent(BaseModel):
+    """``tool_call``: the model called a tool; ``dispatched`` before it runs through the
+    ledger, or ``not_run`` when its arguments were cut off (then ``args`` and ``ordinal`` are
+    null and ``reason`` says why)."""
+
+    attempt: int = Field(ge=1)
+    call_id: str
+    name: str
+    args: Any = Field(description="the parsed arguments (their raw text if not JSON)")
+    ordinal: int | None = Field(ge=0, description="this tool's how-many-th call in the turn")
+    status: Literal["dispatched", "not_run"]
+    reason: str | None = None
+
+
+class ToolResultEvent(BaseModel):
+    """``tool_result``: a dispatched call's outcome: ``ran`` now, ``replayed`` from the ledger
+    (never run twice), or ``refused`` (not run); ``result`` when ``ok``, ``error`` otherwise."""
+
+    attempt: int = Field(ge=1)
+    call_id: str
+    name: str
+    ordinal: int = Field(ge=0)
+    source: Literal["ran", "replayed", "refused"]
+    status: Literal["ok", "error"]
+    result: Any = None
+    error: dict[str, Any] | None = None
+
+
+class UsageEvent(BaseModel):
+    """``usage``: tokens of one upstream call (an attempt with tool steps has several)."""
+
+    attempt: int = Field(ge=1)
+    input_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=0)
+
+
+class ErrorEvent(BaseModel):
+    """``error``: why the attempt is about to end ``failed`` or ``interrupted`` (an ``end``
+    follows)."""
+
+    attempt: int = Field(ge=1)
+    code: str
+    message: str
+    retryable: bool
+
+
+class EndEvent(BaseModel):
+    """``end``: the attempt's terminal sentinel. A turn is complete only if an ``end`` with
+    ``complete`` arrived; a connection that closes without one was cut."""
+
+    attempt: int = Field(ge=1)
+    status: Literal["complete", "interrupted", "cancelled", "failed"]
+    reason: str | None = None
+
+
+class ResumePointEvent(BaseModel):
+    """``resume_point``: SSE only, the first frame of a read, not a stored event: its id (and
+    ``offset``) is where the read starts, so a client that drops before the first event
+    resumes from there."""
+
+    offset: str = Field(pattern=OFFSET_PATTERN)
+
+
+# The stored events, as a JSON page lists them and an SSE stream sends them.
+STORED_EVENTS: dict[str, type[BaseModel]] = {
+    "attempt": AttemptEvent,
+    "delta": DeltaEvent,
+    "tool_call": ToolCallEvent,
+    "tool_result": ToolResultEvent,
+    "usage": UsageEvent,
+    "error": ErrorEvent,
+    "end": EndEvent,
+}
+# What an SSE stream sends besides them.
+SSE_ONLY_EVENTS: dict[str, type[BaseModel]] = {"resume_point": ResumePointEvent}
 
 
 class StreamPage(BaseModel):
-    events: list[PageEvent]
-    next_offset: str
-    up_to_date: bool
-    closed: bool
+    events: list[dict[str, Any]] = Field(
+        description="the events after the page's start, in order: `id` (the offset), `event` "
+        "(the type) and `data` (its JSON, as SSE sends it)"
+    )
+    next_offset: str = Field(
+        description="where the next page starts: the last event's offset (or the page's own "
+        "start when it is empty); store it and send it back as `offset`"
+    )
+    up_to_date: bool = Field(description="nothing more is stored past this page")
+    closed: bool = Field(
+        description="the turn is at rest and this page reaches its end: nothing more will "
+        "come unless a new attempt starts"
+    )
 
 
 class Status(BaseModel):
@@ -167,16 +391,188 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorBody, "description": _MEANING[s]} for s in wanted}
 
 
+def _sse_event(kind: str, model: type[BaseModel]) -> dict[str, Any]:
+    """One SSE event as a parsed frame: ``event``, ``id`` and its ``data`` of JSON."""
+    return {
+        "type": "object",
+        "title": f"{kind} event",
+        "required": ["event", "id", "data"],
+        "properties": {
+            "event": {"const": kind},
+            "id": {"type": "string", "pattern": OFFSET_PATTERN},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": component(model),
+            },
+            "retry": {"type": "integer", "minimum": 0},
+        },
+    }
+
+
+def _page_event(kind: str, model: type[BaseModel]) -> dict[str, Any]:
+    """One event of a JSON page: the SSE event with its ``data`` parsed."""
+    return {
+        "type": "object",
+        "title": f"{kind} event",
+        "required": ["id", "event", "data"],
+        "properties": {
+            "id": {"type": "string", "pattern": OFFSET_PATTERN},
+            "event": {"const": kind},
+            "data": component(model),
+        },
+    }
+
+
+def stream_page_schema() -> dict[str, Any]:
+    """:class:`StreamPage`, with each event's ``data`` of the schema of its type."""
+    schema = json_schema(StreamPage)
+    schema["properties"]["events"]["items"] = {
+        "oneOf": [_page_event(kind, model) for kind, model in STORED_EVENTS.items()]
+    }
+    COMPONENTS["StreamPage"] = schema
+    return {"$ref": REF_TEMPLATE.format(model="StreamPage")}
+
+
 def stream_responses() -> dict[int | str, dict[str, Any]]:
-    """``GET /v1/streams/{id}``: SSE, a JSON page, or 204 when nothing will ever follow."""
+    """``GET /v1/streams/{id}``: SSE, a JSON page, or 204 when nothing will ever follow.
+
+    The event stream is described as its events, one ``itemSchema`` per event (as OpenAPI 3.2
+    and FastAPI's own SSE routes do): ``data`` is a string of JSON whose ``contentSchema`` is
+    the event type's. Heartbeat comments and the ``retry:`` line are not events.
+    """
+    events = {**STORED_EVENTS, **SSE_ONLY_EVENTS}
     return {
         200: {
-            "description": "text/event-stream (default), or a catch-up page with format=json",
+            "description": "text/event-stream (default): the events after the resume point, "
+            "live until the turn is at rest; or, with format=json, a catch-up page",
             "content": {
-                "text/event-stream": {"schema": {"type": "string"}},
-                "application/json": {"schema": json_schema(StreamPage)},
+                "text/event-stream": {
+                    "itemSchema": {"oneOf": [_sse_event(k, m) for k, m in events.items()]}
+                },
+                "application/json": {"schema": stream_page_schema()},
             },
         },
         204: {"description": "the turn is at rest and nothing follows the resume point"},
         **errors(409, 410),
+    }
+
+
+def response_event() -> dict[str, Any]:
+    """An event of the OpenAI Responses stream: ``event`` is the ``type`` of its JSON ``data``."""
+    return {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string", "description": "response.created, ..."},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {"type": "object", "required": ["type", "sequence_number"]},
+            },
+        },
+    }
+
+
+def chunk_event() -> dict[str, Any]:
+    """An event of a Chat Completions stream: a ``chat.completion.chunk`` of JSON, or the
+    closing ``[DONE]`` (which is not JSON)."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"const": "message"},
+            "data": {"type": "string", "description": "a chat.completion.chunk, or [DONE]"},
+        },
+    }
+
+
+def ui_stream_event() -> dict[str, Any]:
+    """An event of the AI SDK's UI message stream: a chunk of JSON, or the closing ``[DONE]``."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string", "description": "a UI message chunk, or [DONE]"}},
+    }
+
+
+def resume_parameters(*, sentinels: bool) -> list[dict[str, Any]]:
+    """``Last-Event-ID`` and ``offset`` of a stream read (``-1`` and ``now`` with
+    ``sentinels``; an empty value is no resume point)."""
+    pattern = START_PATTERN if sentinels else "^(|[0-9]{16}-[0-9]{10})$"
+    start = {"type": "string", "pattern": pattern}
+    return [
+        {
+            "name": "Last-Event-ID",
+            "in": "header",
+            "required": False,
+            "schema": start,
+            "description": "the resume point: the id of the last event the client got "
+            "(browsers' EventSource sends it when they reconnect); the read starts right "
+            "after it. Wins over `offset`.",
+        },
+        {
+            "name": "offset",
+            "in": "query",
+            "required": False,
+            "schema": {**start, "default": "-1"} if sentinels else start,
+            "description": "the resume point when there is no Last-Event-ID: `-1` from the "
+            "start (the default), `now` only new events, or an event's id (replay is "
+            "exclusive of it)"
+            if sentinels
+            else "the resume point when there is no Last-Event-ID: an event's id",
+        },
+    ]
+
+
+def stream_parameters(long_poll_max_s: int = 25) -> dict[str, Any]:
+    """``openapi_extra`` of ``GET /v1/streams/{id}``: its parameters, as the route parses them."""
+    return {
+        "parameters": [
+            {
+                "name": "stream_id",
+                "in": "path",
+                "required": True,
+                "schema": {"type": "string", "pattern": STREAM_ID_PATTERN},
+                "description": "the turn's stream id (`stream_id` of the turn)",
+            },
+            *resume_parameters(sentinels=True),
+            {
+                "name": "format",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "string", "enum": ["sse", "json"], "default": "sse"},
+                "description": "`sse`: an event stream; `json`: one catch-up page",
+            },
+            {
+                "name": "wait",
+                "in": "query",
+                "required": False,
+                "schema": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "maximum": long_poll_max_s,
+                    "default": 0,
+                },
+                "description": "with format=json only (else 400): seconds a page with nothing "
+                "past its offset waits for the first new event (a long poll), up to "
+                "BROKER_LONG_POLL_MAX_S; 0 answers at once",
+            },
+            {
+                "name": "heartbeat",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "integer", "minimum": 15, "maximum": 120},
+                "description": "SSE only (else 400): seconds between heartbeats on a quiet "
+                "stream, to save a phone's battery: from BROKER_SSE_HEARTBEAT_S to "
+                "BROKER_SSE_HEARTBEAT_MAX_S",
+            },
+            {
+                "name": "token",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "string"},
+                "description": "an attach token, for clients that cannot send headers",
+            },
+        ]
     }

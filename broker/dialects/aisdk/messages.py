@@ -53,14 +53,22 @@ class ChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    id: str = Field(description="the chat id: the broker's conversation id")
+    # Checked by turn_request (400 bad_chat_id); the pattern is for the document.
+    id: str = Field(
+        description="the chat id: the broker's conversation id",
+        json_schema_extra={"pattern": ID_PATTERN.pattern},
+    )
     messages: list[UIMessage] = Field(min_length=1)
     trigger: Literal["submit-message", "regenerate-message"]
     messageId: str | None = Field(
         default=None, description="the message a regenerate replaces (informational)"
     )
-    provider: str | None = Field(default=None, max_length=64)
-    model: str | None = Field(default=None, max_length=256)
+    provider: str | None = Field(
+        default=None, max_length=64, json_schema_extra={"x-broker-catalogue": "providers"}
+    )
+    model: str | None = Field(
+        default=None, max_length=256, json_schema_extra={"x-broker-catalogue": "models"}
+    )
     params: dict[str, Any] = Field(default_factory=dict)
     session_id: str | None = None
 

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from broker import redis_calls as rc
 from broker.api.routes import Actor, body_schema, json_response, parse_body, runtime
-from broker.api.schemas import errors
+from broker.api.schemas import ID_PARAMETER, errors, resume_parameters, ui_stream_event
 from broker.dialects.aisdk.chunks import DONE, Renderer, encode
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.errors import NotFound
@@ -36,7 +36,10 @@ UI_STREAM_HEADERS: Final = [
     (b"x-vercel-ai-ui-message-stream", b"v1"),
 ]
 UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
-    200: {"content": {"text/event-stream": {}}, "description": "the UI message stream"}
+    200: {
+        "content": {"text/event-stream": {"itemSchema": ui_stream_event()}},
+        "description": "the UI message stream",
+    }
 }
 
 
@@ -149,6 +152,9 @@ async def post_chat(request: Request, principal: Actor) -> Response:
 @router.get(
     "/v1/ui/chat/{chat_id}/stream",
     responses={**UI_STREAM, 204: {"description": "no turn of this chat is running"}, **errors(410)},
+    openapi_extra={
+        "parameters": [{**ID_PARAMETER, "name": "chat_id"}, *resume_parameters(sentinels=False)]
+    },
 )
 async def resume_chat(
     request: Request,
@@ -160,8 +166,10 @@ async def resume_chat(
     """Resume the chat's running answer: a full replay from ``start``, or with ``Last-Event-ID``
     (``?offset=``) the frames after it; 204 when no answer runs (or nothing follows)."""
     rt = runtime(request)
-    resume = last_event_id or offset
-    emit_after = Cursor.after_offset(resume) if resume else None  # 400 for a malformed one, first
+    # 400 for a malformed one, first; Last-Event-ID wins, but a malformed ?offset= is refused.
+    emit_after = Cursor.after_offset(offset) if offset else None
+    if last_event_id:
+        emit_after = Cursor.after_offset(last_event_id)
     turn_id = await _latest_turn(rt, chat_id, principal.tenant)
     no_content = Response(status_code=204, headers={"Cache-Control": "no-store"})
     if turn_id is None:

@@ -22,7 +22,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from broker.api.schemas import json_schema
+from broker.api.schemas import chunk_event, json_schema
 from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response
 from broker.dialects.openai.requests import ChatRequest, chat_messages, turn_params
@@ -190,7 +190,7 @@ _ANSWERS: dict[int | str, dict[str, Any]] = {
         "description": "a chat.completion, or chat.completion.chunk events with stream",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {"itemSchema": chunk_event()},
         },
     },
     502: {

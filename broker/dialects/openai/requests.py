@@ -60,7 +60,9 @@ class ResponsesRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str = Field(min_length=1, max_length=256)
+    model: str = Field(
+        min_length=1, max_length=256, json_schema_extra={"x-broker-catalogue": "openai-models"}
+    )
     input: str | list[InputMessage]
     instructions: str | None = None
     stream: bool | None = None
@@ -100,7 +102,9 @@ class ChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str = Field(min_length=1, max_length=256)
+    model: str = Field(
+        min_length=1, max_length=256, json_schema_extra={"x-broker-catalogue": "openai-models"}
+    )
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None

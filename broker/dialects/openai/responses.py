@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,7 +25,7 @@ from starlette.responses import Response
 
 from broker import redis_calls as rc
 from broker.api.routes import actor, bearer, caller
-from broker.api.schemas import json_schema
+from broker.api.schemas import ID_PARAMETER, json_schema, response_event
 from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response, from_broker_error
 from broker.dialects.openai.events import (
@@ -63,6 +64,7 @@ router = APIRouter(tags=["openai"])
 
 # A resume's seek leaves a checkpoint every EVERY stored events (see seek_sequence.lua).
 CHECKPOINTS = "responses-seq"
+INTEGER = re.compile(r"-?[0-9]+")
 EVERY = 64
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for the running attempt to end
 BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
@@ -409,7 +411,7 @@ _SSE_OR_JSON: dict[int | str, dict[str, Any]] = {
         "description": "the response object, or its events (text/event-stream) with stream",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {"itemSchema": response_event()},
         },
     }
 }
@@ -468,24 +470,45 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
 def _int_param(value: str | None, name: str) -> int | None:
     if value is None:
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise ParamError(f"{name} must be an integer", name) from None
+    if INTEGER.fullmatch(value) is None:  # int() also takes "+5", " 5", "5_0" and other digits
+        raise ParamError(f"{name} must be an integer", name)
+    number = int(value)
     if number < -1 or number > 2**53:
         raise ParamError(f"{name} must be from -1 to 2**53", name)
     return number
 
 
 def _bool_param(value: str | None, name: str) -> bool:
-    if value is None or value.lower() in ("false", "0", ""):
+    if value is None or value.lower() == "false":
         return False
-    if value.lower() in ("true", "1"):
+    if value.lower() == "true":
         return True
     raise ParamError(f"{name} must be true or false", name)
 
 
-@router.get("/v1/responses/{response_id}", responses={**_SSE_OR_JSON, **documented(410)})
+@router.get(
+    "/v1/responses/{response_id}",
+    responses={**_SSE_OR_JSON, **documented(410)},
+    openapi_extra={
+        "parameters": [
+            {**ID_PARAMETER, "name": "response_id"},
+            {
+                "name": "stream",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "boolean", "default": False},
+                "description": "true: the response's events (text/event-stream)",
+            },
+            {
+                "name": "starting_after",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "integer", "minimum": -1, "maximum": 2**53},
+                "description": "with stream=true: the events after this sequence_number",
+            },
+        ]
+    },
+)
 async def retrieve_response(
     request: Request,
     response_id: str,
