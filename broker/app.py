@@ -39,6 +39,7 @@ from broker.api import (
     ops_router,
 )
 from broker.api.connections import ConnectionLimits, guarded
+from broker.api.docs import install_docs
 from broker.api.schemas import install_components
 from broker.auth import Authenticator
 from broker.compression import Compression
@@ -258,11 +259,12 @@ def create_app(
         title="Resumable stream broker",
         version=__version__,
         lifespan=lifespan,
-        docs_url="/docs",
+        docs_url=None,  # install_docs: Swagger UI from the installed package, not a CDN
         redoc_url=None,
     )
     install_error_handlers(app)
     install_components(app, settings)
+    install_docs(app)
     app.include_router(ops_router)
     if settings.runs_api:
         app.include_router(api_router)
