@@ -334,6 +334,14 @@ class ResumePointEvent(BaseModel):
     offset: str = Field(pattern=OFFSET_PATTERN)
 
 
+class ReplacedEvent(BaseModel):
+    """``replaced``: SSE only, without an id, the last frame of a one-viewer attach token's
+    connection that a newer connection of the token took over: do not reconnect."""
+
+    code: Literal["viewer_replaced"]
+    message: str
+
+
 # The stored events, as a JSON page lists them and an SSE stream sends them.
 STORED_EVENTS: dict[str, type[BaseModel]] = {
     "attempt": AttemptEvent,
@@ -345,7 +353,12 @@ STORED_EVENTS: dict[str, type[BaseModel]] = {
     "end": EndEvent,
 }
 # What an SSE stream sends besides them.
-SSE_ONLY_EVENTS: dict[str, type[BaseModel]] = {"resume_point": ResumePointEvent}
+SSE_ONLY_EVENTS: dict[str, type[BaseModel]] = {
+    "resume_point": ResumePointEvent,
+    "replaced": ReplacedEvent,
+}
+# The events that carry no id of their own (a parser gives them the last one it saw).
+WITHOUT_ID: frozenset[str] = frozenset({"replaced"})
 
 
 class StreamPage(BaseModel):
@@ -396,7 +409,7 @@ def _sse_event(kind: str, model: type[BaseModel]) -> dict[str, Any]:
     return {
         "type": "object",
         "title": f"{kind} event",
-        "required": ["event", "id", "data"],
+        "required": ["event", "data"] if kind in WITHOUT_ID else ["event", "id", "data"],
         "properties": {
             "event": {"const": kind},
             "id": {"type": "string", "pattern": OFFSET_PATTERN},
