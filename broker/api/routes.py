@@ -37,6 +37,7 @@ from broker.viewer import event_stream
 if TYPE_CHECKING:
     from broker.app import Runtime
     from broker.settings import Settings
+
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 api_router = APIRouter()
@@ -271,10 +272,10 @@ async def read_stream(
     if format not in (None, "sse", "json"):
         raise BadRequest("format must be sse or json", code="bad_format")
     wait_s = long_poll_wait(wait, rt.settings.long_poll_max_s, json=format == "json")
+    heartbeat_s = heartbeat_period(heartbeat, rt.settings, sse=format != "json")
     if principal.stream_id is not None and principal.stream_id != stream_id:
         rt.metrics.auth_failures.labels("forbidden").inc()
         raise Forbidden("the attach token is for another stream", code="wrong_stream")
-    heartbeat_s = heartbeat_period(heartbeat, rt.settings, sse=format != "json")
     if principal.one_viewer and format == "json":
         raise Forbidden("a one-viewer attach token reads over SSE only", code="sse_only")
     # 400 for a malformed offset before anything else. Last-Event-ID wins over ?offset=, but a
