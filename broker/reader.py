@@ -287,7 +287,9 @@ class Streams:
         first new event (an empty page once it runs out).
 
         A waiting page rides its stream's feed like an SSE reader: it costs the Redis reads of
-        the page before and after the wait, and nothing while it waits, however many wait.
+        the page before it joins the feed, and nothing while it waits, however many wait; the
+        batch that ends the wait is answered from the feed (a batch holding an ``end`` is read
+        again from Redis, which says whether the turn is at rest).
         """
         cursor = await self.resolve(location, start)
         page = await self._json_page(location, cursor)
@@ -302,12 +304,27 @@ class Streams:
             if page["events"] or page["closed"]:
                 return page
             subscription.cursor = cursor
-            await subscription.get_all(wait_s)  # a batch, or None: quiet for wait_s
+            batches = await subscription.get_all(wait_s)  # None: quiet for wait_s
         except HubClosed:
             return page  # shutting down: the client polls again elsewhere
         finally:
             self._hub.unsubscribe(subscription)
-        return await self._json_page(location, cursor)
+        arrived = [
+            entry
+            for batch in batches or ()
+            for entry in batch.entries
+            if entry.sort_key > cursor.key
+        ]
+        if not arrived or len(arrived) > self._settings.json_page_size:
+            return await self._json_page(location, cursor)
+        if any(entry.kind == "end" for entry in arrived):
+            return await self._json_page(location, cursor)
+        return {
+            "events": [_page_event(entry) for entry in arrived],
+            "next_offset": arrived[-1].offset,
+            "up_to_date": True,
+            "closed": False,
+        }
 
     async def _json_page(self, location: Location, cursor: Cursor) -> dict[str, Any]:
         # Look at the status first: if it is final now, the page below reaches the `end` event.
@@ -322,13 +339,16 @@ class Streams:
             next_offset = cursor.offset
         up_to_date = len(entries) < size
         return {
-            "events": [
-                {"id": e.offset, "event": e.kind, "data": orjson.loads(e.data)} for e in entries
-            ],
+            "events": [_page_event(e) for e in entries],
             "next_offset": next_offset,
             "up_to_date": up_to_date,
             "closed": at_rest and up_to_date,
         }
+
+
+def _page_event(entry: Entry) -> dict[str, Any]:
+    """An event as a JSON page lists it."""
+    return {"id": entry.offset, "event": entry.kind, "data": orjson.loads(entry.data)}
 
 
 class _Read:
