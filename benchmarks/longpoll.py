@@ -69,7 +69,12 @@ def entry_ms(offset: str) -> float:
     return float(int(offset.partition("-")[0]))
 
 
-async def poller(http: httpx.AsyncClient, path: str, crowd: Crowd) -> None:
+async def poller(base_url: str, path: str, crowd: Crowd) -> None:
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        await poll_loop(http, path, crowd)
+
+
+async def poll_loop(http: httpx.AsyncClient, path: str, crowd: Crowd) -> None:
     offset = "-1"
     while True:
         response = await http.get(path, params={"format": "json", "offset": offset, "wait": "25"})
@@ -84,8 +89,11 @@ async def poller(http: httpx.AsyncClient, path: str, crowd: Crowd) -> None:
             return
 
 
-async def sse_reader(http: httpx.AsyncClient, path: str, crowd: Crowd) -> None:
-    async with http.stream("GET", path) as response:
+async def sse_reader(base_url: str, path: str, crowd: Crowd) -> None:
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=60) as http,
+        http.stream("GET", path) as response,
+    ):
         crowd.requests += 1
         kind, offset = "", ""
         async for line in response.aiter_lines():
@@ -115,15 +123,16 @@ async def run_crowd(
             }
         },
     }
-    limits = httpx.Limits(max_connections=args.clients + 10, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(base_url=broker.base_url, timeout=60, limits=limits) as http:
+    # A client each, as phones are: one client with a pool of hundreds of connections measures
+    # its pool (httpx's, under hundreds of requests at once) more than the broker.
+    async with httpx.AsyncClient(base_url=broker.base_url, timeout=60) as http:
         turn = (await http.post("/v1/turns", json=body)).json()
         path = f"/v1/streams/{turn['stream_id']}"
         nodes = redis.nodes()
         before = commandstats(nodes)
         started = time.monotonic()
         read = poller if mode == "long-poll" else sse_reader
-        await asyncio.gather(*(read(http, path, crowd) for _ in range(args.clients)))
+        await asyncio.gather(*(read(broker.base_url, path, crowd) for _ in range(args.clients)))
         crowd.seconds = time.monotonic() - started
         after = commandstats(nodes)
         for node in nodes:
