@@ -327,9 +327,9 @@ class EndEvent(BaseModel):
 
 
 class ResumePointEvent(BaseModel):
-    """``resume_point``: SSE only, the first frame of a read, not a stored event: its id (and
-    ``offset``) is where the read starts, so a client that drops before the first event
-    resumes from there."""
+    """``resume_point``: SSE only, the first frame of a read from ``now``, not a stored event:
+    its id (and ``offset``) is where the read starts, so a client that drops before the first
+    event resumes from there."""
 
     offset: str = Field(pattern=OFFSET_PATTERN)
 
