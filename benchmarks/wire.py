@@ -5,12 +5,14 @@
 * **4-character deltas** (the issue's typical answer): the broker's own frames
   (``frames.Entry``) of an English text cut in 4-character deltas, 40 ms apart, written through
   the broker's ``GzipStream`` one delta per write (a live reader at 25 tokens/s), several per
-  write (a fast model's group-committed batches) and all in one (a replay). Next to them the
+  write (a fast model's group-committed batches), as ``?batch_ms=`` windows group them (an
+  opt-in delay), and all in one (a replay). Next to them the
   floor of any SSE encoding that keeps an id per event (``id:`` and the text, nothing else), to
   judge whether a compact encoding could earn its place, and brotli and zstd when their Python
   packages are importable (they are not dependencies of the broker).
-* **A live broker**: its own Redis and ``broker serve``, one simulated turn, two raw-socket
-  readers attached before the first delta, one asking for gzip and one not. Every byte after
+* **A live broker**: its own Redis and ``broker serve``, one simulated turn, three raw-socket
+  readers attached before the first delta: one asking for gzip, one not, and one asking for
+  gzip and ``?batch_ms=`` (``--batch-ms``, 150). Every byte after
   the request is counted: the response head, the chunked framing and the (coded) body. The
   simulated model's deltas are its words (about 7 bytes), so its ratio is not the
   4-character one; the live run checks that the offline figures are what the server sends.
@@ -48,6 +50,7 @@ TARGET_RATIO = 3.0  # a typical answer of 4-character deltas: at most 3x its tex
 BUDGET_MS = 1.0  # the compressor's added latency per batch
 DELTA_CHARS = 4
 PACE_MS = 40  # 25 tokens/s
+BATCH_WINDOWS_MS = (50, 100, 150, 250)  # the ?batch_ms= of the offline rows
 # Our own words, for deltas that are prose rather than random letters.
 PROSE = (
     "A phone in a tunnel loses its connection halfway through an answer. When it comes back "
@@ -136,12 +139,30 @@ def other_encoders() -> dict[str, Callable[[], Encoder]]:
 def coded_bytes(frames: Sequence[bytes], per_write: int, encoder: Encoder | None) -> int:
     """Body bytes of ``frames`` written ``per_write`` at a time (0: all in one write)."""
     size = per_write or len(frames)
-    batches = [b"".join(frames[i : i + size]) for i in range(0, len(frames), size)]
+    return coded_batches([frames[i : i + size] for i in range(0, len(frames), size)], encoder)
+
+
+def windows(frames: Sequence[bytes], window_ms: int) -> list[Sequence[bytes]]:
+    """``frames`` (``PACE_MS`` apart, as ``entry_ids``) as ``?batch_ms=window_ms`` writes them:
+    each write holds the events that came within ``window_ms`` of the first it held."""
+    stamps = [int(entry_id.partition("-")[0]) for entry_id in entry_ids(len(frames))]
+    batches: list[Sequence[bytes]] = []
+    first = 0
+    for i in range(1, len(frames) + 1):
+        if i == len(frames) or stamps[i] - stamps[first] >= window_ms:
+            batches.append(frames[first:i])
+            first = i
+    return batches
+
+
+def coded_batches(batches: Sequence[Sequence[bytes]], encoder: Encoder | None) -> int:
+    """Body bytes of ``batches`` of frames, one write each."""
+    writes = [b"".join(batch) for batch in batches]
     opening = b"retry: 1000\n\n"  # every stream starts with it; the gzip header goes with it
     if encoder is None:
-        return sum(map(len, batches))
+        return sum(map(len, writes))
     encoder(opening)
-    return sum(len(encoder(batch)) for batch in batches)
+    return sum(len(encoder(write)) for write in writes)
 
 
 @dataclass
@@ -169,6 +190,9 @@ def offline_rows(count: int) -> list[Row]:
         add(f"gzip, {name}", coded_bytes(frames, per_write, gzip_encoder()))
     add("gzip, 8 per write", coded_bytes(frames, 8, gzip_encoder()))
     add("gzip, all in one write (replay)", coded_bytes(frames, 0, gzip_encoder()))
+    for window_ms in BATCH_WINDOWS_MS:
+        batched = coded_batches(windows(frames, window_ms), gzip_encoder())
+        add(f"gzip, ?batch_ms={window_ms} (live, opt-in)", batched)
     add("identity, floor (id + text only)", coded_bytes(floor, 1, None))
     add("gzip, floor, 1 per write", coded_bytes(floor, 1, gzip_encoder()))
     # Where a live delta's bytes go: without its id line, and the text with no frame at all.
@@ -315,8 +339,11 @@ def _count(frame: bytes, arrived: float, result: WireRead) -> None:
     result.arrivals[fields[b"id"].decode()] = arrived
 
 
-def live_reads(broker: Broker, tokens: int, pace: float) -> tuple[WireRead, WireRead, WireRead]:
-    """A gzip and an identity reader of one live turn, and a gzip replay of it afterwards."""
+def live_reads(
+    broker: Broker, tokens: int, pace: float, batch_ms: int
+) -> tuple[WireRead, WireRead, WireRead, WireRead]:
+    """A gzip, an identity and a batched gzip (``?batch_ms=``) reader of one live turn, and a
+    gzip replay of it afterwards."""
     body = {
         "conversation_id": f"wire-{pace}",
         "messages": [{"role": "user", "content": "Tell me about tunnels"}],
@@ -328,12 +355,14 @@ def live_reads(broker: Broker, tokens: int, pace: float) -> tuple[WireRead, Wire
     with httpx.Client(base_url=broker.base_url, timeout=30) as http:
         turn = http.post("/v1/turns", json=body).json()
     path = f"/v1/streams/{turn['stream_id']}"
-    coded, plain = WireRead(gzip=True), WireRead(gzip=False)
+    coded, plain, batched = WireRead(gzip=True), WireRead(gzip=False), WireRead(gzip=True)
     readers = [
-        threading.Thread(
-            target=read_wire, args=(broker.port, path), kwargs={"gzip": g, "result": r}
+        threading.Thread(target=read_wire, args=(broker.port, p), kwargs={"gzip": g, "result": r})
+        for p, g, r in (
+            (path, True, coded),
+            (path, False, plain),
+            (f"{path}?batch_ms={batch_ms}", True, batched),
         )
-        for g, r in ((True, coded), (False, plain))
     ]
     for reader in readers:
         reader.start()
@@ -341,7 +370,7 @@ def live_reads(broker: Broker, tokens: int, pace: float) -> tuple[WireRead, Wire
         reader.join(timeout=tokens / max(pace, 1) + 60)
     replay = WireRead(gzip=True)
     read_wire(broker.port, path, gzip=True, result=replay)
-    return coded, plain, replay
+    return coded, plain, batched, replay
 
 
 def added_latency_ms(coded: WireRead, plain: WireRead) -> float:
@@ -363,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=200, help="deltas of the live turn")
     parser.add_argument("--pace", type=float, default=25.0, help="live tokens/s (default 25)")
     parser.add_argument("--writes", type=int, default=20_000, help="timed writes per batch size")
+    parser.add_argument(
+        "--batch-ms", type=int, default=150, help="the live batched reader's ?batch_ms="
+    )
     parser.add_argument("--no-live", action="store_true", help="skip the live broker")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -377,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     live_row = next(row for row in rows if row.case == "gzip, 1 delta per write (live)")
     met = "met" if live_row.ratio <= TARGET_RATIO else "NOT met"
     print(f"  target <= {TARGET_RATIO}x at one delta per write: {met} ({live_row.ratio:.2f}x)")
+    for row in rows:
+        if "?batch_ms=" in row.case:
+            met = "met" if row.ratio <= TARGET_RATIO else "NOT met"
+            print(f"  target <= {TARGET_RATIO}x with {row.case.split()[1]}: {met}")
 
     frames = broker_frames(four_char_deltas(4096))
     costs = [write_cost(frames, n, args.writes) for n in (1, 8)]
@@ -402,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         broker = Broker(redis.url, concurrency=8)
         try:
             broker.start()
-            coded, plain, replay = live_reads(broker, args.tokens, args.pace)
+            coded, plain, batched, replay = live_reads(
+                broker, args.tokens, args.pace, args.batch_ms
+            )
         finally:
             broker.stop()
             redis.stop()
@@ -411,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
             "pace": args.pace,
             "gzip": asdict(coded) | {"arrivals": len(coded.arrivals)},
             "identity": asdict(plain) | {"arrivals": len(plain.arrivals)},
+            "batch_ms": args.batch_ms,
+            "gzip_batched": asdict(batched) | {"arrivals": len(batched.arrivals)},
+            "batched_latency_ms_p50": added_latency_ms(batched, plain),
             "replay_gzip": asdict(replay) | {"arrivals": len(replay.arrivals)},
             "added_latency_ms_p50": added_latency_ms(coded, plain),
         }
@@ -419,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, read in (
             ("identity, live", plain),
             ("gzip, live", coded),
+            (f"gzip, batch {args.batch_ms} ms", batched),
             ("gzip, replay", replay),
         ):
             if not read.deltas:
@@ -435,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  the gzip reader had each event after the identity one by {behind:.3f} ms (median)"
         )
+        held = added_latency_ms(batched, plain)
+        print(f"  the batched reader had each event {held:.1f} ms after the identity one (median)")
 
     if args.json:
         with open(args.json, "wb") as out:

@@ -31,6 +31,7 @@ BOUNDED = {
     "replica_acks": (0, 16),  # 0: writes do not wait for replicas
     "replica_wait_ms": (1, 60_000),
     "long_poll_max_s": (0, 300),  # 0: no long polls (a ?wait= above 0 is refused)
+    "sse_batch_max_ms": (0, 10_000),  # 0: no batching (a ?batch_ms= above 0 is refused)
     "webhook_max_tries": (1, 1000),
     "webhook_backoff_ms": (1, 3_600_000),
     "webhook_backoff_max_ms": (1, 86_400_000),
@@ -68,6 +69,7 @@ class Settings:
     worker_concurrency: int = 64
     sse_heartbeat_s: float = 15.0
     sse_heartbeat_max_s: float = 120.0  # the longest heartbeat period a client may ask for
+    sse_batch_max_ms: int = 1_000  # the longest ?batch_ms= an SSE reader may ask for
     sse_retry_ms: int = 1_000
     sse_send_timeout_s: float = 30.0
     compression: str = "on"  # on | off: gzip for clients that ask (Accept-Encoding)

@@ -107,10 +107,12 @@ async def event_stream(
     start: StartPoint,
     principal: Principal,
     heartbeat_s: float | None = None,
+    batch_s: float = 0.0,
 ) -> Response:
     """The SSE response of ``principal``'s read of ``location`` from ``start``: 204 when
     nothing will ever follow that point. A one-viewer token's earlier connection, if any, is let
-    go."""
+    go. ``batch_s`` holds live events that long to send them in one write (see
+    :class:`EventStreamResponse`)."""
     cursor = await streams.resolve(location, start)
     if await streams.finished_before(location, cursor):
         # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
@@ -125,6 +127,7 @@ async def event_stream(
     return EventStreamResponse(
         lambda sink: _frames(deps, streams, location, cursor, announce, viewer, sink, heartbeat_s),
         send_timeout_s=deps.settings.sse_send_timeout_s,
+        batch_s=batch_s,
     )
 
 

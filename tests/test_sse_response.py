@@ -27,16 +27,21 @@ class ScriptedServer:
         self.writable.set()
         self.disconnect = asyncio.Event()
         self.broken = False
+        self.attempts = 0  # body sends begun, written or not
+        self.progress = asyncio.Event()  # set at each send begun and each chunk written
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started.set()
             return
+        self.attempts += 1
+        self.progress.set()
         await self.writable.wait()  # as a server waits for its buffer to drain
         if self.broken:
             raise RuntimeError("the connection broke")
         if message.get("body"):
             self.chunks.append(message["body"])
+            self.progress.set()
         if not message.get("more_body", False):
             self.ended.set()
 
@@ -72,9 +77,9 @@ class Source:
 
 
 async def start(
-    source: Source, server: ScriptedServer, timeout_s: float = 5.0
+    source: Source, server: ScriptedServer, timeout_s: float = 5.0, batch_s: float = 0.0
 ) -> asyncio.Task[None]:
-    response = EventStreamResponse(source, send_timeout_s=timeout_s)
+    response = EventStreamResponse(source, send_timeout_s=timeout_s, batch_s=batch_s)
     scope = {"type": "http", RAW_SEND: server.send}
     task = asyncio.create_task(response(scope, server.receive, server.send))
     await asyncio.wait_for(server.started.wait(), 5)
@@ -149,3 +154,79 @@ async def test_a_held_up_direct_write_that_fails_ends_the_response_cleanly() -> 
     await asyncio.wait_for(task, 5)  # no exception escapes the response
     assert source.closed
     assert server.chunks == []
+
+
+# --- batching (?batch_ms=) ------------------------------------------------------------------
+
+
+async def wait_until_sent(server: ScriptedServer, condition: Callable[[], bool]) -> None:
+    """Wait (5 s at most) until ``condition`` holds, looking again after each send."""
+
+    async def holds() -> None:
+        while not condition():
+            server.progress.clear()
+            await server.progress.wait()
+
+    await asyncio.wait_for(holds(), 5)
+
+
+async def wait_for_chunks(server: ScriptedServer, count: int) -> None:
+    await wait_until_sent(server, lambda: len(server.chunks) >= count)
+
+
+async def test_a_batching_response_sends_the_direct_writes_of_its_window_in_one() -> None:
+    server, source = ScriptedServer(), Source()
+    task = await start(source, server, batch_s=0.2)
+    assert source.write_now is not None
+    assert source.write_now(b"a")
+    assert source.write_now(b"b")
+    assert server.chunks == []  # held for the window, not written
+    await wait_for_chunks(server, 1)
+    assert server.chunks == [b"ab"]
+    assert source.write_now(b"c")  # a new window starts with the next one
+    await wait_for_chunks(server, 2)
+    assert server.chunks == [b"ab", b"c"]
+    await source.queue.put(None)
+    await asyncio.wait_for(task, 5)
+
+
+async def test_what_the_reader_yields_goes_at_once_after_what_was_held() -> None:
+    server, source = ScriptedServer(), Source()
+    task = await start(source, server, batch_s=30)  # a window that never closes in this test
+    assert source.write_now is not None
+    assert source.write_now(b"held-1")
+    assert source.write_now(b"held-2")
+    await source.queue.put(b"end")  # an `end` batch, a heartbeat: the reader's own chunk
+    await source.queue.put(None)
+    await asyncio.wait_for(server.ended.wait(), 5)
+    assert b"".join(server.chunks) == b"held-1held-2end"
+    await asyncio.wait_for(task, 5)
+
+
+async def test_a_batching_response_refuses_writes_while_one_is_under_way() -> None:
+    server, source = ScriptedServer(), Source()
+    task = await start(source, server, batch_s=0.05)
+    assert source.write_now is not None
+    server.writable.clear()  # the client stops reading
+    assert source.write_now(b"first")
+    # The window closes: its write begins, and waits for the client.
+    await wait_until_sent(server, lambda: server.attempts == 1)
+    assert not source.write_now(b"second")  # the reader takes it (flow control, as unbatched)
+    await source.queue.put(b"second")
+    server.writable.set()
+    await source.queue.put(None)
+    await asyncio.wait_for(server.ended.wait(), 5)
+    assert server.chunks == [b"first", b"second"]
+    await asyncio.wait_for(task, 5)
+
+
+async def test_a_batch_held_when_the_client_leaves_is_dropped_with_the_response() -> None:
+    server, source = ScriptedServer(), Source()
+    task = await start(source, server, batch_s=0.1)
+    assert source.write_now is not None
+    assert source.write_now(b"held")
+    server.disconnect.set()
+    await asyncio.wait_for(task, 5)
+    await asyncio.sleep(0.15)  # past the window: the cancelled flush writes nothing
+    assert server.chunks == []
+    assert not source.write_now(b"late")

@@ -266,6 +266,14 @@ async def read_stream(
             "phone's battery: from BROKER_SSE_HEARTBEAT_S to BROKER_SSE_HEARTBEAT_MAX_S"
         ),
     ] = None,
+    batch_ms: Annotated[
+        str | None,
+        Query(
+            description="SSE only: milliseconds live events may wait to be sent together in "
+            "one write (fewer bytes compressed, fewer radio wake-ups), from 0 (each at once, "
+            "the default) to BROKER_SSE_BATCH_MAX_MS"
+        ),
+    ] = None,
 ) -> Response:
     """Read a turn's events as SSE (default) or as a JSON catch-up page (``format=json``)."""
     rt = runtime(request)
@@ -273,6 +281,7 @@ async def read_stream(
         raise BadRequest("format must be sse or json", code="bad_format")
     wait_s = long_poll_wait(wait, rt.settings.long_poll_max_s, json=format == "json")
     heartbeat_s = heartbeat_period(heartbeat, rt.settings, sse=format != "json")
+    batch_s = batch_period(batch_ms, rt.settings.sse_batch_max_ms, sse=format != "json")
     if principal.stream_id is not None and principal.stream_id != stream_id:
         rt.metrics.auth_failures.labels("forbidden").inc()
         raise Forbidden("the attach token is for another stream", code="wrong_stream")
@@ -287,7 +296,7 @@ async def read_stream(
     if format == "json":
         page = rt.streams.page(location, start, wait_s)
         return json_response(await page if wait_s <= 0 else await until_gone(request, page))
-    return await event_stream(rt.deps, rt.streams, location, start, principal, heartbeat_s)
+    return await event_stream(rt.deps, rt.streams, location, start, principal, heartbeat_s, batch_s)
 
 
 def heartbeat_period(raw: str | None, settings: Settings, *, sse: bool) -> float | None:
@@ -304,6 +313,21 @@ def heartbeat_period(raw: str | None, settings: Settings, *, sse: bool) -> float
             code="bad_heartbeat",
         )
     return float(raw)
+
+
+def batch_period(raw: str | None, max_ms: int, *, sse: bool) -> float:
+    """The seconds of a ``batch_ms`` parameter (0: none); 400 unless it is a whole number of
+    milliseconds in range (and the read SSE)."""
+    if raw is None:
+        return 0.0
+    if not sse:
+        raise BadRequest("batch_ms applies to SSE reads only", code="bad_batch")
+    if not raw.isascii() or not raw.isdigit() or int(raw) > max_ms:
+        raise BadRequest(
+            f"batch_ms must be a whole number of milliseconds from 0 to {max_ms}",
+            code="bad_batch",
+        )
+    return int(raw) / 1000
 
 
 def long_poll_wait(raw: str | None, max_s: float, *, json: bool) -> float:

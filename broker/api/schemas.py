@@ -51,7 +51,7 @@ def install_components(app: FastAPI, settings: Settings | None = None) -> None:
       in the broker's error shape. Routes that do answer 422 declare it themselves.
     * The bounds that settings choose are this app's: ``wait`` of a stream read goes up to
       its ``BROKER_LONG_POLL_MAX_S``, ``heartbeat`` between its ``BROKER_SSE_HEARTBEAT_S``
-      and ``BROKER_SSE_HEARTBEAT_MAX_S``.
+      and ``BROKER_SSE_HEARTBEAT_MAX_S``, ``batch_ms`` up to its ``BROKER_SSE_BATCH_MAX_MS``.
     * A field marked with :data:`CATALOGUE` lists the providers or models this broker serves
       (read from the running app's providers; the document is built on its first request).
     """
@@ -103,6 +103,9 @@ def _settle(operation: dict[str, Any], settings: Settings | None) -> None:
     if heartbeat is not None and settings is not None:
         heartbeat["schema"]["minimum"] = math.ceil(settings.sse_heartbeat_s)
         heartbeat["schema"]["maximum"] = int(settings.sse_heartbeat_max_s)
+    batch = parameters.get(("batch_ms", "query"))
+    if batch is not None and settings is not None:
+        batch["schema"]["maximum"] = settings.sse_batch_max_ms
     responses = operation.get("responses", {})
     if _refers_to(responses.get("422", {}), "HTTPValidationError"):
         del responses["422"]
@@ -579,6 +582,15 @@ def stream_parameters(long_poll_max_s: int = 25) -> dict[str, Any]:
                 "description": "SSE only (else 400): seconds between heartbeats on a quiet "
                 "stream, to save a phone's battery: from BROKER_SSE_HEARTBEAT_S to "
                 "BROKER_SSE_HEARTBEAT_MAX_S",
+            },
+            {
+                "name": "batch_ms",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "integer", "minimum": 0, "maximum": 1000, "default": 0},
+                "description": "SSE only (else 400): milliseconds live events may wait to be "
+                "sent together in one write, for fewer bytes once compressed and fewer radio "
+                "wake-ups; 0 sends each at once; up to BROKER_SSE_BATCH_MAX_MS",
             },
             {
                 "name": "token",
