@@ -103,6 +103,13 @@ class Subscription:
         """The sort key of where this reader stands."""
         return self.cursor.key
 
+    def covers(self, cursor: Cursor) -> bool:
+        """Whether every entry past ``cursor`` will reach this subscription from its feed: the
+        feed has read nothing past it yet. (A reader that joined a feed already further on must
+        read what lies between from Redis.)"""
+        read_after = self.feed.read_after
+        return read_after is not None and read_after.key <= cursor.key
+
     def wake(self) -> None:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
@@ -173,6 +180,9 @@ class _Feed:
         self.key = key
         self.turn_key = turn_key
         self.start = start  # where the first subscriber stands; None: the stream's tail
+        # Where the feed's reads stand: every entry past it is published after now (None: not
+        # known yet, the feed will read the tail).
+        self.read_after = start
         self.subscriptions: set[Subscription] = set()
         self.task: asyncio.Task[None] | None = None
         self.tape: list[Batch] = []
@@ -260,7 +270,7 @@ class _Feed:
                 try:
                     if after is None:
                         tail = await rc.last_entry_id(redis, self.key)
-                        after = Cursor.after(tail) if tail else ORIGIN
+                        after = self.read_after = Cursor.after(tail) if tail else ORIGIN
                     reply = await rc.xread(redis, self.key, after.entry_id, 1000, FEED_BLOCK_MS)
                 except (RedisError, OSError) as exc:
                     # A blip is retried; a Redis that stays away ends the reads, whose clients
@@ -279,7 +289,7 @@ class _Feed:
                     continue
                 entries = [Entry.from_redis(i, f) for i, f in reply]
                 batch = Batch(after, entries)
-                after = entries[-1].cursor
+                after = self.read_after = entries[-1].cursor
                 if self.turn_key is not None and batch.ends:
                     status, attempt = await rc.hmget(
                         self.hub.redis, self.turn_key, ["status", "attempt"]

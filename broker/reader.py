@@ -33,6 +33,7 @@ from broker.offsets import NOW, START, id_key
 from broker.sse import Sink
 from broker.vocabulary import FINAL_STATUSES, decode_turn_ref
 
+LOCATED_CACHE: Final = 8_192  # streams whose index lookup a process remembers (~1.5 MiB)
 FIRST_PAGE: Final = 64  # a replay's first page (its first event comes sooner); the next ones double
 
 
@@ -103,6 +104,11 @@ class Streams:
         self._settings = deps.settings
         self._metrics = deps.metrics
         self._hub = hub
+        # Stream id -> its turn (the index's value), for the streams this process has located:
+        # a stream's index never changes in its life, and a reader that comes back (a long
+        # poll, a reattach) skips its read. Whether the stream's data still exists is looked
+        # up every time.
+        self._located: dict[str, str] = {}
 
     def events_key(self, location: Location) -> str:
         """The Redis key of the turn's event stream."""
@@ -135,9 +141,14 @@ class Streams:
     async def _locate(self, stream_id: str, tenant: str | None) -> Location:
         if not STREAM_ID_PATTERN.fullmatch(stream_id):
             raise NotFound(f"unknown stream {stream_id[:80]!r}")
-        value = await rc.get(self._redis, self._keys.stream_index(stream_id))
+        value = self._located.get(stream_id)
         if value is None:
-            raise NotFound(f"unknown stream {stream_id!r}")
+            value = await rc.get(self._redis, self._keys.stream_index(stream_id))
+            if value is None:
+                raise NotFound(f"unknown stream {stream_id!r}")
+            if len(self._located) >= LOCATED_CACHE:
+                del self._located[next(iter(self._located))]  # the oldest goes
+            self._located[stream_id] = value
         conversation_id, turn_id = decode_turn_ref(value)
         if unscoped(conversation_id)[0] != tenant:
             raise NotFound(f"unknown stream {stream_id!r}")  # another tenant's: never found
@@ -241,10 +252,11 @@ class Streams:
                 return
             # Join the live feed (a new feed starts where this reader stands), then read once
             # more what arrived in between: whatever the feed has already passed is in Redis by
-            # now, so no event waits for a later one to surface.
+            # now, so no event waits for a later one to surface. A feed that has read nothing
+            # past this reader yet will bring all of it: no read then.
             subscription = self._hub.subscribe(read.key, read.cursor, read.turn_key)
             subscription.sink = sink
-            catch_up, look = True, True
+            catch_up, look = not subscription.covers(read.cursor), True
             while True:
                 if catch_up:
                     async for chunk in read.stored():
@@ -287,7 +299,8 @@ class Streams:
         first new event (an empty page once it runs out).
 
         A waiting page rides its stream's feed like an SSE reader: it costs the Redis reads of
-        the page before it joins the feed, and nothing while it waits, however many wait; the
+        the page before it joins the feed (and once more after, unless the feed has read
+        nothing past the page's start yet), and nothing while it waits, however many wait; the
         batch that ends the wait is answered from the feed (a batch holding an ``end`` is read
         again from Redis, which says whether the turn is at rest).
         """
@@ -299,10 +312,11 @@ class Streams:
             self.events_key(location), cursor, self.turn_key(location)
         )
         try:
-            # Anything the feed passed before this reader joined is in Redis by now.
-            page = await self._json_page(location, cursor)
-            if page["events"] or page["closed"]:
-                return page
+            if not subscription.covers(cursor):
+                # Anything the feed passed before this reader joined is in Redis by now.
+                page = await self._json_page(location, cursor)
+                if page["events"] or page["closed"]:
+                    return page
             subscription.cursor = cursor
             batches = await subscription.get_all(wait_s)  # None: quiet for wait_s
         except HubClosed:

@@ -3,7 +3,8 @@
 It answers at once when events past X are stored (or the stream is closed), else as soon as the
 first new event arrives, else with an empty page (``up_to_date``) once S runs out. A waiting
 poll rides its stream's per-process feed, as SSE readers do: many of them cost one live read,
-and each its page reads before and after the wait, never a read per tick.
+and each its page read before the wait (and after it, when it joined a feed already further
+on), never a read per tick.
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ def test_many_waiting_polls_share_one_live_read(broker: RunningBroker, redis_url
     finally:
         client.close()
     assert all(page["events"] for page in pages), "a poll answered without the new event"
-    # Each poll reads its page before it joins the feed and once more as it joins; while they
-    # wait, only the feed reads (a blocking read per batch, whatever their number), and the
-    # batch that wakes them is their answer.
+    # Each poll reads its page before it joins the feed, and once more as it joins one that
+    # has read further than its start; while they wait, only the feed reads (a blocking read
+    # per batch, whatever their number), and the batch that wakes them is their answer.
     assert xranges <= 2 * pollers, xranges
     assert xreads < pollers, xreads
 
@@ -162,3 +163,34 @@ def test_the_longest_wait_is_a_setting(broker_factory: BrokerFactory) -> None:
     response = httpx.get(stream_url(broker, turn), params={"format": "json", "wait": "4"})
     assert response.status_code == 400
     assert "from 0 to 3" in response.json()["error"]["message"]
+
+
+def test_a_chain_of_polls_costs_a_few_reads_per_page(broker: RunningBroker, redis_url: str) -> None:
+    # A client that polls again as soon as it has its page, at the pace of a live answer: most
+    # polls wait at the tail for the next delta.
+    turn = start_turn(broker.base_url, "lp-chain", tokens=12, tokens_per_s=8)
+    url = stream_url(broker, turn)
+    wait_until(lambda: httpx.get(url, params={"format": "json"}, timeout=5).json()["events"])
+    # (Not HGET: the worker's append script reads the turn with it, once per delta.)
+    names = ("get", "exists", "hmget", "xrange", "xrevrange")
+    client = sync_client(redis_url)
+    try:
+        before = {name: command_calls(client, name) for name in names}
+        offset, pages, seen = "-1", 0, []
+        while True:
+            page = poll(url, offset, 10).json()
+            pages += 1
+            seen += page["events"]
+            offset = page["next_offset"]
+            if page["closed"]:
+                break
+        spent = {name: command_calls(client, name) - before[name] for name in names}
+    finally:
+        client.close()
+    everything = httpx.get(url, params={"format": "json", "offset": "-1"}, timeout=10).json()
+    assert seen == everything["events"]  # no gap, no duplicate
+    assert pages >= 8, pages  # the polls did wait for the deltas one by one
+    # Per page: the stream's existence, the turn's state and the page; the stream's index is
+    # remembered, and a poll that joins a feed with nothing read past its start reads no more.
+    # (The worker's own reads of the turn are in the count too: a few per attempt.)
+    assert sum(spent.values()) <= 3 * pages + 4, (spent, pages)
