@@ -183,6 +183,10 @@ class _Feed:
         # Where the feed's reads stand: every entry past it is published after now (None: not
         # known yet, the feed will read the tail).
         self.read_after = start
+        # The readers' shared look at whether the turn is at rest, after a heartbeat (see
+        # Streams.quiet_look), and when it began.
+        self.rest_look: asyncio.Future[bool] | None = None
+        self.rest_looked_at = 0.0
         self.subscriptions: set[Subscription] = set()
         self.task: asyncio.Task[None] | None = None
         self.tape: list[Batch] = []

@@ -16,6 +16,7 @@ never the events' objects, and never a catch-up of everything it missed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Final, Literal
@@ -179,6 +180,36 @@ class Streams:
             return False
         return end_attempt is None or str(end_attempt) == attempt
 
+    async def _look(
+        self, location: Location, subscription: Subscription, first: bool, max_age_s: float
+    ) -> bool:
+        """Whether the turn is at rest, for a reader that just joined (``first``: its own look)
+        or whose stream was quiet for a heartbeat: then its feed's readers share one look, and
+        a "not at rest" younger than ``max_age_s`` stands for all of them. A quiet stream costs
+        a look per heartbeat period, however many read it.
+        """
+        if first:
+            return await self._at_rest(location)
+        feed = subscription.feed
+        loop = asyncio.get_running_loop()
+        look = feed.rest_look
+        stale = look is None or (
+            look.done()
+            and (
+                look.cancelled()
+                or look.exception() is not None
+                or look.result()  # at rest: every reader looks for itself (it then ends)
+                or loop.time() - feed.rest_looked_at >= max_age_s
+            )
+        )
+        if stale:
+            look = feed.rest_look = asyncio.ensure_future(self._at_rest(location))
+            look.add_done_callback(_retrieved)  # a failure with no reader left is not logged
+            feed.rest_looked_at = loop.time()
+        assert look is not None
+        # Shielded: a reader that goes away does not cancel the others' look.
+        return await asyncio.shield(look)
+
     async def finished_before(self, location: Location, cursor: Cursor) -> bool:
         """Whether the turn is at rest and nothing is stored past ``cursor``."""
         # One round trip: a resuming reader waits for this before its first event.
@@ -256,18 +287,19 @@ class Streams:
             # past this reader yet will bring all of it: no read then.
             subscription = self._hub.subscribe(read.key, read.cursor, read.turn_key)
             subscription.sink = sink
-            catch_up, look = not subscription.covers(read.cursor), True
+            catch_up, look, first_look = not subscription.covers(read.cursor), True, True
             while True:
                 if catch_up:
                     async for chunk in read.stored():
                         yield chunk
                     if read.ended:
                         return
-                if look and await self._at_rest(location):
+                if look and await self._look(location, subscription, first_look, heartbeat_s):
                     # Final before we looked: anything past the cursor ends with the `end` event.
                     async for chunk in read.stored():
                         yield chunk
                     return
+                first_look = False
                 subscription.cursor = read.cursor
                 batches = await subscription.get_all(heartbeat_s)
                 read.cursor = subscription.cursor  # moved on by the feed's direct writes
@@ -358,6 +390,11 @@ class Streams:
             "up_to_date": up_to_date,
             "closed": at_rest and up_to_date,
         }
+
+
+def _retrieved(future: asyncio.Future[bool]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _page_event(entry: Entry) -> dict[str, Any]:

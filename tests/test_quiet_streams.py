@@ -1,0 +1,69 @@
+"""Quiet streams: readers of a stream with nothing to say cost a heartbeat each, and Redis work
+per stream, not per reader.
+
+A reader that hears nothing for a heartbeat period sends a heartbeat and looks whether its turn
+came to rest (it may have without an event this reader could see). Every reader of a stream in
+a process shares that look: one ``HMGET`` per stream and heartbeat period, however many read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import httpx
+
+from tests.conftest import BrokerFactory, command_calls, sync_client
+from tests.helpers import start_turn, wait_until
+
+READERS = 30
+HEARTBEAT_S = 0.25
+
+
+def read_pings(url: str, pings: list[int], index: int, stop: threading.Event) -> None:
+    """Count the heartbeats of one SSE read until ``stop``."""
+    with httpx.stream("GET", url, timeout=20) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith(":"):
+                pings[index] += 1
+            if stop.is_set():
+                return
+
+
+def test_readers_of_a_quiet_stream_share_one_look_per_heartbeat(
+    broker_factory: BrokerFactory, redis_url: str
+) -> None:
+    broker = broker_factory(sse_heartbeat_s=HEARTBEAT_S)
+    turn = start_turn(broker.base_url, "quiet", tokens=10, tokens_per_s=0, stall_after_deltas=2)
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    wait_until(
+        lambda: (
+            sum(
+                e["event"] == "delta"
+                for e in httpx.get(url, params={"format": "json"}, timeout=5).json()["events"]
+            )
+            == 2
+        )
+    )
+    pings, stop = [0] * READERS, threading.Event()
+    readers = [
+        threading.Thread(target=read_pings, args=(url, pings, i, stop), daemon=True)
+        for i in range(READERS)
+    ]
+    for reader in readers:
+        reader.start()
+    client = sync_client(redis_url)
+    try:
+        least: Callable[[], int] = lambda: min(pings)  # noqa: E731
+        wait_until(lambda: least() >= 1, timeout=20)  # every reader attached and heard one
+        before, heard = command_calls(client, "hmget"), least()
+        wait_until(lambda: least() >= heard + 8, timeout=30)
+        spent, periods = command_calls(client, "hmget") - before, least() - heard
+    finally:
+        stop.set()
+        client.close()
+    # One look per stream and period (two, where a tick falls on the edge of one), not one per
+    # reader: 30 readers looking for themselves would make 30 per period.
+    assert spent <= 2 * periods + 4, (spent, periods)
+    httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
