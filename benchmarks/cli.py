@@ -25,6 +25,7 @@ from benchmarks import ceilings, machine, report
 from benchmarks.fanout import FanOut
 from benchmarks.figures import WORKLOADS
 from benchmarks.harness import PROFILES, Context, Sizes, Workload
+from benchmarks.idle import Idle
 from benchmarks.profiling import Profiler, ProfilerError, summary
 from benchmarks.servers import (
     REPO,
@@ -177,11 +178,11 @@ class Run:
         self.workloads[name] = {"repeats": [], "error": None}
         for node in self.nodes:  # FLUSHALL acts on one node of a cluster
             node.flushall()
-        broker = Broker(
-            self.redis_server.url,
-            concurrency=workload.worker_concurrency,
-            env={"BROKER_REPLICA_ACKS": str(self.args.replica_acks)},
-        )
+        env = {"BROKER_REPLICA_ACKS": str(self.args.replica_acks)}
+        broker_env = getattr(workload, "broker_env", None)  # a workload's own settings
+        if broker_env is not None:
+            env.update(broker_env(self.sizes))
+        broker = Broker(self.redis_server.url, concurrency=workload.worker_concurrency, env=env)
         profiler: Profiler | None = None
         try:
             broker.start()
@@ -276,7 +277,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if "redis" in selected:
             run.ceilings()
-        workloads: list[Workload] = [OneStream(), ManyStreams(), FanOut(), LateReader(), Memory()]
+        workloads: list[Workload] = [
+            OneStream(),
+            ManyStreams(),
+            FanOut(),
+            LateReader(),
+            Memory(),
+            Idle(),
+        ]
         for workload in workloads:
             if workload.name in selected:
                 run.broker_workload(workload)

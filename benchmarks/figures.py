@@ -15,7 +15,15 @@ from typing import Final, Literal
 
 Better = Literal["higher", "lower"]
 
-WORKLOADS: Final = ("redis", "one_stream", "many_streams", "fanout", "late_reader", "memory")
+WORKLOADS: Final = (
+    "redis",
+    "one_stream",
+    "many_streams",
+    "fanout",
+    "late_reader",
+    "memory",
+    "idle",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,6 +199,61 @@ FIGURES: Final = (
         "B",
         "the same for a stream the broker wrote with the simulated provider's text",
         "lower",
+    ),
+    Figure(
+        "idle.rss_per_connection_kib",
+        "KiB",
+        "broker RSS per quiet SSE connection: (RSS with them all open - before) / connections",
+        "lower",
+        target=12,
+    ),
+    Figure(
+        "idle.broker_cpu_cores",
+        "cores",
+        "broker CPU while every connection is open and quiet",
+        "lower",
+        target=0.05,
+    ),
+    Figure(
+        "idle.redis_commands_per_stream_period",
+        "commands",
+        "Redis commands in the quiet window per stream and heartbeat period (feeds, leases, looks)",
+        "lower",
+    ),
+    Figure(
+        "idle.redis_commands_per_connection_period",
+        "commands",
+        "the same per connection: O(streams) keeps it far under 1 (a look per reader made it 1+)",
+        "lower",
+        target=0.25,
+    ),
+    Figure(
+        "idle.silence_past_promise_s",
+        "s",
+        "the longest silence a connection heard, less the promise (period + min(period/4, 0.25 s))",
+        "lower",
+        target=0,
+    ),
+    Figure(
+        "idle.rss_after_over_before",
+        "x",
+        "broker RSS once every client left, over RSS before they came",
+        "lower",
+        target=1.25,
+    ),
+    Figure(
+        "idle.fds_after_minus_before",
+        "fds",
+        "broker open file descriptors once every client left, less before",
+        "lower",
+        target=0,
+    ),
+    Figure(
+        "idle.redis_clients_after_minus_before",
+        "clients",
+        "Redis connections once every client left, less before (the broker's pools)",
+        "lower",
+        target=0,
     ),
 )
 

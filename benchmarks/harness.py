@@ -33,6 +33,11 @@ class Sizes:
     late_events: int  # events in the finished stream a late reader resumes
     late_tries: int
     memory_entries: int
+    idle_connections: int
+    idle_streams: int
+    idle_window_s: float  # the quiet window measured
+    idle_heartbeat_s: float  # the broker's BROKER_SSE_HEARTBEAT_S for it
+    idle_pool_trim_s: float  # its BROKER_POOL_TRIM_S (the default, 30, but in smoke runs)
 
 
 PROFILES: Final = {
@@ -48,6 +53,11 @@ PROFILES: Final = {
         late_events=10_000,
         late_tries=20,
         memory_entries=10_000,
+        idle_connections=10_000,
+        idle_streams=100,
+        idle_window_s=45.0,
+        idle_heartbeat_s=15.0,
+        idle_pool_trim_s=30.0,
     ),
     "quick": Sizes(
         ceiling_s=0.75,
@@ -61,6 +71,11 @@ PROFILES: Final = {
         late_events=5_000,
         late_tries=10,
         memory_entries=5_000,
+        idle_connections=10_000,
+        idle_streams=100,
+        idle_window_s=32.0,
+        idle_heartbeat_s=15.0,
+        idle_pool_trim_s=30.0,
     ),
     "smoke": Sizes(
         ceiling_s=0.2,
@@ -74,6 +89,11 @@ PROFILES: Final = {
         late_events=1_000,
         late_tries=3,
         memory_entries=500,
+        idle_connections=200,
+        idle_streams=10,
+        idle_window_s=3.0,
+        idle_heartbeat_s=1.0,
+        idle_pool_trim_s=1.0,
     ),
 }
 

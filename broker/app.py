@@ -43,7 +43,14 @@ from broker.api.docs import install_docs
 from broker.api.schemas import install_components
 from broker.auth import Authenticator
 from broker.compression import Compression
-from broker.connection import check_eviction_policy, client, connect, is_cluster_url, redact
+from broker.connection import (
+    check_eviction_policy,
+    client,
+    connect,
+    is_cluster_url,
+    redact,
+    trim_idle_connections,
+)
 from broker.deps import Deps, scripts_for
 from broker.dialects.aisdk import router as aisdk_router
 from broker.dialects.openai import router as openai_router
@@ -52,8 +59,10 @@ from broker.fanout import FEED_BLOCK_MS, Hub
 from broker.jobs import JobQueue
 from broker.keys import Keys
 from broker.ledger import Dispatcher, Ledger
+from broker.memory import GIVE_BACK_AFTER_READERS, give_back
 from broker.metrics import Metrics
 from broker.notifier import Notifier
+from broker.periodic import Periodic
 from broker.providers import Providers
 from broker.reader import Streams
 from broker.settings import Settings
@@ -121,6 +130,8 @@ class Runtime:
         self.http = httpx.AsyncClient(follow_redirects=False)
         self.dispatcher = Dispatcher(tools, self.ledger, self.http, settings, metrics)
         self.worker: Worker | None = None
+        self._pool_trim: Periodic | None = None
+        self._readers_at_trim = 0  # the live readers at the last trim
         self._drained = False
         self._closed = False
 
@@ -182,6 +193,7 @@ class Runtime:
             if embedded is not None:
                 embedded.stop()
             raise
+        rt._pool_trim = Periodic(rt.trim_pools, settings.pool_trim_s, name="redis pool trim")
         if settings.runs_worker:
             rt.worker = Worker(
                 rt.deps, blocking, rt.providers, rt.jobs, rt.dispatcher, rt.admission
@@ -193,11 +205,32 @@ class Runtime:
                 rt.worker.on_attempt_ended = rt.notifier.nudge
         return rt
 
+    async def trim_pools(self) -> bool:
+        """Give back what a burst took: the idle Redis connections it left behind (see
+        trim_idle_connections), and the memory its readers freed (see memory.give_back)."""
+        readers = self.hub.readers
+        if self._readers_at_trim - readers >= GIVE_BACK_AFTER_READERS:
+            give_back()
+        self._readers_at_trim = readers
+        for redis in (self.redis, self.blocking_redis, self.replica_reads):
+            if redis is None:
+                continue
+            try:
+                closed = await trim_idle_connections(redis)
+            except Exception:
+                log.exception("trimming a Redis connection pool failed")
+                continue
+            if closed:
+                log.debug("closed %d idle Redis connections", closed)
+        return True
+
     async def drain(self) -> None:
         """Stop work in the order that loses nothing; safe to call more than once."""
         if self._drained:
             return
         self._drained = True
+        if self._pool_trim is not None:
+            await self._pool_trim.stop()
         if self.worker is not None:
             await self.worker.stop(self.settings.drain_timeout_s)
         if self.notifier is not None:  # after the worker: the attempts it ended are nudged

@@ -214,6 +214,43 @@ async def drop_idle_connections(redis: Redis) -> None:
     await redis.connection_pool.disconnect(inuse_connections=False)
 
 
+# Idle connections a pool keeps open, the most recently used; the others are closed by
+# :func:`trim_idle_connections` (every ``BROKER_POOL_TRIM_S``, see broker.app).
+POOL_KEEP_IDLE = 16
+
+
+async def trim_idle_connections(redis: Redis, keep: int = POOL_KEEP_IDLE) -> int:
+    """Close the idle connections of ``redis``'s pool beyond the ``keep`` most recently used,
+    and take them out of the pool; return how many were closed.
+
+    A burst (a thousand readers attaching at once) grows a pool to as many connections as
+    commands were in flight, and redis-py keeps every one open for ever: file descriptors and
+    Redis clients that never come back. The pool hands out its most recently released
+    connection first, so the ones at the far end have been idle longest; those go. They are
+    taken out of the pool before they are closed (nothing else can take them meanwhile), and
+    the pool opens new ones when it needs them again. A cluster client is left alone: its
+    per-node pools are its own.
+    """
+    if as_cluster(redis) is not None:
+        return 0
+    # The pool's list of idle connections, most recently released last (redis-py's own: a
+    # test holds this to what each pinned version does).
+    idle = getattr(redis.connection_pool, "_available_connections", None)
+    if not isinstance(idle, list) or len(idle) <= keep:
+        return 0
+    surplus = idle[: len(idle) - keep]
+    del idle[: len(idle) - keep]  # no await since the pool's list was read: nobody took one
+    closed = 0
+    for connection in surplus:
+        if getattr(connection, "is_connected", True):
+            closed += 1
+        try:
+            await connection.disconnect()
+        except (RedisError, OSError) as exc:  # a connection already broken: it is gone anyway
+            log.debug("closing an idle Redis connection failed: %s", exc)
+    return closed
+
+
 async def connect(url: str) -> Redis:
     """Connect and ping; raise ``RedisConnectError`` with one line saying what failed."""
     # A burst of short calls (a thousand readers at once) waits for a connection, never fails.

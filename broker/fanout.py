@@ -24,12 +24,13 @@ from redis.exceptions import RedisError
 from broker import redis_calls as rc
 from broker.frames import ORIGIN, Chunk, Cursor, Entry
 from broker.metrics import Metrics
-from broker.sse import Sink
+from broker.sse import PING, Sink
+from broker.vocabulary import FINAL_STATUSES
 
 log = logging.getLogger("broker.fanout")
 
 QUEUE_LIMIT: Final = 256  # batches a reader may be behind its feed before it reads Redis instead
-TICK_MAX_S: Final = 1.0  # the heartbeat ticker's period: a quarter of the heartbeat, within these
+TICK_MAX_S: Final = 0.25  # the heartbeat ticker's period: a quarter of the heartbeat, within these
 TICK_MIN_S: Final = 0.01
 TRIM_EVERY: Final = 64  # batches between two looks for what every reader has taken
 FEED_BLOCK_MS: Final = 5_000
@@ -259,6 +260,45 @@ class _Feed:
         del self.tape[: keep_from - self.base]
         self.base = keep_from
 
+    def look_if_due(self, now: float, period: float) -> None:
+        """Look whether the turn came to rest, for the readers that just had a heartbeat
+        written, unless a look younger than ``period`` said it did not (or one is under way)."""
+        look = self.rest_look
+        if look is not None and (
+            not look.done()
+            or (
+                not look.cancelled()
+                and look.exception() is None
+                and not look.result()
+                and now - self.rest_looked_at < period
+            )
+        ):
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+        self.rest_look, self.rest_looked_at = future, now
+        self.hub._start(self._look(future), f"feed look {self.key}")
+
+    async def _look(self, future: asyncio.Future[bool]) -> None:
+        """One look at the turn for every parked reader; all of them are woken when it is at
+        rest (each then looks for itself and ends), or when the look failed."""
+        at_rest = True
+        try:
+            if self.turn_key is not None:
+                status, _ = await rc.hmget(self.hub.redis, self.turn_key, ["status", "attempt"])
+                at_rest = status is None or status in FINAL_STATUSES
+        except (RedisError, OSError) as exc:
+            log.info("looking at a quiet stream's turn failed: %s", exc)
+            self.hub.metrics.redis_errors.inc()
+        finally:
+            if not future.done():
+                future.set_result(at_rest)
+        if at_rest:
+            parked, self.parked = self.parked, []
+            for subscription in parked:
+                subscription.ticked = True
+                subscription.wake()
+
     def unpark(self, subscription: Subscription) -> None:
         with contextlib.suppress(ValueError):
             self.parked.remove(subscription)
@@ -315,6 +355,18 @@ class _Feed:
             self.hub.forget(self)
 
 
+def _write_heartbeat(subscription: Subscription) -> bool:
+    """Whether a heartbeat was written to a parked reader's sink at once."""
+    sink = subscription.sink
+    if sink is None or subscription.waiter is None or subscription.waiter.done():
+        return False
+    try:
+        return sink.write_now(PING)
+    except Exception:  # one response's failure must not stop the others' heartbeats
+        log.exception("writing a heartbeat failed")
+        return False
+
+
 class Hub:
     """All feeds of one process."""
 
@@ -347,19 +399,35 @@ class Hub:
         self._ticker = None  # the next reader to wait starts another (unless closed)
 
     async def _tick(self) -> None:
+        """Heartbeats for the parked readers whose quiet time is up.
+
+        A reader with a sink gets its heartbeat written by the ticker itself and stays parked
+        (no task switch); the feed then looks at its turn once for all of them (at most once
+        per heartbeat period), and wakes them only if the turn came to rest. Any other reader
+        (a long poll, a dialect's, one whose write cannot be done at once) is woken, and its
+        own heartbeat follows.
+        """
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self._tick_s)
             now = loop.time()
             for feed in list(self._feeds.values()):
                 waiting = []
+                period: float | None = None  # the shortest heartbeat period written to
                 for subscription in feed.parked:
-                    if subscription.deadline <= now:
+                    if subscription.deadline > now:
+                        waiting.append(subscription)
+                    elif _write_heartbeat(subscription):
+                        subscription.deadline = now + subscription.timeout
+                        waiting.append(subscription)
+                        timeout = subscription.timeout
+                        period = timeout if period is None else min(period, timeout)
+                    else:
                         subscription.ticked = True
                         subscription.wake()
-                    else:
-                        waiting.append(subscription)
                 feed.parked = waiting
+                if period is not None:
+                    feed.look_if_due(now, period)
 
     def _start(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
@@ -388,6 +456,11 @@ class Hub:
         if feed.task is None:
             feed.task = self._start(feed.run(), f"feed {key}")
         return subscription
+
+    @property
+    def readers(self) -> int:
+        """The subscriptions of every feed in this process."""
+        return sum(len(feed.subscriptions) for feed in self._feeds.values())
 
     def unsubscribe(self, subscription: Subscription) -> None:
         feed = subscription.feed

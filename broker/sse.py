@@ -187,6 +187,8 @@ class EventStreamResponse(Response):
             return self._write_direct(chunk)
         if self._send_body is None or self._busy or self._over:
             return False
+        if chunk is PING:  # a heartbeat is never held: it goes now, after what was
+            return self._write_direct(self._take_held() + chunk)
         self._held.append(chunk)
         if self._flush_timer is None:
             loop = asyncio.get_running_loop()
