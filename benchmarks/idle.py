@@ -48,6 +48,10 @@ from broker.fanout import TICK_MAX_S
 CONNECT_CONCURRENCY = 100  # connections being opened at once, per viewer process
 PING = b": ping\n"
 SILENT_FOR_MS = 600_000  # the turns' first delta comes after the run is over
+# What readers send while quiet: the feeds' blocking reads and the looks at the turns (the
+# rest in the window is the silent generations' lease renewals and the job reclaims).
+READER_COMMANDS = ("xread", "hmget", "hget", "xrange", "xrevrange", "exists", "get")
+LEASE_RENEWALS_S = 8.0  # a little over two lease renewals at the default lease (10 s)
 
 
 class _Quiet(asyncio.Protocol):
@@ -234,7 +238,9 @@ class Idle:
                 paths.append(f"/v1/streams/{response.json()['stream_id']}")
         for turn_id in turns:
             wait_status(ctx.redis, turn_id, turn_id, ("streaming",), timeout=60)
-        # The baseline: the streams exist and run, nobody reads them.
+        # The baseline: the streams exist and run (their leases renewed a few times), nobody
+        # reads them.
+        time.sleep(LEASE_RENEWALS_S)
         rss_before = settle(lambda: status_kib(pid, "VmRSS")) / 1024
         fds_before, clients_before = open_fds(pid), redis_clients(ctx)
         processes_n = max(1, sizes.viewer_processes)
@@ -312,6 +318,7 @@ class Idle:
         rss_loaded = sorted(rss_samples)[len(rss_samples) // 2] / 1024  # the window's median
         periods = window_s / heartbeat_s
         total_calls = sum(calls.values())
+        reader_calls = sum(calls.get(name, 0) for name in READER_COMMANDS)
         silence = max(r["silence_max_s"] for r in results)
         promise = heartbeat_s + min(heartbeat_s / 4, TICK_MAX_S)
         return Outcome(
@@ -319,7 +326,7 @@ class Idle:
                 "idle.rss_per_connection_kib": (rss_loaded - rss_before) * 1024 / attached,
                 "idle.broker_cpu_cores": cpu["broker"],
                 "idle.redis_commands_per_stream_period": total_calls / streams / periods,
-                "idle.redis_commands_per_connection_period": total_calls / attached / periods,
+                "idle.reader_commands_per_connection_period": reader_calls / attached / periods,
                 "idle.silence_past_promise_s": silence - promise,
                 "idle.rss_after_over_before": rss_after / rss_before,
                 "idle.fds_after_minus_before": fds_after - fds_before,

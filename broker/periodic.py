@@ -18,21 +18,31 @@ class Periodic:
     False. ``step`` handles its own errors: one that escapes ends the loop."""
 
     def __init__(
-        self, step: Callable[[], Awaitable[bool]], interval_s: float, *, name: str
+        self,
+        step: Callable[[], Awaitable[bool]],
+        interval_s: float,
+        *,
+        name: str,
+        first_s: float | None = None,
     ) -> None:
         self._step = step
         self._interval_s = interval_s
+        # The first pause (by default the interval): loops started together in a burst can
+        # be spread over their interval, so that their steps do not all come at once.
+        self._first_s = interval_s if first_s is None else first_s
         self._stopped = asyncio.Event()
         self.task = asyncio.create_task(self._loop(), name=name)
 
     async def _loop(self) -> None:
+        pause = self._first_s
         while True:
             try:
-                async with asyncio.timeout(self._interval_s):
+                async with asyncio.timeout(pause):
                     await self._stopped.wait()
                 return
             except TimeoutError:
                 pass
+            pause = self._interval_s
             if self._stopped.is_set() or not await self._step():
                 return
 

@@ -235,10 +235,14 @@ class Worker:
         generation = Generation(self._deps, self._providers, self._retry, run, self._dispatcher)
         run.task = asyncio.create_task(generation.run(), name=f"turn {turn_id}")
         self._runs[(conversation_id, turn_id)] = run
+        period = self._settings.lease_heartbeat_s
         heartbeat = Periodic(
             lambda: self._heartbeat(run, job),
-            self._settings.lease_heartbeat_s,
+            period,
             name=f"lease {turn_id}",
+            # Turns started in a burst renew at spread times, not all at once (each renewal
+            # in flight holds a Redis connection): the first comes early, never late.
+            first_s=period * random.uniform(0.5, 1.0),
         )
         try:
             await self._jobs.watch_stops(conversation_id)  # a cluster's channel of its own
