@@ -223,3 +223,13 @@ def missing_tool(reason: str, *, module: bool = False) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI must provide it)", pytrace=False)
     pytest.skip(reason, allow_module_level=module)
+
+
+def wait_for_deltas(url: str, count: int) -> None:
+    """Wait until the stream at ``url`` (a ``/v1/streams/{id}`` URL) holds ``count`` deltas."""
+
+    def stored() -> int:
+        page = httpx.get(url, params={"format": "json"}, timeout=5).json()
+        return sum(event["event"] == "delta" for event in page["events"])
+
+    wait_until(lambda: stored() == count)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import BrokerFactory, RunningBroker, command_calls, sync_client
-from tests.helpers import start_turn, wait_final, wait_until
+from tests.helpers import start_turn, wait_final, wait_for_deltas, wait_until
 
 
 def stream_url(broker: RunningBroker, turn: dict[str, Any]) -> str:
@@ -79,15 +79,7 @@ def test_a_waiting_poll_answers_with_the_first_new_event(broker: RunningBroker) 
 def test_a_poll_that_hears_nothing_answers_an_empty_up_to_date_page(broker: RunningBroker) -> None:
     turn = start_turn(broker.base_url, "lp-quiet", tokens=10, tokens_per_s=0, stall_after_deltas=2)
     url = stream_url(broker, turn)
-    wait_until(
-        lambda: (
-            sum(
-                e["event"] == "delta"
-                for e in httpx.get(url, params={"format": "json"}, timeout=5).json()["events"]
-            )
-            == 2
-        )
-    )
+    wait_for_deltas(url, 2)
     offset = tail_of(url)
     started = time.monotonic()
     response = poll(url, offset, 1)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import httpx
 
 from tests.conftest import BrokerFactory, command_calls, sync_client
-from tests.helpers import start_turn, wait_until
+from tests.helpers import start_turn, wait_for_deltas, wait_until
 
 READERS = 30
 HEARTBEAT_S = 0.25
@@ -37,15 +37,7 @@ def test_readers_of_a_quiet_stream_share_one_look_per_heartbeat(
     broker = broker_factory(sse_heartbeat_s=HEARTBEAT_S)
     turn = start_turn(broker.base_url, "quiet", tokens=10, tokens_per_s=0, stall_after_deltas=2)
     url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
-    wait_until(
-        lambda: (
-            sum(
-                e["event"] == "delta"
-                for e in httpx.get(url, params={"format": "json"}, timeout=5).json()["events"]
-            )
-            == 2
-        )
-    )
+    wait_for_deltas(url, 2)
     pings, stop = [0] * READERS, threading.Event()
     readers = [
         threading.Thread(target=read_pings, args=(url, pings, i, stop), daemon=True)
