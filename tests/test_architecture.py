@@ -26,6 +26,7 @@ GROUND = {
     "broker.errors",
     "broker.keys",
     "broker.logs",
+    "broker.memory",
     "broker.metrics",
     "broker.offsets",
     "broker.periodic",
