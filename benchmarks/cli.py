@@ -26,6 +26,7 @@ from benchmarks.fanout import FanOut
 from benchmarks.figures import WORKLOADS
 from benchmarks.harness import PROFILES, Context, Sizes, Workload
 from benchmarks.idle import Idle
+from benchmarks.join import JoinLive
 from benchmarks.profiling import Profiler, ProfilerError, summary
 from benchmarks.servers import (
     REPO,
@@ -281,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             OneStream(),
             ManyStreams(),
             FanOut(),
+            JoinLive(),
             LateReader(),
             Memory(),
             Idle(),

@@ -59,13 +59,16 @@ LAG_BUCKETS_PER_MS = 10  # lag histograms have 0.1 ms buckets
 
 
 class _Viewer:
-    __slots__ = ("deltas", "ended", "group", "last_id")
+    __slots__ = ("attached_ms", "deltas", "ended", "group", "last_id")
 
     def __init__(self, group: _Group) -> None:
         self.group = group
         self.deltas = 0
         self.last_id = b""
         self.ended = False
+        # When its first response head arrived (ms): a viewer that joins a running stream
+        # replays what came before, and only the deltas appended after count for the lag.
+        self.attached_ms = 0.0
 
     def on_events(self, events: list[tuple[bytes, bytes, bytes]], now: float) -> bool:
         group = self.group
@@ -78,10 +81,11 @@ class _Viewer:
             last_id = event_id
             if event == b"delta":
                 sent_ms = entry_ms(event_id)
-                group.index.append(self.deltas)
+                if sent_ms >= self.attached_ms:
+                    group.index.append(self.deltas)
+                    group.sent_ms.append(sent_ms)
+                    group.lag_ms.append(now_ms - sent_ms)
                 self.deltas += 1
-                group.sent_ms.append(sent_ms)
-                group.lag_ms.append(now_ms - sent_ms)
             elif event == b"end":
                 self.ended = True
                 break
@@ -120,12 +124,20 @@ class _Group:
 
 
 async def _view(
-    viewer: _Viewer, slots: asyncio.Semaphore, base_url: str, path: str, deadline: float
+    viewer: _Viewer,
+    slots: asyncio.Semaphore,
+    base_url: str,
+    path: str,
+    deadline: float,
+    join_over_s: float = 0.0,
 ) -> None:
-    """Read one stream to its end, reattaching after a failure like a real client."""
+    """Read one stream to its end, reattaching after a failure like a real client; with
+    ``join_over_s``, first wait a random part of it (viewers joining one after another)."""
     group = viewer.group
     attached = False
     attempts = 0
+    if join_over_s > 0:
+        await asyncio.sleep(random.uniform(0, join_over_s))
     while True:
         reader: SSEReader | None = None
         try:
@@ -137,6 +149,7 @@ async def _view(
                 )
             if status == 200 and not attached:
                 attached = True
+                viewer.attached_ms = (reader.headers_at or time.time()) * 1000
                 group.attached()
             if status == 200:
                 await asyncio.wait_for(asyncio.shield(reader.done), deadline - time.monotonic())
@@ -166,7 +179,8 @@ async def _view(
 def viewer_process(conn: Connection, base_url: str, viewers: int, timeout_s: float) -> None:
     """The body of one viewer process (``multiprocessing`` target)."""
     conn.send(("ready",))
-    stream_id, pace = conn.recv()
+    stream_id, pace, *rest = conn.recv()  # (stream_id, pace[, join_over_s])
+    join_over_s = float(rest[0]) if rest else 0.0
     group = _Group(conn, viewers)
     watchers = [_Viewer(group) for _ in range(viewers)]
 
@@ -174,7 +188,9 @@ def viewer_process(conn: Connection, base_url: str, viewers: int, timeout_s: flo
         slots = asyncio.Semaphore(CONNECT_CONCURRENCY)
         deadline = time.monotonic() + timeout_s
         path = f"/v1/streams/{stream_id}"
-        await asyncio.gather(*(_view(v, slots, base_url, path, deadline) for v in watchers))
+        await asyncio.gather(
+            *(_view(v, slots, base_url, path, deadline, join_over_s) for v in watchers)
+        )
 
     # The viewers share two cores with the broker: keep their own cost per event low.
     try:

@@ -1,0 +1,176 @@
+"""Viewers who join an answer that is already running: ``viewers`` SSE readers attach, spread
+over ``join_over_s``, to a turn paced at ``fanout_pace`` deltas/s that started a second before.
+
+Each viewer reads from the start: it replays what came before it joined, then follows live. Its
+lag is counted for the deltas appended after its response head arrived (a replayed delta's
+"lag" is only how late the viewer came). The viewer processes are the fan-out's
+(:mod:`benchmarks.fanout`), told to stagger their connects.
+
+The attach storm's cost is what the join window adds to a stream with no viewers: the broker's
+CPU and the Redis commands (calls inside scripts included) from the first connect to the last
+attach, less the same turn's own rate measured for a second just before, divided by the
+viewers.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import httpx
+
+from benchmarks.fanout import (
+    LAG_BUCKETS_PER_MS,
+    _all_done,
+    _first_delta_ms,
+    _recv,
+    viewer_process,
+)
+from benchmarks.figures import percentile
+from benchmarks.harness import KEYS, Context, Outcome, count_deltas, wait_status, xlen
+from benchmarks.servers import commandstats, cpu_seconds
+from benchmarks.sse import turn_body
+from benchmarks.workloads import warm_up
+from broker.vocabulary import FINAL_STATUSES
+
+JOIN_OVER_S = 1.0
+BASELINE_S = 1.0  # the turn alone, before anyone joins: what the join window is compared with
+RUNNING_FOR_S = 1.0  # how long the turn has run when the first viewer joins
+
+
+def _calls(ctx: Context) -> int:
+    return sum(commandstats(ctx.nodes).values())
+
+
+class JoinLive:
+    """``viewers`` SSE viewers join a live turn over ``JOIN_OVER_S``."""
+
+    name = "join"
+    worker_concurrency = 4
+
+    def prepare(self, ctx: Context) -> None:
+        warm_up(ctx)
+
+    def once(self, ctx: Context, repeat: int) -> Outcome:
+        sizes = ctx.sizes
+        pace = sizes.fanout_pace
+        # Long enough that every viewer joins while it runs, and follows it live a while.
+        tokens = max(sizes.fanout_tokens, int(pace * (RUNNING_FOR_S + JOIN_OVER_S + 3)))
+        timeout = 2 * tokens / pace + 150
+        mp = multiprocessing.get_context("spawn")
+        processes_n = sizes.viewer_processes
+        shares = [
+            sizes.viewers // processes_n + (i < sizes.viewers % processes_n)
+            for i in range(processes_n)
+        ]
+        pipes: list[Connection] = []
+        processes = []
+        for share in shares:
+            parent, child = mp.Pipe()
+            process = mp.Process(
+                target=viewer_process,
+                args=(child, ctx.broker.base_url, share, timeout),
+                name="bench-joiners",
+                daemon=True,
+            )
+            process.start()
+            child.close()
+            pipes.append(parent)
+            processes.append(process)
+        try:
+            return self._drive(ctx, repeat, tokens, pace, pipes)
+        finally:
+            for process in processes:
+                process.join(timeout=10)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+
+    def _drive(
+        self, ctx: Context, repeat: int, tokens: int, pace: float, pipes: list[Connection]
+    ) -> Outcome:
+        client, pid = ctx.redis, ctx.broker.pid
+        for conn in pipes:
+            _recv(conn, 60, "ready")
+        turn_id = ctx.turn_id(self.name, repeat)
+        key = KEYS.events(turn_id, turn_id)
+        with httpx.Client(base_url=ctx.broker.base_url, timeout=30, trust_env=False) as http:
+            response = http.post(
+                "/v1/turns", json=turn_body(turn_id, turn_id, tokens=tokens, tokens_per_s=pace)
+            )
+            response.raise_for_status()
+            stream_id = str(response.json()["stream_id"])
+        first_ms = _first_delta_ms(client, key, timeout=30)
+        time.sleep(max(0.0, first_ms / 1000 + RUNNING_FOR_S - BASELINE_S - time.time()))
+        # The turn alone, no viewer: its own commands and CPU per second.
+        base_calls, base_cpu, base_at = _calls(ctx), cpu_seconds(pid), time.monotonic()
+        time.sleep(BASELINE_S)
+        calls0, cpu0, at0 = _calls(ctx), cpu_seconds(pid), time.monotonic()
+        calls_rate = (calls0 - base_calls) / (at0 - base_at)
+        cpu_rate = (cpu0 - base_cpu) / (at0 - base_at)
+        stored_at_join = xlen(client, key)
+        for conn in pipes:
+            conn.send((stream_id, pace, JOIN_OVER_S))
+        for conn in pipes:
+            _recv(conn, 120, "attached")
+        calls1, cpu1, at1 = _calls(ctx), cpu_seconds(pid), time.monotonic()
+        window_s = at1 - at0
+        storm_calls = (calls1 - calls0) - calls_rate * window_s
+        storm_cpu_s = (cpu1 - cpu0) - cpu_rate * window_s
+        done: set[int] = set()
+        cancelled = False
+        turn_deadline = first_ms / 1000 + 2 * tokens / pace + 5
+        if not _all_done(pipes, done, turn_deadline - time.time()):
+            with httpx.Client(base_url=ctx.broker.base_url, timeout=30, trust_env=False) as http:
+                http.post(f"/v1/turns/{turn_id}/cancel").raise_for_status()
+            cancelled = True
+            if not _all_done(pipes, done, 120):
+                raise TimeoutError("viewers did not finish after the turn was cancelled")
+        turn_status = wait_status(client, turn_id, turn_id, tuple(FINAL_STATUSES), timeout=60)
+        written = count_deltas(client, key)
+        results: list[dict[str, Any]] = []
+        for conn in pipes:
+            conn.send(first_ms)
+            results.append(_recv(conn, 60, "result")[1])
+        histogram: collections.Counter[int] = collections.Counter()
+        for result in results:
+            histogram.update({int(k): v for k, v in result["histogram"].items()})
+        failed = sum(r["failed"] for r in results)
+        viewers = sum(r["viewers"] for r in results)
+        received = sum(r["deltas"] for r in results)
+        p50, p99 = percentile(histogram, 50), percentile(histogram, 99)
+        if p50 is None or p99 is None:
+            raise RuntimeError("no live delta reached a viewer after it joined")
+        if failed == viewers:
+            raise RuntimeError(f"no viewer could attach: {results[0]['errors']}")
+        return Outcome(
+            values={
+                "join.missing": float(max(0, viewers * written - received)),
+                "join.lag_p99_ms": p99 / LAG_BUCKETS_PER_MS,
+                "join.attach_cpu_ms_per_viewer": storm_cpu_s * 1000 / viewers,
+                "join.attach_commands_per_viewer": storm_calls / viewers,
+            },
+            details={
+                "viewers": viewers,
+                "viewers_failed": failed,
+                "reattaches": sum(r["reattaches"] for r in results),
+                "viewers_ended": sum(r["ended"] for r in results),
+                "deltas_written": written,
+                "stored_events_at_join": stored_at_join,
+                "cancelled_at_deadline": cancelled,
+                "turn_status": turn_status,
+                "lag_p50_ms": p50 / LAG_BUCKETS_PER_MS,
+                "lag_max_ms": max(histogram) / LAG_BUCKETS_PER_MS,
+                "live_lag_samples": sum(histogram.values()),
+                "join_window_s": round(window_s, 3),
+                "baseline_commands_per_s": round(calls_rate, 1),
+                "baseline_broker_cpu_cores": round(cpu_rate, 3),
+                "storm_commands": round(storm_calls),
+                "storm_broker_cpu_s": round(storm_cpu_s, 3),
+                "viewer_cpu_s": round(sum(r["cpu_s"] for r in results), 2),
+                "errors": [e for r in results for e in r["errors"].items()],
+            },
+        )
