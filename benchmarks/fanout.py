@@ -32,6 +32,7 @@ import resource
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -358,6 +359,38 @@ def _first_delta_ms(client: redis.Redis, key: str, timeout: float) -> int:
         time.sleep(0.01)
 
 
+def shares(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` shares that differ by at most one."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+@contextlib.contextmanager
+def client_processes(
+    target: Callable[..., None], args: list[tuple[Any, ...]], name: str
+) -> Iterator[tuple[list[Connection], list[multiprocessing.process.BaseProcess]]]:
+    """One spawned process per entry of ``args``, each called as ``target(pipe, *its args)``;
+    yields the benchmark's ends of the pipes and the processes, and reaps them on the way out
+    (killed if they do not end within 10 s)."""
+    mp = multiprocessing.get_context("spawn")
+    pipes: list[Connection] = []
+    processes: list[multiprocessing.process.BaseProcess] = []
+    try:
+        for own in args:
+            parent, child = mp.Pipe()
+            started = mp.Process(target=target, args=(child, *own), name=name, daemon=True)
+            started.start()
+            child.close()
+            pipes.append(parent)
+            processes.append(started)
+        yield pipes, processes
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
 class FanOut:
     """1 turn x ``viewers`` SSE viewers, paced at ``fanout_pace`` deltas/s."""
 
@@ -372,33 +405,12 @@ class FanOut:
         tokens, pace = sizes.fanout_tokens, sizes.fanout_pace
         duration = tokens / pace
         timeout = 2 * duration + 150  # a safety net: the turn is cancelled at 2 x its duration
-        mp = multiprocessing.get_context("spawn")
-        shares = [
-            sizes.viewers // sizes.viewer_processes + (i < sizes.viewers % sizes.viewer_processes)
-            for i in range(sizes.viewer_processes)
+        args = [
+            (ctx.broker.base_url, share, timeout)
+            for share in shares(sizes.viewers, sizes.viewer_processes)
         ]
-        pipes: list[Connection] = []
-        processes = []
-        for share in shares:
-            parent, child = mp.Pipe()
-            process = mp.Process(
-                target=viewer_process,
-                args=(child, ctx.broker.base_url, share, timeout),
-                name="bench-viewers",
-                daemon=True,
-            )
-            process.start()
-            child.close()
-            pipes.append(parent)
-            processes.append(process)
-        try:
+        with client_processes(viewer_process, args, "bench-viewers") as (pipes, processes):
             return self._drive(ctx, repeat, tokens, pace, pipes, [p.pid for p in processes])
-        finally:
-            for process in processes:
-                process.join(timeout=10)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
 
     def _drive(
         self,

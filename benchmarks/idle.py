@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 import os
 import resource
 import time
@@ -38,7 +37,7 @@ from typing import Any, cast
 
 import httpx
 
-from benchmarks.fanout import _recv
+from benchmarks.fanout import _recv, client_processes, shares
 from benchmarks.harness import Context, Outcome, Sizes, wait_status
 from benchmarks.servers import commandstats, status_kib
 from benchmarks.sse import turn_body
@@ -243,32 +242,15 @@ class Idle:
         time.sleep(LEASE_RENEWALS_S)
         rss_before = settle(lambda: status_kib(pid, "VmRSS")) / 1024
         fds_before, clients_before = open_fds(pid), redis_clients(ctx)
-        processes_n = max(1, sizes.viewer_processes)
-        shares = [
-            connections // processes_n + (i < connections % processes_n) for i in range(processes_n)
-        ]
-        mp = multiprocessing.get_context("spawn")
-        pipes: list[Connection] = []
-        processes = []
-        for index, share in enumerate(shares):
-            parent, child = mp.Pipe()
-            # Each process's connections go round the streams, starting at its own offset.
-            own = paths[index % streams :] + paths[: index % streams]
-            process = mp.Process(
-                target=viewer_process,
-                args=(child, ctx.broker.base_url, share),
-                name="bench-idle-viewers",
-                daemon=True,
-            )
-            process.start()
-            child.close()
-            pipes.append(parent)
-            processes.append((process, own))
-        try:
+        counts = shares(connections, max(1, sizes.viewer_processes))
+        # Each process's connections go round the streams, starting at its own offset.
+        owns = [paths[i % streams :] + paths[: i % streams] for i in range(len(counts))]
+        args = [(ctx.broker.base_url, count) for count in counts]
+        with client_processes(viewer_process, args, "bench-idle-viewers") as (pipes, processes):
             for conn in pipes:
                 _recv(conn, 60, "ready")
             began = time.monotonic()
-            for conn, (_, own) in zip(pipes, processes, strict=True):
+            for conn, own in zip(pipes, owns, strict=True):
                 conn.send((own, heartbeat_s))
             for conn in pipes:
                 _recv(conn, 300, "attached")
@@ -277,7 +259,7 @@ class Idle:
             time.sleep(min(2.0, heartbeat_s))  # the last attaches' replays are written
             for conn in pipes:
                 conn.send("measure")
-            meter = ctx.meter([p.pid for p, _ in processes])
+            meter = ctx.meter([p.pid for p in processes])
             calls_before = commandstats(ctx.nodes)
             rss_samples = [status_kib(pid, "VmRSS")]
             window_end = time.monotonic() + sizes.idle_window_s
@@ -296,12 +278,6 @@ class Idle:
             for conn in pipes:
                 conn.send("stop")
             results = [_recv(conn, 120, "result")[1] for conn in pipes]
-        finally:
-            for process, _ in processes:
-                process.join(timeout=30)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
         # Every client left: what comes back, once the broker had the time of one pass of its
         # pool trim (BROKER_POOL_TRIM_S) after the last reader went.
         settle(lambda: broker_gauge(ctx.broker.base_url, 'broker_stream_viewers{mode="sse"}'))

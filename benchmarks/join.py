@@ -15,7 +15,6 @@ viewers.
 from __future__ import annotations
 
 import collections
-import multiprocessing
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -27,6 +26,8 @@ from benchmarks.fanout import (
     _all_done,
     _first_delta_ms,
     _recv,
+    client_processes,
+    shares,
     viewer_process,
 )
 from benchmarks.figures import percentile
@@ -60,34 +61,12 @@ class JoinLive:
         # Long enough that every viewer joins while it runs, and follows it live a while.
         tokens = max(sizes.fanout_tokens, int(pace * (RUNNING_FOR_S + JOIN_OVER_S + 3)))
         timeout = 2 * tokens / pace + 150
-        mp = multiprocessing.get_context("spawn")
-        processes_n = sizes.viewer_processes
-        shares = [
-            sizes.viewers // processes_n + (i < sizes.viewers % processes_n)
-            for i in range(processes_n)
+        args = [
+            (ctx.broker.base_url, share, timeout)
+            for share in shares(sizes.viewers, sizes.viewer_processes)
         ]
-        pipes: list[Connection] = []
-        processes = []
-        for share in shares:
-            parent, child = mp.Pipe()
-            process = mp.Process(
-                target=viewer_process,
-                args=(child, ctx.broker.base_url, share, timeout),
-                name="bench-joiners",
-                daemon=True,
-            )
-            process.start()
-            child.close()
-            pipes.append(parent)
-            processes.append(process)
-        try:
+        with client_processes(viewer_process, args, "bench-joiners") as (pipes, _):
             return self._drive(ctx, repeat, tokens, pace, pipes)
-        finally:
-            for process in processes:
-                process.join(timeout=10)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
 
     def _drive(
         self, ctx: Context, repeat: int, tokens: int, pace: float, pipes: list[Connection]

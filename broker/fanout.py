@@ -185,7 +185,7 @@ class _Feed:
         # known yet, the feed will read the tail).
         self.read_after = start
         # The readers' shared look at whether the turn is at rest, after a heartbeat (see
-        # Streams.quiet_look), and when it began.
+        # shared_look), and when it began.
         self.rest_look: asyncio.Future[bool] | None = None
         self.rest_looked_at = 0.0
         self.subscriptions: set[Subscription] = set()
@@ -260,9 +260,12 @@ class _Feed:
         del self.tape[: keep_from - self.base]
         self.base = keep_from
 
-    def look_if_due(self, now: float, period: float) -> None:
-        """Look whether the turn came to rest, for the readers that just had a heartbeat
-        written, unless a look younger than ``period`` said it did not (or one is under way)."""
+    def shared_look(self, now: float, max_age_s: float) -> asyncio.Future[bool]:
+        """Whether the turn is at rest, one look for all the stream's readers: the look under
+        way, or the last one if it said "not at rest" less than ``max_age_s`` ago, else a new
+        one. A look that finds the turn at rest (or fails) wakes every parked reader, which
+        then looks for itself and ends. A quiet stream costs a look per heartbeat period,
+        however many read it."""
         look = self.rest_look
         if look is not None and (
             not look.done()
@@ -270,30 +273,31 @@ class _Feed:
                 not look.cancelled()
                 and look.exception() is None
                 and not look.result()
-                and now - self.rest_looked_at < period
+                and now - self.rest_looked_at < max_age_s
             )
         ):
-            return
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[bool] = loop.create_future()
+            return look
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_retrieved)  # a failure no reader waited for is not logged
         self.rest_look, self.rest_looked_at = future, now
         self.hub._start(self._look(future), f"feed look {self.key}")
+        return future
 
     async def _look(self, future: asyncio.Future[bool]) -> None:
-        """One look at the turn for every parked reader; all of them are woken when it is at
-        rest (each then looks for itself and ends), or when the look failed."""
-        at_rest = True
         try:
+            at_rest = True
             if self.turn_key is not None:
                 status, _ = await rc.hmget(self.hub.redis, self.turn_key, ["status", "attempt"])
                 at_rest = status is None or status in FINAL_STATUSES
+            future.set_result(at_rest)
         except (RedisError, OSError) as exc:
             log.info("looking at a quiet stream's turn failed: %s", exc)
             self.hub.metrics.redis_errors.inc()
+            future.set_exception(exc)  # its readers fail as their own look would have
         finally:
-            if not future.done():
-                future.set_result(at_rest)
-        if at_rest:
+            if not future.done():  # cancelled, the hub closing: its readers end and resume
+                future.set_exception(HubClosed())
+        if future.exception() is not None or future.result():
             parked, self.parked = self.parked, []
             for subscription in parked:
                 subscription.ticked = True
@@ -353,6 +357,11 @@ class _Feed:
             for subscription in self.subscriptions:
                 subscription.close()
             self.hub.forget(self)
+
+
+def _retrieved(future: asyncio.Future[bool]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _write_heartbeat(subscription: Subscription) -> bool:
@@ -427,7 +436,7 @@ class Hub:
                         subscription.wake()
                 feed.parked = waiting
                 if period is not None:
-                    feed.look_if_due(now, period)
+                    feed.shared_look(now, period)
 
     def _start(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)

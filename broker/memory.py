@@ -27,9 +27,12 @@ def _malloc_trim() -> ctypes._NamedFuncPointer | None:
     if name is None:
         return None
     try:
-        return ctypes.CDLL(name).malloc_trim
+        trim = ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError):
         return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
 
 
 _TRIM = _malloc_trim()
@@ -39,8 +42,6 @@ def give_back() -> bool:
     """Return the C heap's free pages to the system; False where that cannot be done."""
     if _TRIM is None:
         return False
-    _TRIM.argtypes = [ctypes.c_size_t]
-    _TRIM.restype = ctypes.c_int
     released = bool(_TRIM(0))
     log.debug("gave free heap pages back to the system: %s", released)
     return True

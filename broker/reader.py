@@ -184,29 +184,11 @@ class Streams:
         self, location: Location, subscription: Subscription, first: bool, max_age_s: float
     ) -> bool:
         """Whether the turn is at rest, for a reader that just joined (``first``: its own look)
-        or whose stream was quiet for a heartbeat: then its feed's readers share one look, and
-        a "not at rest" younger than ``max_age_s`` stands for all of them. A quiet stream costs
-        a look per heartbeat period, however many read it.
-        """
+        or whose stream was quiet for a heartbeat: then the feed's look, shared by all its
+        readers (see :meth:`~broker.fanout._Feed.shared_look`)."""
         if first:
             return await self._at_rest(location)
-        feed = subscription.feed
-        loop = asyncio.get_running_loop()
-        look = feed.rest_look
-        stale = look is None or (
-            look.done()
-            and (
-                look.cancelled()
-                or look.exception() is not None
-                or look.result()  # at rest: every reader looks for itself (it then ends)
-                or loop.time() - feed.rest_looked_at >= max_age_s
-            )
-        )
-        if stale:
-            look = feed.rest_look = asyncio.ensure_future(self._at_rest(location))
-            look.add_done_callback(_retrieved)  # a failure with no reader left is not logged
-            feed.rest_looked_at = loop.time()
-        assert look is not None
+        look = subscription.feed.shared_look(asyncio.get_running_loop().time(), max_age_s)
         # Shielded: a reader that goes away does not cancel the others' look.
         return await asyncio.shield(look)
 
@@ -390,11 +372,6 @@ class Streams:
             "up_to_date": up_to_date,
             "closed": at_rest and up_to_date,
         }
-
-
-def _retrieved(future: asyncio.Future[bool]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _page_event(entry: Entry) -> dict[str, Any]:
