@@ -12,7 +12,7 @@ import schemathesis
 
 STREAM = "/v1/streams/{stream_id}"
 # Query parameters that apply to one format of a stream read only: a 400 with the other.
-FORMAT_OF: dict[str, str] = {"wait": "json", "heartbeat": "sse"}
+FORMAT_OF: dict[str, str] = {"wait": "json", "heartbeat": "sse", "batch_ms": "sse"}
 # Short answers at full speed: the run checks the HTTP surface, not the simulator's pace (a
 # non-streaming completion waits for its answer: 48 deltas at 25/s by default).
 FAST = {"simulate": {"tokens": 3, "tokens_per_s": 0}}
@@ -31,9 +31,9 @@ NEEDS: dict[tuple[str, str], tuple[str, str]] = {
 
 @schemathesis.hook
 def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
-    """A stream read that sets ``wait`` asks for a JSON page, one that sets ``heartbeat`` for
-    SSE. A request generated to be invalid keeps its invalid part: only a missing ``format``
-    is filled in for it."""
+    """A stream read that sets ``wait`` asks for a JSON page, one that sets ``heartbeat`` or
+    ``batch_ms`` for SSE. A request generated to be invalid keeps its invalid part: only a
+    missing ``format`` is filled in for it."""
     meta = getattr(case, "meta", None)
     negative = meta is not None and meta.generation.mode.is_negative
     path = case.operation.path
@@ -54,10 +54,11 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         if "format" not in query:
             query["format"] = FORMAT_OF[asked[0]]
         return
-    if len(asked) > 1:  # no read takes both: keep the first
-        for name in asked[1:]:
+    wanted = FORMAT_OF[asked[0]]
+    for name in asked[1:]:  # no read takes both formats' parameters: keep the first's
+        if FORMAT_OF[name] != wanted:
             del query[name]
-    query["format"] = FORMAT_OF[asked[0]]
+    query["format"] = wanted
 
 
 def _fast(body: dict[str, Any], at: tuple[str, ...]) -> None:
