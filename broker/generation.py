@@ -347,6 +347,9 @@ class Generation:
                 TurnStatus.FAILED, failure.reason, error={**failure.error, "retryable": False}
             )
             return None
+        except StopRequested:  # the stop reached an append before it reached this task
+            outcome = "cancelled"
+            raise
         except asyncio.CancelledError:
             outcome = "cancelled" if self._run.stop == STOP else "interrupted"
             raise

@@ -271,6 +271,24 @@ def test_stop_reaches_the_worker_even_if_the_notification_is_lost(
     assert wait_final(broker.base_url, "quiet-stop", timeout=1.5)["status"] == "cancelled"
 
 
+def test_a_stop_first_seen_by_an_append_counts_the_call_cancelled(
+    broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def lost(self: Turns, conversation_id: str, turn_id: str, attempt: int) -> None:
+        return None
+
+    monkeypatch.setattr(Turns, "_notify_stop", lost)
+    # A long lease: its heartbeat is seconds away, so the next append meets the durable flag.
+    broker = broker_factory(lease_ttl_ms=30_000)
+    turn = start_turn(broker.base_url, turn_id="append-stop", tokens=400, tokens_per_s=20)
+    read_sse(broker.base_url, turn["stream_id"], stop_after=2)
+    post(broker, "/v1/turns/append-stop/cancel")
+    assert wait_final(broker.base_url, "append-stop", timeout=2.0)["status"] == "cancelled"
+    labels = '{{model="simulated",outcome="{}",provider="simulated"}}'
+    assert broker.metric("broker_upstream_requests_total", labels.format("cancelled")) == 1
+    assert broker.metric("broker_upstream_requests_total", labels.format("ok")) == 0
+
+
 def test_stop_of_a_queued_turn_ends_it_without_a_worker(broker_factory: BrokerFactory) -> None:
     api = broker_factory(role="api")
     turn = start_turn(api.base_url, turn_id="never", tokens=3)
