@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Final
+
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,8 +47,17 @@ class BodyTooLarge(BrokerError):
         super().__init__("the request body is larger than BROKER_MAX_BODY_BYTES")
 
 
+DRAIN_MAX: Final = 64 * 1024 * 1024  # the most of a refused body read (and dropped) before the 413
+DRAIN_S: Final = 10.0  # and the longest it is waited for (a client that sends slowly gets the 413)
+
+
 class BodySizeLimit:
-    """Refuse request bodies over ``limit`` bytes, by Content-Length or by counting."""
+    """Refuse request bodies over ``limit`` bytes, by Content-Length or by counting.
+
+    The rest of a refused body is read and dropped (up to ``DRAIN_MAX`` bytes) before the 413
+    goes out: a connection closed with unread bytes is reset, and a client still sending its
+    body would see the reset instead of the answer. The drain waits ``DRAIN_S`` at most.
+    """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -64,6 +77,8 @@ class BodySizeLimit:
                     await self._reply(send, 400, "bad_request", "malformed Content-Length")
                     return
                 if declared > self.limit:
+                    if declared <= DRAIN_MAX:
+                        await _drain(receive, DRAIN_MAX)
                     await self._too_large(send)
                     return
         received = 0
@@ -88,6 +103,7 @@ class BodySizeLimit:
             await self.app(scope, counting_receive, tracking_send)
         except BodyTooLarge:
             if not started:
+                await _drain(receive, DRAIN_MAX - received)
                 await self._too_large(send)
 
     async def _too_large(self, send: Send) -> None:
@@ -113,3 +129,20 @@ class BodySizeLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive: Receive, budget: int) -> None:
+    """Read and drop the rest of a request body, up to ``budget`` bytes and ``DRAIN_S``."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_S):
+            await _drop(receive, budget)
+
+
+async def _drop(receive: Receive, budget: int) -> None:
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return  # the client left
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
