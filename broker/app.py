@@ -53,6 +53,9 @@ from broker.connection import (
 )
 from broker.deps import Deps, scripts_for
 from broker.dialects.aisdk import router as aisdk_router
+from broker.dialects.durable import router as durable_router
+from broker.dialects.durable.store import DurableStore
+from broker.dialects.durable.wire import DS_REQUEST_HEADERS, DS_RESPONSE_HEADERS
 from broker.dialects.openai import router as openai_router
 from broker.embedded_redis import EmbeddedRedis
 from broker.fanout import FEED_BLOCK_MS, Hub
@@ -115,6 +118,8 @@ class Runtime:
         else:
             self.hub = Hub(replica_reads, metrics)
         self.streams = Streams(self.deps, self.hub, replica_reads)
+        # Durable Streams of the protocol's own read the primary: a client reads its writes.
+        self.durable = DurableStore(self.deps, self.hub)
         self.auth = auth or Authenticator(settings, secrets.token_bytes(32))
         if auth is None:
             log.warning("attach tokens are signed with a key of this process only")
@@ -303,6 +308,7 @@ def create_app(
         app.include_router(api_router)
         app.include_router(openai_router)
         app.include_router(aisdk_router)
+        app.include_router(durable_router)
         app.add_api_route("/", _demo_page, methods=["GET"], include_in_schema=False)
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
@@ -315,9 +321,9 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=origins,
-            allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
-            expose_headers=["Retry-After", "WWW-Authenticate"],
+            allow_methods=["GET", "POST", "PUT", "DELETE", "HEAD"],
+            allow_headers=["Authorization", "Content-Type", "Last-Event-ID", *DS_REQUEST_HEADERS],
+            expose_headers=["Retry-After", "WWW-Authenticate", *DS_RESPONSE_HEADERS],
             max_age=600,
         )
     app.add_middleware(RawSend)  # outermost: event streams write their bodies past the rest

@@ -17,12 +17,15 @@ and no key is global by accident:
   once delivered);
 * the two index keys map ids a client holds (turn id, stream id) to their conversation; they live
   in their own slots and are only read and written with single-key commands;
+* a Durable Streams stream's keys (its metadata, data and producers) carry ``{ds:<digest>}``, a
+  digest of its tenant-scoped path (paths may hold any character, braces included);
 * on a single server, stop notifications go on one classic Pub/Sub channel, ``<prefix>:stops``
   (a channel, not a key).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import zlib
 
@@ -166,3 +169,24 @@ class Keys:
     def stream_index(self, stream_id: str) -> str:
         """String: stream id → ``<conversation_id> <turn_id>`` (a tombstone outliving the data)."""
         return f"{self.prefix}:stream-index:{stream_id}"
+
+    def ds_tag(self, scoped_path: str) -> str:
+        """The hash tag of a Durable Streams stream: a digest of its scoped path (the path is
+        kept in its metadata), so that any path makes a safe key and all its keys one slot."""
+        digest = hashlib.blake2b(scoped_path.encode(), digest_size=16).hexdigest()
+        return f"{self.prefix}:{{ds:{digest}}}"
+
+    def ds_meta(self, scoped_path: str) -> str:
+        """Hash: a Durable Streams stream's path, content type, TTL or expiry, closure, tail and
+        the producer that closed it (its existence is the stream's)."""
+        return f"{self.ds_tag(scoped_path)}:meta"
+
+    def ds_data(self, scoped_path: str) -> str:
+        """Redis Stream: a Durable Streams stream's appends, one entry each (entry ids are its
+        offsets), and a last ``close`` entry once it is closed (that wakes its live readers)."""
+        return f"{self.ds_tag(scoped_path)}:data"
+
+    def ds_producers(self, scoped_path: str) -> str:
+        """Hash: producer id -> ``<epoch> <last seq>`` of a Durable Streams stream's idempotent
+        producers."""
+        return f"{self.ds_tag(scoped_path)}:producers"

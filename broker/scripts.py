@@ -50,6 +50,9 @@ NAMES = (
     "release_viewer",
     "release_lease",
     "take_webhook",
+    "ds_create",
+    "ds_append",
+    "ds_delete",
 )
 
 
@@ -127,6 +130,18 @@ class WebhookTake:
     url: str = ""
     ended_ms: int = 0
     wait_ms: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DsReply:
+    """``ds_create`` and ``ds_append``: a ``result`` word and the values that come with it
+    (an entry id, a closure flag, a sequence number, a content type), as text."""
+
+    result: str
+    values: tuple[str, ...] = ()
+
+    def value(self, index: int) -> str:
+        return self.values[index] if index < len(self.values) else ""
 
 
 def _text(reply: Sequence[Any], index: int) -> str:
@@ -453,3 +468,43 @@ class Scripts:
         return WebhookTake(
             "take", int(reply[1]), _text(reply, 2), _text(reply, 3), int(_text(reply, 4) or 0)
         )
+
+    async def ds_create(
+        self,
+        *,
+        keys: Sequence[str],
+        path: str,
+        content_type: str,
+        ttl_s: str,
+        expires_ms: str,
+        expires_at: str,
+        closed: bool,
+        body: str,
+        incarnation: str,
+        raw_content_type: str,
+    ) -> DsReply:
+        args = [path, content_type, ttl_s, expires_ms, expires_at, "1" if closed else "", body]
+        reply = await self("ds_create", list(keys), [*args, incarnation, raw_content_type])
+        return _ds_reply(reply)
+
+    async def ds_append(
+        self,
+        *,
+        keys: Sequence[str],
+        content_type: str,
+        body: str,
+        close: bool,
+        producer: tuple[str, int, int] | None,
+        stream_seq: str,
+        max_entries: int,
+    ) -> DsReply:
+        ident, epoch, seq = producer if producer is not None else ("", 0, 0)
+        args = [content_type, body, "1" if close else "", ident, epoch, seq, stream_seq]
+        return _ds_reply(await self("ds_append", list(keys), [*args, max_entries]))
+
+    async def ds_delete(self, *, keys: Sequence[str]) -> bool:
+        return int(await self("ds_delete", list(keys), [])) == 1
+
+
+def _ds_reply(reply: Sequence[Any]) -> DsReply:
+    return DsReply(str(reply[0]), tuple("" if v is None else str(v) for v in reply[1:]))

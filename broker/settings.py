@@ -31,7 +31,11 @@ BOUNDED = {
     "replica_acks": (0, 16),  # 0: writes do not wait for replicas
     "replica_wait_ms": (1, 60_000),
     "long_poll_max_s": (0, 300),  # 0: no long polls (a ?wait= above 0 is refused)
-    "sse_batch_max_ms": (0, 10_000),  # 0: no batching (a ?batch_ms= above 0 is refused)
+    "sse_batch_max_ms": (0, 10_000),
+    "ds_long_poll_s": (0.05, 300),
+    "ds_sse_max_s": (1, 3_600),
+    "ds_max_read_bytes": (1_024, 1_073_741_824),
+    "ds_max_appends": (1, 100_000_000),  # 0: no batching (a ?batch_ms= above 0 is refused)
     "webhook_max_tries": (1, 1000),
     "webhook_backoff_ms": (1, 3_600_000),
     "webhook_backoff_max_ms": (1, 86_400_000),
@@ -76,6 +80,10 @@ class Settings:
     drain_timeout_s: float = 10.0
     json_page_size: int = 1_000
     long_poll_max_s: float = 25.0  # the longest ?wait= of a JSON page (a long poll)
+    ds_long_poll_s: float = 20.0  # how long a Durable Streams long poll waits for data
+    ds_sse_max_s: float = 60.0  # a Durable Streams SSE response ends after this (clients resume)
+    ds_max_read_bytes: int = 4_194_304  # about the most one Durable Streams read returns
+    ds_max_appends: int = 1_000_000  # the most appends one Durable Streams stream holds
     sse_replay_page: int = 4_096  # events per read (and per write) when an SSE reader replays
     simulate_max_tokens_per_s: float = 0.0
     max_attempts_per_turn: int = 2
@@ -276,6 +284,8 @@ DURATIONS = frozenset(
         "session_retry_window",
         "attach_token_ttl",
         "attach_token_max_ttl",
+        "ds_long_poll_s",
+        "ds_sse_max_s",
     }
 )
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

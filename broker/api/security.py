@@ -21,6 +21,10 @@ PAGE = [
 ]
 
 
+# Durable Streams responses may be read from any origin's fetch() (the protocol asks for it).
+CROSS_ORIGIN = [(b"cross-origin-resource-policy", b"cross-origin")]
+
+
 def is_page(path: str) -> bool:
     return path == "/" or path.startswith("/static/")
 
@@ -35,7 +39,10 @@ class SecurityHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        extra = COMMON + PAGE if is_page(scope.get("path", "")) else COMMON
+        path = scope.get("path", "")
+        extra = COMMON + PAGE if is_page(path) else COMMON
+        if path.startswith("/ds/"):
+            extra = COMMON + CROSS_ORIGIN
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -1,0 +1,244 @@
+"""Durable Streams streams kept in Redis: three keys per stream in one slot, written only by
+the ``ds_*`` scripts, read with plain commands, and waited on through the process's feeds.
+
+A stream is a metadata hash (its existence is the stream's), a Redis Stream with one entry per
+append (the entry ids are the offsets, spelled as the broker's wire offsets, which sort as
+strings), and a hash of its idempotent producers. Closing adds a last ``close`` entry after the
+data: the stream's live readers wake on it as on an append, and a read that meets it knows the
+stream has ended. A payload is kept as the text whose code points are its bytes (Latin-1), so
+that any bytes go through the Redis client's text replies unchanged.
+
+Reads and writes go to the primary (a Durable Streams client reads its own writes); a live read
+waits on the stream's feed like an SSE reader of a generation (:mod:`broker.fanout`): waiting
+costs no Redis command, however many wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+from typing import Final
+
+from redis.asyncio import Redis
+
+from broker import redis_calls as rc
+from broker.deps import Deps
+from broker.fanout import Hub, HubClosed
+from broker.frames import ORIGIN, Cursor
+from broker.scripts import DsReply
+
+CLOSE: Final = "close"  # the kind of the entry that closes a stream
+MESSAGE: Final = "m"  # the kind of an append's entry
+READ_COUNT: Final = 512  # entries per XRANGE of a read
+
+
+def to_text(data: bytes) -> str:
+    """Bytes as the text Redis keeps (each byte one code point)."""
+    return data.decode("latin-1")
+
+
+def to_bytes(text: str) -> bytes:
+    """The bytes :func:`to_text` kept."""
+    return text.encode("latin-1")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamKeys:
+    """The three keys of one stream, in the order the scripts take them."""
+
+    meta: str
+    data: str
+    producers: str
+
+    @property
+    def all(self) -> tuple[str, str, str]:
+        return (self.meta, self.data, self.producers)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Meta:
+    """What a stream's metadata hash says."""
+
+    content_type: str  # as its creator wrote it
+    tail: Cursor  # right after the last append (ORIGIN: none yet)
+    closed: bool
+    incarnation: str
+    ttl_s: int | None
+    expires_at: str | None  # as its creator wrote it
+
+    @classmethod
+    def of(cls, fields: list[str | None]) -> Meta | None:
+        content_type, tail, closed, incarnation, ttl, _, expires_text = fields
+        if content_type is None:
+            return None
+        return cls(
+            content_type,
+            Cursor.after(tail) if tail else ORIGIN,
+            closed == "1",
+            incarnation or "",
+            int(ttl) if ttl else None,
+            expires_text or None,
+        )
+
+
+META_FIELDS: Final = ["ctr", "tail", "closed", "inc", "ttl", "exp", "exp_text"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Read:
+    """What one read found past its cursor."""
+
+    meta: Meta
+    items: list[tuple[Cursor, str]]  # each append's place (right after it) and payload (text,
+    # see to_text), in order
+    after: Cursor  # where the next read starts: right after the last item here
+    up_to_date: bool  # nothing is stored past ``after`` (yet)
+    closed: bool  # the stream is closed and ``after`` is its end
+
+
+class DurableStore:
+    """Create, append, close, delete, look at and read Durable Streams streams."""
+
+    def __init__(self, deps: Deps, hub: Hub) -> None:
+        self._redis: Redis = deps.redis
+        self._scripts = deps.scripts
+        self._keys = deps.keys
+        self._settings = deps.settings
+        self._hub = hub
+
+    def keys(self, scoped_path: str) -> StreamKeys:
+        keys = self._keys
+        return StreamKeys(
+            keys.ds_meta(scoped_path), keys.ds_data(scoped_path), keys.ds_producers(scoped_path)
+        )
+
+    async def create(
+        self,
+        keys: StreamKeys,
+        scoped_path: str,
+        *,
+        content_type: str,
+        raw_content_type: str,
+        ttl_s: int | None,
+        expires_ms: int | None,
+        expires_at: str | None,
+        closed: bool,
+        body: bytes,
+    ) -> DsReply:
+        return await self._scripts.ds_create(
+            keys=keys.all,
+            path=scoped_path,
+            content_type=content_type,
+            ttl_s="" if ttl_s is None else str(ttl_s),
+            expires_ms="" if expires_ms is None else str(expires_ms),
+            expires_at=expires_at or "",
+            closed=closed,
+            body=to_text(body),
+            incarnation=secrets.token_hex(8),
+            raw_content_type=raw_content_type,
+        )
+
+    async def append(
+        self,
+        keys: StreamKeys,
+        *,
+        content_type: str,
+        body: bytes,
+        close: bool,
+        producer: tuple[str, int, int] | None,
+        stream_seq: str | None,
+    ) -> DsReply:
+        return await self._scripts.ds_append(
+            keys=keys.all,
+            content_type=content_type,
+            body=to_text(body),
+            close=close,
+            producer=producer,
+            stream_seq=stream_seq or "",
+            max_entries=self._settings.ds_max_appends,
+        )
+
+    async def delete(self, keys: StreamKeys) -> bool:
+        return await self._scripts.ds_delete(keys=keys.all)
+
+    async def meta(self, keys: StreamKeys) -> Meta | None:
+        """The stream's metadata (None: no such stream)."""
+        return Meta.of(await rc.hmget(self._redis, keys.meta, META_FIELDS))
+
+    async def read(
+        self, keys: StreamKeys, after: Cursor | None, *, touch: bool = True
+    ) -> Read | None:
+        """The appends past ``after`` (None: the stream's tail), up to about
+        ``BROKER_DS_MAX_READ_BYTES``; None when there is no such stream. A read of a stream with
+        a TTL starts its countdown again (``touch``)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(keys.meta, META_FIELDS)
+            if after is not None:
+                pipe.xrange(keys.data, min="(" + after.entry_id, max="+", count=READ_COUNT)
+            replies = await pipe.execute()
+        meta = Meta.of(replies[0])
+        if meta is None:
+            return None
+        if touch and meta.ttl_s is not None:
+            await self._touch(keys, meta.ttl_s)
+        if after is None:  # from the tail: nothing to read, closed if it is
+            return Read(meta, [], meta.tail, True, meta.closed)
+        return await self._collect(keys, meta, after, replies[1])
+
+    async def _collect(
+        self, keys: StreamKeys, meta: Meta, after: Cursor, page: rc.RawEntries
+    ) -> Read:
+        limit = self._settings.ds_max_read_bytes
+        items: list[tuple[Cursor, str]] = []
+        size = 0
+        cursor = after
+        while True:
+            for entry_id, raw in page:
+                fields = rc.fields_dict(raw)
+                if fields.get("e") == CLOSE:
+                    return Read(meta, items, cursor, True, True)
+                data = fields.get("d", "")
+                if items and size + len(data) > limit:
+                    return Read(meta, items, cursor, False, False)
+                cursor = Cursor.after(entry_id)
+                items.append((cursor, data))
+                size += len(data)
+            if len(page) < READ_COUNT:
+                return Read(meta, items, cursor, True, False)
+            page = await rc.xrange_raw(
+                self._redis, keys.data, "(" + cursor.entry_id, "+", READ_COUNT
+            )
+
+    async def _touch(self, keys: StreamKeys, ttl_s: int) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key in keys.all:
+                pipe.pexpire(key, ttl_s * 1000)
+            await pipe.execute()
+
+    async def wait(self, keys: StreamKeys, after: Cursor, timeout_s: float) -> None:
+        """Return once something may be stored past ``after`` (an append, a close), or after
+        ``timeout_s``. Waiting rides the stream's feed: no Redis command per waiting reader."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        subscription = self._hub.subscribe(keys.data, after)
+        try:
+            if not subscription.covers(after):
+                return  # the feed is past this reader already: look in Redis
+            subscription.cursor = after
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return
+                batches = await subscription.get_all(left)
+                if batches is None:
+                    if subscription.overflowed:
+                        return
+                    continue
+                for batch in batches:
+                    if any(entry.sort_key > after.key for entry in batch.entries):
+                        return
+        except HubClosed:
+            return
+        finally:
+            self._hub.unsubscribe(subscription)

@@ -1,0 +1,105 @@
+-- ds_append: append to a Durable Streams stream, close it, or both, atomically, with the
+-- idempotent producer's check (a retried batch is answered, not written twice; a stale epoch
+-- is fenced) and the Stream-Seq check.
+--
+-- The order of the checks is the protocol's: a closed stream first (unless this is the very
+-- request that closed it, retried), then the content type, then the producer, then Stream-Seq.
+-- Closing writes a last "close" entry after the data, so that live readers wake up.
+--
+-- KEYS[1]  metadata      <prefix>:{ds:<digest>}:meta
+-- KEYS[2]  data          <prefix>:{ds:<digest>}:data
+-- KEYS[3]  producers     <prefix>:{ds:<digest>}:producers
+-- ARGV[1]  content type  the request's, normalized; "" for a close without a body
+-- ARGV[2]  body          the entry's payload; "" to close without appending
+-- ARGV[3]  close         "1" to close the stream after the append, else ""
+-- ARGV[4]  producer id   "" when the request has no producer headers
+-- ARGV[5]  epoch         the producer's epoch (a whole number), when ARGV[4] is set
+-- ARGV[6]  seq           the producer's sequence number, when ARGV[4] is set
+-- ARGV[7]  stream seq    the Stream-Seq header, or "" for none
+-- ARGV[8]  max entries   the most appends a stream may hold (BROKER_DS_MAX_APPENDS)
+--
+-- Returns  {"ok", tail, closed}             appended (and/or closed); tail: the last entry id
+--          {"missing"}                      no such stream
+--          {"closed", tail}                 the stream is closed: this append is refused
+--          {"closed_again", tail}           a close of a closed stream (idempotent)
+--          {"duplicate", tail, seq, closed} the producer sent this batch already (seq: the
+--                                           highest it had accepted)
+--          {"content_type", stream's type}  the request's content type is not the stream's
+--          {"stale_epoch", epoch}           a newer epoch of the producer exists (fenced)
+--          {"epoch_seq"}                    a new epoch must start at seq 0
+--          {"gap", expected, received}      the producer skipped sequence numbers
+--          {"stream_seq", last}             Stream-Seq is not past the last one
+--          {"full", max}                    the stream holds BROKER_DS_MAX_APPENDS appends
+-- Errors   none of its own.
+local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
+
+-- Whether a sorts at or before b, byte by byte (Lua's own comparison follows the locale).
+local function at_or_before(a, b)
+  local n = math.min(#a, #b)
+  for i = 1, n do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a <= #b
+end
+
+local v = redis.call('HMGET', meta, 'ct', 'closed', 'tail', 'cp', 'sseq', 'ttl')
+if not v[1] then return {'missing'} end
+
+-- A sliding TTL starts again with every request that reaches the stream, refused or not; an
+-- absolute expiry is copied onto keys made since (the data, the producers).
+local function keep_alive()
+  local keep = v[6] and tonumber(v[6]) * 1000 or redis.call('PTTL', meta)
+  if keep > 0 then
+    redis.call('PEXPIRE', meta, keep)
+    if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, keep) end
+    if redis.call('EXISTS', producers) == 1 then redis.call('PEXPIRE', producers, keep) end
+  end
+end
+if v[6] then keep_alive() end
+local tail = v[3] or '0-0'
+local producer, epoch, seq = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local tuple = producer ~= '' and (producer .. ' ' .. ARGV[5] .. ' ' .. ARGV[6]) or ''
+if v[2] == '1' then
+  if tuple ~= '' and v[4] == tuple then return {'duplicate', tail, ARGV[6], '1'} end
+  if ARGV[2] == '' and ARGV[3] == '1' and tuple == '' then return {'closed_again', tail} end
+  return {'closed', tail}
+end
+if ARGV[2] ~= '' and ARGV[1] ~= v[1] then return {'content_type', v[1]} end
+local state = nil
+if producer ~= '' then
+  local held = redis.call('HGET', producers, producer)
+  if not held then
+    if seq ~= 0 then return {'gap', '0', ARGV[6]} end
+  else
+    local sep = string.find(held, ' ', 1, true)
+    local held_epoch, last = tonumber(string.sub(held, 1, sep - 1)), tonumber(string.sub(held, sep + 1))
+    if epoch < held_epoch then return {'stale_epoch', string.sub(held, 1, sep - 1)} end
+    if epoch > held_epoch then
+      if seq ~= 0 then return {'epoch_seq'} end
+    elseif seq <= last then
+      return {'duplicate', tail, string.sub(held, sep + 1), ''}
+    elseif seq ~= last + 1 then
+      return {'gap', string.format('%d', last + 1), ARGV[6]}
+    end
+  end
+  state = ARGV[5] .. ' ' .. ARGV[6]
+end
+if ARGV[7] ~= '' then
+  if v[5] and at_or_before(ARGV[7], v[5]) then return {'stream_seq', v[5]} end
+end
+if ARGV[2] ~= '' then
+  if redis.call('XLEN', data) >= tonumber(ARGV[8]) then return {'full', ARGV[8]} end
+  tail = redis.call('XADD', data, '*', 'e', 'm', 'd', ARGV[2])
+  redis.call('HSET', meta, 'tail', tail)
+end
+if state then redis.call('HSET', producers, producer, state) end
+if ARGV[7] ~= '' then redis.call('HSET', meta, 'sseq', ARGV[7]) end
+local closed = ''
+if ARGV[3] == '1' then
+  closed = '1'
+  redis.call('HSET', meta, 'closed', '1', 'cp', tuple)
+  redis.call('XADD', data, '*', 'e', 'close', 'd', '')
+end
+keep_alive()
+return {'ok', tail, closed}
