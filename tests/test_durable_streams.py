@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -218,3 +219,23 @@ def test_a_closed_stream_refuses_appends_and_a_waiting_reader_wakes(
     assert refused.headers["stream-closed"] == "true"
     assert refused.headers["stream-next-offset"] == tail
     assert httpx.get(url, timeout=10).text == "one"
+
+
+REFERENCE = FOLDER.parent.parent.parent / "benchmarks" / "durable-reference" / "node_modules"
+SMALL = ["--writers", "2", "--appends", "20", "--reads", "1", "--repeat", "1"]
+
+
+def test_the_durable_streams_benchmark_runs_small() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.durable", *SMALL],
+        cwd=FOLDER.parent.parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("appends/s")]
+    assert len(rows) == 1
+    servers = 2 if REFERENCE.is_dir() else 1
+    assert rows[0].count("[") == servers  # one median [range] per server
