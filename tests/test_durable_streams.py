@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import bearer, missing_tool, start_turn, wait_final
+from tests.helpers import bearer, missing_tool, start_turn, wait_final, wait_until
 
 FOLDER = Path(__file__).resolve().parent / "node" / "durable-streams"
 SUITE = "@durable-streams/server-conformance-tests"
@@ -239,3 +239,16 @@ def test_the_durable_streams_benchmark_runs_small() -> None:
     assert len(rows) == 1
     servers = 2 if REFERENCE.is_dir() else 1
     assert rows[0].count("[") == servers  # one median [range] per server
+
+
+def test_a_long_poll_whose_client_hangs_up_gives_its_place_back(
+    broker_factory: BrokerFactory,
+) -> None:
+    broker = broker_factory(ds_long_poll_s=30)
+    url = f"{broker.base_url}/ds/v1/stream/left"
+    tail = httpx.put(url, headers={"content-type": "text/plain"}, timeout=10)
+    params = {"offset": tail.headers["stream-next-offset"], "live": "long-poll"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.get(url, params=params, timeout=httpx.Timeout(10, read=0.5))
+    # Long before its 30 s run out, the wait left the stream's feed.
+    wait_until(lambda: broker.runtime.hub.readers == 0, timeout=5)

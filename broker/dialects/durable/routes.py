@@ -13,14 +13,14 @@ reads its one generation stream and nothing else.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from broker.api.routes import Caller, runtime
+from broker.api.routes import Caller, disconnected, runtime, until_gone
 from broker.auth import Principal
 from broker.dialects.durable import wire
 from broker.dialects.durable.store import DurableStore, Read, StreamKeys, to_bytes
@@ -361,13 +361,33 @@ async def read_stream(request: Request, path: str, principal: Caller) -> Respons
         return _sse(rt, frames.run, content_type)
     if live == "long-poll":
         if not read.items and not read.closed:
-            await store.wait(keys, read.after, rt.settings.ds_long_poll_s)
+            waiting = store.wait(keys, read.after, rt.settings.ds_long_poll_s)
+            if not await _until_gone(request, waiting):
+                return Response(status_code=204)  # the client hung up: no one reads this
             waited = await store.read(keys, read.after)
             if waited is None:
                 raise NotFound("no such stream")
             read = waited
         return _own_page(request, read, offset, live=True)
     return _own_page(request, read, offset, live=False)
+
+
+async def _until_gone(request: Request, waiting: Coroutine[Any, Any, None]) -> bool:
+    """Wait for ``waiting``, unless the client hangs up first (False): the wait then ends, and
+    gives its place on the feed back."""
+    wait = asyncio.ensure_future(waiting)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if wait.done():
+        wait.result()
+        return True
+    # The wait unsubscribes however its task ends: a cancellation swallowed by the Redis
+    # client only lets it run out its time.
+    wait.cancel()
+    return False
 
 
 def _own_page(request: Request, read: Read, offset: str, *, live: bool) -> Response:
@@ -506,9 +526,10 @@ async def _read_generation(
     page = await rt.streams.page(location, start)
     if live == "long-poll" and not page["events"] and not page["closed"]:
         after = await rt.streams.resolve(location, start)
-        page = await rt.streams.page(
-            location, StartPoint("offset", after), rt.settings.ds_long_poll_s
-        )
+        waiting = rt.streams.page(location, StartPoint("offset", after), rt.settings.ds_long_poll_s)
+        page = await until_gone(request, waiting)
+        if not page:
+            return Response(status_code=204)  # the client hung up: no one reads this
     page["closed"] = await _settled(rt, location, page)
     next_offset = page["next_offset"] if page["next_offset"] != "-1" else ORIGIN.offset
     closed = _true(page["closed"])
