@@ -190,3 +190,7 @@ class Keys:
         """Hash: producer id -> ``<epoch> <last seq>`` of a Durable Streams stream's idempotent
         producers."""
         return f"{self.ds_tag(scoped_path)}:producers"
+
+    def ds_forks(self, scoped_path: str) -> str:
+        """Set: the scoped paths of a Durable Streams stream's forks (their references on it)."""
+        return f"{self.ds_tag(scoped_path)}:forks"

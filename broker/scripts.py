@@ -53,6 +53,7 @@ NAMES = (
     "ds_create",
     "ds_append",
     "ds_delete",
+    "ds_fork_ref",
 )
 
 
@@ -482,9 +483,16 @@ class Scripts:
         body: str,
         incarnation: str,
         raw_content_type: str,
+        fork: tuple[str, str, str, str] = ("", "", "", ""),
+        inherited: Sequence[tuple[str, str]] = (),
     ) -> DsReply:
+        """``fork``: the source, the offset as given, the offset resolved and the sub-offset;
+        ``inherited``: a fork's copied entries (entry id, payload)."""
         args = [path, content_type, ttl_s, expires_ms, expires_at, "1" if closed else "", body]
-        reply = await self("ds_create", list(keys), [*args, incarnation, raw_content_type])
+        copied = [part for entry in inherited for part in entry]
+        reply = await self(
+            "ds_create", list(keys), [*args, incarnation, raw_content_type, *fork, *copied]
+        )
         return _ds_reply(reply)
 
     async def ds_append(
@@ -502,8 +510,11 @@ class Scripts:
         args = [content_type, body, "1" if close else "", ident, epoch, seq, stream_seq]
         return _ds_reply(await self("ds_append", list(keys), [*args, max_entries]))
 
-    async def ds_delete(self, *, keys: Sequence[str]) -> bool:
-        return int(await self("ds_delete", list(keys), [])) == 1
+    async def ds_delete(self, *, keys: Sequence[str]) -> DsReply:
+        return _ds_reply(await self("ds_delete", list(keys), []))
+
+    async def ds_fork_ref(self, *, keys: Sequence[str], take: bool, fork: str) -> DsReply:
+        return _ds_reply(await self("ds_fork_ref", list(keys), ["take" if take else "give", fork]))
 
 
 def _ds_reply(reply: Sequence[Any]) -> DsReply:

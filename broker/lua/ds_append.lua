@@ -20,6 +20,7 @@
 --
 -- Returns  {"ok", tail, closed}             appended (and/or closed); tail: the last entry id
 --          {"missing"}                      no such stream
+--          {"gone"}                         the stream is deleted (forks of it live)
 --          {"closed", tail}                 the stream is closed: this append is refused
 --          {"closed_again", tail}           a close of a closed stream (idempotent)
 --          {"duplicate", tail, seq, closed} the producer sent this batch already (seq: the
@@ -43,8 +44,9 @@ local function at_or_before(a, b)
   return #a <= #b
 end
 
-local v = redis.call('HMGET', meta, 'ct', 'closed', 'tail', 'cp', 'sseq', 'ttl')
+local v = redis.call('HMGET', meta, 'ct', 'closed', 'tail', 'cp', 'sseq', 'ttl', 'deleted')
 if not v[1] then return {'missing'} end
+if v[7] == '1' then return {'gone'} end
 
 -- A sliding TTL starts again with every request that reaches the stream, refused or not; an
 -- absolute expiry is copied onto keys made since (the data, the producers).

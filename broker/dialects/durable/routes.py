@@ -13,18 +13,27 @@ reads its one generation stream and nothing else.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 from fastapi import APIRouter, Request
+from starlette.datastructures import Headers
 from starlette.responses import Response
 
 from broker.api.routes import Caller, disconnected, runtime, until_gone
 from broker.auth import Principal
 from broker.dialects.durable import wire
-from broker.dialects.durable.store import DurableStore, Read, StreamKeys, to_bytes
-from broker.errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound
+from broker.dialects.durable.store import (
+    DurableStore,
+    Meta,
+    Read,
+    StreamKeys,
+    to_bytes,
+    to_text,
+)
+from broker.errors import BadRequest, BrokerError, Conflict, Forbidden, Gone, NotFound
 from broker.frames import ORIGIN, Cursor
 from broker.keys import STREAM_ID_PATTERN, scoped
 from broker.reader import FROM_NOW, Location, StartPoint
@@ -110,8 +119,71 @@ def _true(value: bool) -> str | None:
     return "true" if value else None
 
 
+def _deleted() -> Gone:
+    return Gone("the stream is deleted (forks of it still live)", code="deleted")
+
+
 def _generation(path: str) -> bool:
     return STREAM_ID_PATTERN.fullmatch(path) is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Fork:
+    """What a fork is made of: its source's metadata, what it copies, and its signature (the
+    source, the offset as given, as resolved, and the sub-offset) for an idempotent PUT."""
+
+    source: Meta
+    signature: tuple[str, str, str, str]
+    inherited: list[tuple[str, str]]
+
+
+async def _fork(
+    store: DurableStore, principal: Principal, me: str, headers: Headers
+) -> _Fork | None:
+    """The fork a PUT asks for (``Stream-Forked-From``), or None; 400, 404 or 409 when it
+    cannot be made.
+
+    A fork copies its source's appends up to the divergence point, with their offsets, and,
+    with a sub-offset, the first bytes (or JSON values) of the next append, as an entry right
+    after that point: it is then a stream of its own, which its source's later appends, closing
+    or deletion never touch.
+    """
+    origin = headers.get("stream-forked-from")
+    offset = headers.get("stream-fork-offset")
+    sub = wire.sub_offset(headers.get("stream-fork-sub-offset"))
+    if origin is None:
+        if offset is not None or "stream-fork-sub-offset" in headers:
+            raise BadRequest("fork headers need Stream-Forked-From", code="bad_fork")
+        return None
+    if sub and offset is None:
+        raise BadRequest("a fork's sub-offset needs Stream-Fork-Offset", code="bad_fork")
+    path = _checked_path(wire.source_path(origin))
+    if _generation(path):
+        raise NotSupported("a generation's stream cannot be forked")
+    source = scoped(principal.tenant, path)
+    if source == me:
+        raise BadRequest("a stream cannot fork itself", code="bad_fork")
+    keys = store.keys(source)
+    meta = await store.meta(keys)
+    if meta is None:
+        raise NotFound("the fork's source does not exist")
+    if meta.deleted:
+        raise Conflict("the fork's source is deleted", code="source_deleted")
+    at = meta.tail if offset is None else wire.cursor_of(offset)
+    if at.key > meta.tail.key:
+        raise BadRequest("Stream-Fork-Offset is past the source's tail", code="bad_fork")
+    inherited = await store.inherited(keys, at)
+    if sub:
+        following = await store.next_append(keys, at)
+        if following is None:
+            raise BadRequest(
+                "nothing follows the fork offset to take a sub-offset of", code="bad_fork"
+            )
+        part = wire.prefix(to_bytes(following[1]), sub, json=wire.is_json(meta.content_type))
+        ms, _, seq = at.entry_id.partition("-")
+        inherited.append((f"{ms}-{int(seq) + 1}", to_text(part)))
+    given = "" if offset is None else at.entry_id
+    return _Fork(meta, (source, given, at.entry_id, str(sub) if sub else ""), inherited)
 
 
 # --- writes ----------------------------------------------------------------------------------
@@ -126,12 +198,6 @@ async def create_stream(request: Request, path: str, principal: Caller) -> Respo
     if _generation(path):
         raise MethodNotAllowed("a generation's stream is written by its worker only")
     headers = request.headers
-    if any(name in headers for name in ("stream-forked-from", "stream-fork-offset")) or (
-        "stream-fork-sub-offset" in headers
-    ):
-        if "stream-forked-from" not in headers:
-            raise BadRequest("fork headers need Stream-Forked-From", code="bad_fork")
-        raise NotSupported("forks are not supported by this server")
     ttl_s = wire.ttl_seconds(headers.get("stream-ttl"))
     expires_at = headers.get("stream-expires-at")
     expires_ms = wire.expiry_ms(expires_at)
@@ -139,25 +205,53 @@ async def create_stream(request: Request, path: str, principal: Caller) -> Respo
         raise BadRequest("give Stream-TTL or Stream-Expires-At, not both", code="bad_expiry")
     raw_type = (headers.get("content-type") or "").strip()
     if not wire.media_type(raw_type):
-        raw_type = wire.DEFAULT_TYPE
+        raw_type = ""
+    store = _store(rt)
+    me = scoped(principal.tenant, path)
+    keys = store.keys(me)
+    fork = await _fork(store, principal, me, headers)
+    if fork is not None:
+        source = fork.source
+        if raw_type and wire.media_type(raw_type) != wire.media_type(source.content_type):
+            raise Conflict(
+                f"a fork's content type is its source's ({source.content_type})",
+                code="type_mismatch",
+            )
+        raw_type = raw_type or source.content_type
+        if ttl_s is None and expires_ms is None:  # a fork inherits its source's lifetime
+            ttl_s, expires_ms, expires_at = source.ttl_s, source.expires_ms, source.expires_at
+    raw_type = raw_type or wire.DEFAULT_TYPE
     content_type = wire.media_type(raw_type)
     body = await request.body()
     if body and content_type == wire.JSON_TYPE:
         body = wire.json_messages(body, allow_empty=True)
     closed = wire.flag(headers.get("stream-closed"))
-    store = _store(rt)
-    keys = store.keys(scoped(principal.tenant, path))
-    reply = await store.create(
-        keys,
-        scoped(principal.tenant, path),
-        content_type=content_type,
-        raw_content_type=raw_type,
-        ttl_s=ttl_s,
-        expires_ms=expires_ms,
-        expires_at=expires_at.strip() if expires_at else None,
-        closed=closed,
-        body=body,
-    )
+    if fork is not None:
+        taken = await store.take_ref(fork.signature[0], me)
+        if taken.result == "missing":
+            raise NotFound("the fork's source does not exist")
+        if taken.result == "gone":
+            raise Conflict("the fork's source is deleted", code="source_deleted")
+    try:
+        reply = await store.create(
+            keys,
+            me,
+            content_type=content_type,
+            raw_content_type=raw_type,
+            ttl_s=ttl_s,
+            expires_ms=expires_ms,
+            expires_at=expires_at.strip() if expires_at else None,
+            closed=closed,
+            body=body,
+            fork=fork.signature if fork is not None else ("", "", "", ""),
+            inherited=fork.inherited if fork is not None else None,
+        )
+    except BaseException:
+        if fork is not None and taken.value(0) == "1":
+            await store.give_back(fork.signature[0], me)
+        raise
+    if fork is not None and reply.result != "created" and taken.value(0) == "1":
+        await store.give_back(fork.signature[0], me)  # a refused fork holds no reference
     if reply.result == "conflict":
         raise Conflict(
             f"the stream exists with another configuration ({reply.value(0)})",
@@ -247,6 +341,8 @@ async def _refusal_before_json(store: DurableStore, keys: StreamKeys) -> None:
     meta = await store.meta(keys)
     if meta is None:
         raise NotFound("no such stream")
+    if meta.deleted:
+        raise _deleted()
     if meta.closed:
         raise _append_error("closed", (meta.tail.entry_id,), wire.offset_of(meta.tail))
 
@@ -255,6 +351,8 @@ def _append_error(result: str, values: tuple[str, ...], tail: str | None) -> Bro
     value = values[0] if values else ""
     if result == "missing":
         return NotFound("no such stream")
+    if result == "gone":
+        return _deleted()
     if result == "closed":
         return Conflict(
             "the stream is closed",
@@ -291,8 +389,12 @@ async def delete_stream(request: Request, path: str, principal: Caller) -> Respo
     if _generation(path):
         raise MethodNotAllowed("a generation's stream is deleted by its retention only")
     store = _store(rt)
-    if not await store.delete(store.keys(scoped(principal.tenant, path))):
+    me = scoped(principal.tenant, path)
+    result = await store.delete(store.keys(me), me)
+    if result == "missing":
         raise NotFound("no such stream")
+    if result == "gone":
+        raise _deleted()
     return Response(status_code=204)
 
 
@@ -321,6 +423,8 @@ async def stream_metadata(request: Request, path: str, principal: Caller) -> Res
     meta = await store.meta(store.keys(scoped(principal.tenant, path)))
     if meta is None:
         raise NotFound("no such stream")
+    if meta.deleted:
+        raise _deleted()
     response = Response(
         headers=_headers(
             content_type=meta.content_type,
@@ -355,6 +459,8 @@ async def read_stream(request: Request, path: str, principal: Caller) -> Respons
     read = await store.read(keys, after)
     if read is None:
         raise NotFound("no such stream")
+    if read.meta.deleted:
+        raise _deleted()
     content_type = read.meta.content_type
     if live == "sse":
         frames = _OwnFrames(rt, store, keys, read, params.get("cursor"))

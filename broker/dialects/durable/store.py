@@ -2,8 +2,11 @@
 the ``ds_*`` scripts, read with plain commands, and waited on through the process's feeds.
 
 A stream is a metadata hash (its existence is the stream's), a Redis Stream with one entry per
-append (the entry ids are the offsets, spelled as the broker's wire offsets, which sort as
-strings), and a hash of its idempotent producers. Closing adds a last ``close`` entry after the
+append (the entry ids are the offsets, spelled ``<ms:016>_<seq:016>`` on the wire, which sort
+as strings), a hash of its idempotent producers, and the set of its forks. A fork copies the
+entries it inherits, ids and all, into a stream of its own (in its own slot); its source counts
+it in its forks set (in the source's slot), so that a source deleted while forks of it live
+stays as a marked path (410) until its last fork goes. Closing adds a last ``close`` entry after the
 data: the stream's live readers wake on it as on an append, and a read that meets it knows the
 stream has ended. A payload is kept as the text whose code points are its bytes (Latin-1), so
 that any bytes go through the Redis client's text replies unchanged.
@@ -50,10 +53,15 @@ class StreamKeys:
     meta: str
     data: str
     producers: str
+    forks: str
 
     @property
     def all(self) -> tuple[str, str, str]:
         return (self.meta, self.data, self.producers)
+
+    @property
+    def with_forks(self) -> tuple[str, str, str, str]:
+        return (self.meta, self.data, self.producers, self.forks)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,10 +74,12 @@ class Meta:
     incarnation: str
     ttl_s: int | None
     expires_at: str | None  # as its creator wrote it
+    expires_ms: int | None
+    deleted: bool  # deleted while forks of it live: its path answers 410
 
     @classmethod
     def of(cls, fields: list[str | None]) -> Meta | None:
-        content_type, tail, closed, incarnation, ttl, _, expires_text = fields
+        content_type, tail, closed, incarnation, ttl, expires, expires_text, deleted = fields
         if content_type is None:
             return None
         return cls(
@@ -79,10 +89,12 @@ class Meta:
             incarnation or "",
             int(ttl) if ttl else None,
             expires_text or None,
+            int(expires) if expires else None,
+            deleted == "1",
         )
 
 
-META_FIELDS: Final = ["ctr", "tail", "closed", "inc", "ttl", "exp", "exp_text"]
+META_FIELDS: Final = ["ctr", "tail", "closed", "inc", "ttl", "exp", "exp_text", "deleted"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,7 +122,10 @@ class DurableStore:
     def keys(self, scoped_path: str) -> StreamKeys:
         keys = self._keys
         return StreamKeys(
-            keys.ds_meta(scoped_path), keys.ds_data(scoped_path), keys.ds_producers(scoped_path)
+            keys.ds_meta(scoped_path),
+            keys.ds_data(scoped_path),
+            keys.ds_producers(scoped_path),
+            keys.ds_forks(scoped_path),
         )
 
     async def create(
@@ -125,9 +140,13 @@ class DurableStore:
         expires_at: str | None,
         closed: bool,
         body: bytes,
+        fork: tuple[str, str, str, str] = ("", "", "", ""),
+        inherited: list[tuple[str, str]] | None = None,
     ) -> DsReply:
         return await self._scripts.ds_create(
-            keys=keys.all,
+            keys=keys.with_forks,
+            fork=fork,
+            inherited=inherited or [],
             path=scoped_path,
             content_type=content_type,
             ttl_s="" if ttl_s is None else str(ttl_s),
@@ -159,8 +178,59 @@ class DurableStore:
             max_entries=self._settings.ds_max_appends,
         )
 
-    async def delete(self, keys: StreamKeys) -> bool:
-        return await self._scripts.ds_delete(keys=keys.all)
+    async def delete(self, keys: StreamKeys, scoped_path: str) -> str:
+        """Delete a stream (``deleted``), or mark it so while forks of it live (``soft``);
+        ``missing`` or ``gone`` (marked already). A fork deleted gives its source's reference
+        back, and a source deleted before it goes with its last fork, up the chain."""
+        for fork in await rc.smembers(self._redis, keys.forks):
+            if not await self._redis.exists(self.keys(fork).meta):
+                await self._redis.srem(keys.forks, fork)  # expired: its reference with it
+        reply = await self._scripts.ds_delete(keys=keys.with_forks)
+        if reply.result == "deleted" and reply.value(0):
+            await self.give_back(reply.value(0), scoped_path)
+        return reply.result
+
+    async def take_ref(self, source: str, fork: str) -> DsReply:
+        """Count ``fork`` among ``source``'s forks: ``taken`` (value 1: it was not yet),
+        ``missing`` or ``gone``."""
+        keys = self.keys(source)
+        refs = (keys.meta, keys.forks, keys.data, keys.producers)
+        return await self._scripts.ds_fork_ref(keys=refs, take=True, fork=fork)
+
+    async def give_back(self, source: str, fork: str) -> None:
+        """Give ``fork``'s reference on ``source`` back; a deleted source goes with its last
+        fork, and gives its own source's reference back in turn."""
+        while source:
+            keys = self.keys(source)
+            refs = (keys.meta, keys.forks, keys.data, keys.producers)
+            reply = await self._scripts.ds_fork_ref(keys=refs, take=False, fork=fork)
+            if reply.result != "deleted":
+                return
+            source, fork = reply.value(0), source
+
+    async def inherited(self, keys: StreamKeys, upto: Cursor) -> list[tuple[str, str]]:
+        """A source's appends up to ``upto`` (entry id, payload), for a fork to copy."""
+        entries: list[tuple[str, str]] = []
+        start = "-"
+        while not upto.at_origin:
+            page = await rc.xrange_raw(self._redis, keys.data, start, upto.entry_id, READ_COUNT)
+            for entry_id, raw in page:
+                fields = rc.fields_dict(raw)
+                if fields.get("e") != CLOSE:
+                    entries.append((entry_id, fields.get("d", "")))
+            if len(page) < READ_COUNT:
+                break
+            start = "(" + page[-1][0]
+        return entries
+
+    async def next_append(self, keys: StreamKeys, after: Cursor) -> tuple[str, str] | None:
+        """The first append past ``after`` (entry id, payload), if any."""
+        page = await rc.xrange_raw(self._redis, keys.data, "(" + after.entry_id, "+", 2)
+        for entry_id, raw in page:
+            fields = rc.fields_dict(raw)
+            if fields.get("e") != CLOSE:
+                return entry_id, fields.get("d", "")
+        return None
 
     async def meta(self, keys: StreamKeys) -> Meta | None:
         """The stream's metadata (None: no such stream)."""

@@ -15,6 +15,7 @@ import math
 import random
 import re
 import time
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -96,6 +97,45 @@ def start_offset(values: Sequence[str], *, live: bool) -> str:
     if not values[0]:
         raise BadRequest("offset must not be empty", code="bad_offset")
     return values[0]
+
+
+def sub_offset(value: str | None) -> int:
+    """``Stream-Fork-Sub-Offset`` (0 when absent); 400 unless a whole number."""
+    if value is None:
+        return 0
+    if not TTL.fullmatch(value.strip()):
+        raise BadRequest("Stream-Fork-Sub-Offset must be a whole number", code="bad_fork")
+    return int(value)
+
+
+def source_path(value: str) -> str:
+    """A fork source's path within the mount, from ``Stream-Forked-From`` (``/v1/stream/x``,
+    ``/ds/v1/stream/x``, or a URL ending so); 400 for anything else."""
+    text = value.strip()
+    if "://" in text:
+        text = "/" + text.split("://", 1)[1].partition("/")[2]
+    for prefix in ("/ds/v1/stream/", "/v1/stream/"):
+        if text.startswith(prefix) and len(text) > len(prefix):
+            return urllib.parse.unquote(text[len(prefix) :])
+    raise BadRequest("Stream-Forked-From must be a stream's path (/v1/stream/...)", code="bad_fork")
+
+
+def prefix(payload: bytes, count: int, *, json: bool) -> bytes:
+    """The first ``count`` bytes of an append (its first ``count`` values, in JSON mode); 400
+    when it has fewer."""
+    if json:
+        values = orjson.loads(b"[" + payload + b"]") if payload else []
+        if count > len(values):
+            raise BadRequest(
+                f"the sub-offset {count} passes the append's {len(values)} values",
+                code="bad_fork",
+            )
+        return b",".join(_compact(v) for v in values[:count])
+    if count > len(payload):
+        raise BadRequest(
+            f"the sub-offset {count} passes the append's {len(payload)} bytes", code="bad_fork"
+        )
+    return payload[:count]
 
 
 def media_type(value: str | None) -> str:
