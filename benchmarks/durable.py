@@ -11,7 +11,7 @@ both with the same client, one server at a time:
 * **read**: the same clients each read their stream from the start (catch-up) ``--reads``
   times: appends and MiB delivered per second;
 * the server's CPU seconds per 1,000 appends, and the client's own CPU (if it nears one core,
-  the client is what limits the figures).
+  the client is what limits the figures: it speaks HTTP/1.1 on plain sockets to stay cheap).
 
 Each figure is the median of ``--repeat`` runs, with its range. Nothing here is a pass/fail test;
 the figures go to stdout (and ``--json PATH``).
@@ -27,14 +27,15 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 
+from benchmarks.profiling import Profiler, summary
 from benchmarks.servers import REPO, Broker, RedisServer, cpu_seconds, free_port
 
 REFERENCE = REPO / "benchmarks" / "durable-reference"
@@ -66,31 +67,78 @@ def _percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
-async def _writer(client: httpx.AsyncClient, url: str, body: bytes, count: int) -> list[float]:
-    created = await client.put(url, headers={"content-type": "application/octet-stream"})
-    created.raise_for_status()
+class _Connection:
+    """One keep-alive HTTP/1.1 connection on a plain socket: a client cheap enough that the
+    servers, not the client, are what is measured (answers carry a Content-Length, or none)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str):
+        self.reader, self.writer, self.host = reader, writer, host
+
+    @classmethod
+    async def open(cls, base: str) -> _Connection:
+        parts = urllib.parse.urlsplit(base)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        return cls(reader, writer, parts.netloc)
+
+    async def request(
+        self, method: str, target: str, body: bytes = b"", headers: str = ""
+    ) -> tuple[int, dict[str, str], bytes]:
+        head = (
+            f"{method} {target} HTTP/1.1\r\nHost: {self.host}\r\n{headers}"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        status_line = await self.reader.readuntil(b"\r\n")
+        status = int(status_line.split(b" ", 2)[1])
+        fields: dict[str, str] = {}
+        while True:
+            line = await self.reader.readuntil(b"\r\n")
+            if line == b"\r\n":
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            fields[name.strip().lower()] = value.strip()
+        if fields.get("transfer-encoding") == "chunked":
+            parts = []
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                parts.append(await self.reader.readexactly(size + 2))
+                if size == 0:
+                    return status, fields, b"".join(p[:-2] for p in parts)
+        length = int(fields.get("content-length", "0"))
+        content = await self.reader.readexactly(length) if length else b""
+        return status, fields, content
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def _writer(connection: _Connection, path: str, body: bytes, count: int) -> list[float]:
+    kind = "Content-Type: application/octet-stream\r\n"
+    status, _, content = await connection.request("PUT", path, headers=kind)
+    if status not in (200, 201):
+        raise RuntimeError(f"create answered {status}: {content[:200]!r}")
     latencies = []
-    headers = {"content-type": "application/octet-stream"}
     for _ in range(count):
         began = time.perf_counter()
-        response = await client.post(url, content=body, headers=headers)
+        status, _, content = await connection.request("POST", path, body, kind)
         latencies.append(time.perf_counter() - began)
-        if response.status_code not in (200, 204):
-            raise RuntimeError(f"append answered {response.status_code}: {response.text[:200]}")
+        if status not in (200, 204):
+            raise RuntimeError(f"append answered {status}: {content[:200]!r}")
     return latencies
 
 
-async def _reader(client: httpx.AsyncClient, url: str, reads: int, expect: int) -> int:
+async def _reader(connection: _Connection, path: str, reads: int, expect: int) -> int:
     total = 0
     for _ in range(reads):
         offset = "-1"
         got = 0
         while True:
-            response = await client.get(url, params={"offset": offset})
-            response.raise_for_status()
-            got += len(response.content)
-            offset = response.headers["stream-next-offset"]
-            if response.headers.get("stream-up-to-date") == "true":
+            status, fields, content = await connection.request("GET", f"{path}?offset={offset}")
+            if status != 200:
+                raise RuntimeError(f"a read answered {status}: {content[:200]!r}")
+            got += len(content)
+            offset = fields["stream-next-offset"]
+            if fields.get("stream-up-to-date") == "true":
                 break
         if got != expect:
             raise RuntimeError(f"a read brought {got} bytes, not {expect}")
@@ -100,12 +148,15 @@ async def _reader(client: httpx.AsyncClient, url: str, reads: int, expect: int) 
 
 async def _one_run(server: Server, args: argparse.Namespace) -> Run:
     body = os.urandom(args.bytes)
-    limits = httpx.Limits(max_connections=args.writers, max_keepalive_connections=args.writers)
     run = Run()
-    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
-        urls = [f"{server.base}/bench-{uuid.uuid4().hex[:12]}-{i}" for i in range(args.writers)]
+    base = urllib.parse.urlsplit(server.base)
+    paths = [f"{base.path}/bench-{uuid.uuid4().hex[:12]}-{i}" for i in range(args.writers)]
+    connections = [await _Connection.open(server.base) for _ in paths]
+    try:
         cpu0, client0, wall0 = cpu_seconds(server.pid), time.process_time(), time.perf_counter()
-        lists = await asyncio.gather(*(_writer(client, u, body, args.appends) for u in urls))
+        lists = await asyncio.gather(
+            *(_writer(c, p, body, args.appends) for c, p in zip(connections, paths, strict=True))
+        )
         wall = time.perf_counter() - wall0
         appends = args.writers * args.appends
         run.appends_per_s = appends / wall
@@ -116,12 +167,17 @@ async def _one_run(server: Server, args: argparse.Namespace) -> Run:
         client_write = time.process_time() - client0
         expect = args.appends * args.bytes
         client1, wall1 = time.process_time(), time.perf_counter()
-        delivered = await asyncio.gather(*(_reader(client, u, args.reads, expect) for u in urls))
+        delivered = await asyncio.gather(
+            *(_reader(c, p, args.reads, expect) for c, p in zip(connections, paths, strict=True))
+        )
         read_wall = time.perf_counter() - wall1
         run.reads_per_s = args.writers * args.reads * args.appends / read_wall
         run.read_mib_per_s = sum(delivered) / read_wall / 2**20
         client_cpu = client_write + time.process_time() - client1
         run.client_cpu_share = client_cpu / (wall + read_wall)
+    finally:
+        for connection in connections:
+            connection.close()
     return run
 
 
@@ -182,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reads", type=int, default=5, help="catch-up reads per writer")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="sample the broker with py-spy during its first run, and print where it spends",
+    )
     args = parser.parse_args(argv)
     redis = RedisServer()
     redis.start()
@@ -195,8 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         servers.append(Server("reference (memory)", reference[1], reference[0].pid))
     try:
         for server in servers:
-            for _ in range(args.repeat):
+            for index in range(args.repeat):
+                profiler = None
+                if args.profile is not None and index == 0 and server.pid == broker.pid:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    profiler = Profiler(broker.pid, args.profile / "durable.txt")
                 server.runs.append(asyncio.run(_one_run(server, args)))
+                if profiler is not None:
+                    print(summary(profiler.stop()))
         print(
             f"{args.writers} writers x {args.appends} appends of {args.bytes} bytes, then "
             f"{args.reads} catch-up reads each; median [range] of {args.repeat} runs"
