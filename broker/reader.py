@@ -30,12 +30,43 @@ from broker.errors import BrokerError, Gone, NotFound
 from broker.fanout import Batch, Hub, HubClosed, Subscription
 from broker.frames import HEARTBEAT, ORIGIN, Chunk, Cursor, Entry, Heartbeat
 from broker.keys import STREAM_ID_PATTERN, unscoped
-from broker.offsets import NOW, START, id_key
+from broker.offsets import NOW, START
 from broker.sse import Sink
 from broker.vocabulary import FINAL_STATUSES, decode_turn_ref
 
 LOCATED_CACHE: Final = 8_192  # streams whose index lookup a process remembers (~1.5 MiB)
 FIRST_PAGE: Final = 64  # a replay's first page (its first event comes sooner); the next ones double
+# The first page of an SSE read, read in the round trip that checks the turn's status: a viewer
+# joining a running answer most often catches up in this one read.
+OPENING_PAGE: Final = 256
+
+
+@dataclasses.dataclass(slots=True)
+class Opening:
+    """A read's first round trip: the turn's status (None: it expired, or never was) and the
+    first page of stored events past ``cursor`` (``more``: the page is full). The read takes
+    the page (:meth:`take`): nothing holds its events for the life of the response."""
+
+    cursor: Cursor
+    status: str | None
+    entries: list[Entry]
+    more: bool
+
+    def take(self) -> list[Entry]:
+        entries, self.entries = self.entries, []
+        return entries
+
+    @property
+    def finished(self) -> bool:
+        """Whether nothing will ever follow the cursor: the turn is at rest (or gone), and
+        nothing is stored past it."""
+        return (self.status is None or self.status in FINAL_STATUSES) and not self.entries
+
+    @property
+    def open(self) -> bool:
+        """Whether the turn was not at rest as the read began: its coming to rest writes an
+        ``end`` after this, which the read meets (so it need not look at the turn first)."""
+        return self.status is not None and self.status not in FINAL_STATUSES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -194,14 +225,19 @@ class Streams:
 
     async def finished_before(self, location: Location, cursor: Cursor) -> bool:
         """Whether the turn is at rest and nothing is stored past ``cursor``."""
-        # One round trip: a resuming reader waits for this before its first event.
+        return (await self.opening(location, cursor, count=1)).finished
+
+    async def opening(
+        self, location: Location, cursor: Cursor, count: int = OPENING_PAGE
+    ) -> Opening:
+        """What a read from ``cursor`` starts with, in one round trip: the turn's status and the
+        first ``count`` stored events past the cursor (see :class:`Opening`)."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hget(self.turn_key(location), "status")
-            pipe.xrevrange(self.events_key(location), max="+", min="-", count=1)
-            status, tail = await pipe.execute()
-        if status is not None and status not in FINAL_STATUSES:
-            return False  # (no status: the turn expired under the reader, nothing will come)
-        return not tail or id_key(tail[0][0]) <= cursor.key
+            pipe.xrange(self.events_key(location), min="(" + cursor.entry_id, max="+", count=count)
+            status, page = await pipe.execute()
+        entries = [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
+        return Opening(cursor, status, entries, len(entries) == count)
 
     async def _page(
         self, key: str, after: Cursor, until: str, count: int
@@ -241,6 +277,7 @@ class Streams:
         *,
         direct: bool = True,
         heartbeat_s: float | None = None,
+        opening: Opening | None = None,
     ) -> AsyncGenerator[Chunk | Heartbeat, None]:
         """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk).
 
@@ -250,12 +287,16 @@ class Streams:
         reader that renders frames of its own, such as a dialect's), nothing is written to the
         sink and every chunk keeps its events: the sink only ends the read. ``heartbeat_s`` is
         the quiet time after which a heartbeat comes (by default ``BROKER_SSE_HEARTBEAT_S``).
+        With the read's ``opening`` (see :meth:`opening`, from ``after``), its first page is not
+        read again, and a turn that was not at rest then is not looked at before the first wait.
         """
         if sink is not None and not direct:
             sink = _Watched(sink)
         cursor = Cursor.after(after) if isinstance(after, str) else after
         # A response writing our frames needs those only, not the events behind them.
         read = _Read(self, location, cursor, keep=sink is None or not direct)
+        if opening is not None and opening.cursor.key == cursor.key:
+            read.prefetched = opening
         heartbeat_s = heartbeat_s or self._settings.sse_heartbeat_s
         subscription: Subscription | None = None
         try:
@@ -269,7 +310,9 @@ class Streams:
             # past this reader yet will bring all of it: no read then.
             subscription = self._hub.subscribe(read.key, read.cursor, read.turn_key)
             subscription.sink = sink
-            catch_up, look, first_look = not subscription.covers(read.cursor), True, True
+            catch_up, first_look = not subscription.covers(read.cursor), True
+            # A turn that was running as the read began ends with an `end` the read will meet.
+            look = opening is None or not opening.open
             while True:
                 if catch_up:
                     async for chunk in read.stored():
@@ -383,7 +426,7 @@ class _Read:
     """One follow of a stream: where it stands (``cursor``), whether it is over (``ended``:
     it reached an ``end`` that ends the read), and its reads of Redis."""
 
-    __slots__ = ("cursor", "ended", "keep", "key", "location", "streams", "turn_key")
+    __slots__ = ("cursor", "ended", "keep", "key", "location", "prefetched", "streams", "turn_key")
 
     def __init__(self, streams: Streams, location: Location, cursor: Cursor, *, keep: bool) -> None:
         self.streams = streams
@@ -393,6 +436,7 @@ class _Read:
         self.cursor = cursor
         self.keep = keep
         self.ended = False
+        self.prefetched: Opening | None = None  # the first page, read already
 
     async def stored(self) -> AsyncIterator[Chunk]:
         """The stored events past the cursor, a chunk per page, up to an ``end`` that ends the
@@ -405,7 +449,13 @@ class _Read:
         streams = self.streams
         count = streams._next_count(None)
         while True:
-            entries, more = await streams._page(self.key, self.cursor, "+", count)
+            opening, self.prefetched = self.prefetched, None
+            if opening is not None:
+                more = opening.more
+                entries = opening.take()
+                count = max(len(entries), FIRST_PAGE)
+            else:
+                entries, more = await streams._page(self.key, self.cursor, "+", count)
             if not entries:
                 return
             stop = await self._ending(entries)

@@ -27,9 +27,9 @@ from starlette.responses import Response
 
 from broker.auth import Principal
 from broker.deps import Deps
-from broker.frames import Cursor, Heartbeat
+from broker.frames import Heartbeat
 from broker.periodic import Periodic
-from broker.reader import Location, StartPoint, Streams
+from broker.reader import Location, Opening, StartPoint, Streams
 from broker.scripts import Scripts
 from broker.sse import PING, EventStreamResponse, Sink, opening_frame
 
@@ -114,7 +114,8 @@ async def event_stream(
     go. ``batch_s`` holds live events that long to send them in one write (see
     :class:`EventStreamResponse`)."""
     cursor = await streams.resolve(location, start)
-    if await streams.finished_before(location, cursor):
+    opening = await streams.opening(location, cursor)
+    if opening.finished:
         # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
         # a 200 that closes at once would make it reconnect every retry period for ever.
         return Response(status_code=204, headers={"Cache-Control": "no-store"})
@@ -125,7 +126,7 @@ async def event_stream(
     announce = cursor.offset if start.kind == "now" else None
     viewer = await hold_viewer(deps, principal, location) if principal.one_viewer else None
     return EventStreamResponse(
-        lambda sink: _frames(deps, streams, location, cursor, announce, viewer, sink, heartbeat_s),
+        lambda sink: _frames(deps, streams, location, opening, announce, viewer, sink, heartbeat_s),
         send_timeout_s=deps.settings.sse_send_timeout_s,
         batch_s=batch_s,
     )
@@ -135,7 +136,7 @@ async def _frames(
     deps: Deps,
     streams: Streams,
     location: Location,
-    cursor: Cursor,
+    opening: Opening,
     announce: str | None,
     viewer: ViewerLock | None,
     sink: Sink,
@@ -150,7 +151,9 @@ async def _frames(
         yield opening_frame(deps.settings.sse_retry_ms, announce)
         # Closed on every way out, so that the reader leaves its feed at once, not when the
         # generator is collected.
-        follow = streams.follow_chunks(location, cursor, sink, heartbeat_s=heartbeat_s)
+        follow = streams.follow_chunks(
+            location, opening.cursor, sink, heartbeat_s=heartbeat_s, opening=opening
+        )
         async with contextlib.aclosing(follow) as items:
             async for item in items:
                 if viewer is not None and viewer.lost:

@@ -251,3 +251,16 @@ def test_a_long_poll_whose_client_hangs_up_gives_its_place_back(
         httpx.get(url, params=params, timeout=httpx.Timeout(10, read=0.5))
     # Long before its 30 s run out, the wait left the stream's feed.
     wait_until(lambda: broker.runtime.hub.readers == 0, timeout=5)
+
+
+def test_an_expired_generation_is_gone_not_unknown(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory(stream_ttl=0.5, **LONG_POLL)
+    turn = start_turn(broker.base_url, turn_id="ds-old", tokens=3, tokens_per_s=0)
+    wait_final(broker.base_url, "ds-old")
+    url = f"{broker.base_url}/ds/v1/stream/{turn['stream_id']}"
+    assert httpx.get(url, timeout=5).status_code == 200
+    gone = wait_until(lambda: (r := httpx.get(url, timeout=5)).status_code == 410 and r, 5)
+    assert gone.json()["error"]["code"] == "expired"
+    assert httpx.head(url, timeout=5).status_code == 410
+    unknown = f"{broker.base_url}/ds/v1/stream/st_{'0' * 32}"
+    assert httpx.get(unknown, timeout=5).status_code == 404
