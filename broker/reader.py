@@ -151,17 +151,24 @@ class Streams:
         return self._keys.turn(location.conversation_id, location.turn_id)
 
     async def locate(
-        self, stream_id: str, tenant: str | None, *, start: StartPoint | None = None
+        self,
+        stream_id: str,
+        tenant: str | None,
+        *,
+        start: StartPoint | None = None,
+        check: bool = True,
     ) -> Location:
         """The turn behind ``stream_id``; 404 when unknown (or ``tenant``'s stream it is not),
         410 when its data expired.
 
         Given the ``start`` of a client that names an event (it resumes a read), the outcome is
-        counted in ``broker_resumes_total``: ok, expired or not_found.
+        counted in ``broker_resumes_total``: ok, expired or not_found. Without ``check``, whether
+        the data still exists is left to the caller (an SSE read learns it from its opening, see
+        :meth:`opening`), and so is the count.
         """
-        counted = start is not None and start.explicit
+        counted = check and start is not None and start.explicit
         try:
-            location = await self._locate(stream_id, tenant)
+            location = await self._locate(stream_id, tenant, check=check)
         except BrokerError as exc:
             if counted:
                 self._metrics.resumes.labels("expired" if exc.status == 410 else "not_found").inc()
@@ -170,7 +177,12 @@ class Streams:
             self._metrics.resumes.labels("ok").inc()
         return location
 
-    async def _locate(self, stream_id: str, tenant: str | None) -> Location:
+    def count_resume(self, start: StartPoint, outcome: str = "ok") -> None:
+        """Count a resume's outcome (a read whose ``start`` names an event)."""
+        if start.explicit:
+            self._metrics.resumes.labels(outcome).inc()
+
+    async def _locate(self, stream_id: str, tenant: str | None, *, check: bool) -> Location:
         if not STREAM_ID_PATTERN.fullmatch(stream_id):
             raise NotFound(f"unknown stream {stream_id[:80]!r}")
         value = self._located.get(stream_id)
@@ -185,7 +197,7 @@ class Streams:
         if unscoped(conversation_id)[0] != tenant:
             raise NotFound(f"unknown stream {stream_id!r}")  # another tenant's: never found
         keys = self._keys
-        if not await self._redis.exists(
+        if check and not await self._redis.exists(
             keys.events(conversation_id, turn_id), keys.turn(conversation_id, turn_id)
         ):
             if await self._redis.exists(keys.tombstone(conversation_id, turn_id)):

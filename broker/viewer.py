@@ -115,6 +115,12 @@ async def event_stream(
     :class:`EventStreamResponse`)."""
     cursor = await streams.resolve(location, start)
     opening = await streams.opening(location, cursor)
+    if opening.status is None and not opening.entries:
+        # No turn and nothing past the cursor: its data expired (410), or never was (404); the
+        # located stream's data was not looked for before (see Streams.locate's ``check``).
+        await streams.locate(location.stream_id, principal.tenant, start=start)
+    else:
+        streams.count_resume(start)
     if opening.finished:
         # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
         # a 200 that closes at once would make it reconnect every retry period for ever.

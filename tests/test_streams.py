@@ -319,3 +319,26 @@ def test_a_read_from_now_on_an_empty_stream_resumes_from_the_start(
     rest = read_sse(api.base_url, turn["stream_id"], last_event_id=quick.last_id)
     assert next(e.event for e in rest.events) == "attempt"
     assert rest.events == read_sse(api.base_url, turn["stream_id"]).events
+
+
+def test_sse_resumes_are_counted_and_an_expired_stream_is_410(
+    broker_factory: BrokerFactory,
+) -> None:
+    """An SSE read learns that its data expired from its opening round trip: 410 all the same,
+    and each resume's outcome is counted once."""
+    broker = broker_factory(stream_ttl=0.5)
+    turn = start_turn(broker.base_url, turn_id="counted", tokens=3, tokens_per_s=0)
+    wait_final(broker.base_url, "counted")
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    events = read_sse(broker.base_url, turn["stream_id"]).events
+    resumed = httpx.get(url, headers={"Last-Event-ID": events[0].id}, timeout=5)
+    assert resumed.status_code == 200
+    assert broker.metric("broker_resumes_total", '{result="ok"}') == 1
+    gone = wait_until(lambda: (r := httpx.get(url, timeout=5)).status_code == 410 and r, 5)
+    assert gone.json()["error"]["code"] == "expired"
+    again = httpx.get(url, headers={"Last-Event-ID": events[0].id}, timeout=5)
+    assert again.status_code == 410
+    assert broker.metric("broker_resumes_total", '{result="expired"}') == 1
+    assert broker.metric("broker_resumes_total", '{result="ok"}') == 1
+    unknown = httpx.get(f"{broker.base_url}/v1/streams/st_{'0' * 32}", timeout=5)
+    assert unknown.status_code == 404

@@ -292,7 +292,10 @@ async def read_stream(
     start = StartPoint.parse(offset)
     if last_event_id := request.headers.get("last-event-id"):
         start = StartPoint.parse(last_event_id)
-    location = await rt.streams.locate(stream_id, principal.tenant, start=start)
+    # An SSE read learns whether the data still exists from its opening round trip.
+    location = await rt.streams.locate(
+        stream_id, principal.tenant, start=start, check=format == "json"
+    )
     if format == "json":
         page = rt.streams.page(location, start, wait_s)
         return json_response(await page if wait_s <= 0 else await until_gone(request, page))
