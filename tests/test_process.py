@@ -164,12 +164,15 @@ def test_sigterm_drains_then_interrupts_running_generations(
     env = {
         "BROKER_REDIS_URL": redis_url,
         "BROKER_KEY_PREFIX": f"drain{os.getpid()}",
-        "BROKER_DRAIN_TIMEOUT_S": "0.5",
+        # Room for the short turn on a loaded machine; the long one needs 25 s.
+        "BROKER_DRAIN_TIMEOUT_S": "2",
     }
     proc = broker_processes(env)
     long = start_turn(proc.base_url, turn_id="long", tokens=500, tokens_per_s=20)
     short = start_turn(proc.base_url, turn_id="short", tokens=4, tokens_per_s=20)
     seen = read_sse(proc.base_url, long["stream_id"], stop_after=3).events
+    # Both are running (a turn not started yet would be handed back, not drained).
+    read_sse(proc.base_url, short["stream_id"], stop_after=2)
     assert proc.stop(signal.SIGTERM) == 0
     # The short turn finished inside the grace period; the long one was interrupted.
     after = spawn_reader(env, broker_processes)
