@@ -36,31 +36,28 @@ from broker.vocabulary import FINAL_STATUSES, decode_turn_ref
 
 LOCATED_CACHE: Final = 8_192  # streams whose index lookup a process remembers (~1.5 MiB)
 FIRST_PAGE: Final = 64  # a replay's first page (its first event comes sooner); the next ones double
-# The first page of an SSE read, read in the round trip that checks the turn's status: a viewer
-# joining a running answer most often catches up in this one read.
-OPENING_PAGE: Final = 256
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Opening:
-    """A read's first round trip: the turn's status (None: it expired, or never was) and the
-    first page of stored events past ``cursor`` (``more``: the page is full). The read takes
-    the page (:meth:`take`): nothing holds its events for the life of the response."""
+    """A read's first round trip: the turn's status (None: it expired, or never was) and
+    whether anything is stored past ``cursor``.
+
+    Only that: reading the replay's first page here too was tried and measured worse. In an
+    attach storm every route runs before any response starts, so the pages read there put all
+    the replay work ahead of every viewer's first live write (join lag p99 2-4 s, against
+    0.1-0.2 s; benchmarks/RESULTS.md).
+    """
 
     cursor: Cursor
     status: str | None
-    entries: list[Entry]
-    more: bool
-
-    def take(self) -> list[Entry]:
-        entries, self.entries = self.entries, []
-        return entries
+    stored_past: bool
 
     @property
     def finished(self) -> bool:
         """Whether nothing will ever follow the cursor: the turn is at rest (or gone), and
         nothing is stored past it."""
-        return (self.status is None or self.status in FINAL_STATUSES) and not self.entries
+        return (self.status is None or self.status in FINAL_STATUSES) and not self.stored_past
 
     @property
     def open(self) -> bool:
@@ -237,19 +234,15 @@ class Streams:
 
     async def finished_before(self, location: Location, cursor: Cursor) -> bool:
         """Whether the turn is at rest and nothing is stored past ``cursor``."""
-        return (await self.opening(location, cursor, count=1)).finished
+        return (await self.opening(location, cursor)).finished
 
-    async def opening(
-        self, location: Location, cursor: Cursor, count: int = OPENING_PAGE
-    ) -> Opening:
-        """What a read from ``cursor`` starts with, in one round trip: the turn's status and the
-        first ``count`` stored events past the cursor (see :class:`Opening`)."""
+    async def opening(self, location: Location, cursor: Cursor) -> Opening:
+        """What a read from ``cursor`` starts with, in one round trip (see :class:`Opening`)."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hget(self.turn_key(location), "status")
-            pipe.xrange(self.events_key(location), min="(" + cursor.entry_id, max="+", count=count)
+            pipe.xrange(self.events_key(location), min="(" + cursor.entry_id, max="+", count=1)
             status, page = await pipe.execute()
-        entries = [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
-        return Opening(cursor, status, entries, len(entries) == count)
+        return Opening(cursor, status, bool(page))
 
     async def _page(
         self, key: str, after: Cursor, until: str, count: int
@@ -299,16 +292,14 @@ class Streams:
         reader that renders frames of its own, such as a dialect's), nothing is written to the
         sink and every chunk keeps its events: the sink only ends the read. ``heartbeat_s`` is
         the quiet time after which a heartbeat comes (by default ``BROKER_SSE_HEARTBEAT_S``).
-        With the read's ``opening`` (see :meth:`opening`, from ``after``), its first page is not
-        read again, and a turn that was not at rest then is not looked at before the first wait.
+        With the read's ``opening`` (see :meth:`opening`), a turn that was not at rest then is
+        not looked at before the first wait.
         """
         if sink is not None and not direct:
             sink = _Watched(sink)
         cursor = Cursor.after(after) if isinstance(after, str) else after
         # A response writing our frames needs those only, not the events behind them.
         read = _Read(self, location, cursor, keep=sink is None or not direct)
-        if opening is not None and opening.cursor.key == cursor.key:
-            read.prefetched = opening
         heartbeat_s = heartbeat_s or self._settings.sse_heartbeat_s
         subscription: Subscription | None = None
         try:
@@ -438,7 +429,7 @@ class _Read:
     """One follow of a stream: where it stands (``cursor``), whether it is over (``ended``:
     it reached an ``end`` that ends the read), and its reads of Redis."""
 
-    __slots__ = ("cursor", "ended", "keep", "key", "location", "prefetched", "streams", "turn_key")
+    __slots__ = ("cursor", "ended", "keep", "key", "location", "streams", "turn_key")
 
     def __init__(self, streams: Streams, location: Location, cursor: Cursor, *, keep: bool) -> None:
         self.streams = streams
@@ -448,7 +439,6 @@ class _Read:
         self.cursor = cursor
         self.keep = keep
         self.ended = False
-        self.prefetched: Opening | None = None  # the first page, read already
 
     async def stored(self) -> AsyncIterator[Chunk]:
         """The stored events past the cursor, a chunk per page, up to an ``end`` that ends the
@@ -461,13 +451,7 @@ class _Read:
         streams = self.streams
         count = streams._next_count(None)
         while True:
-            opening, self.prefetched = self.prefetched, None
-            if opening is not None:
-                more = opening.more
-                entries = opening.take()
-                count = max(len(entries), FIRST_PAGE)
-            else:
-                entries, more = await streams._page(self.key, self.cursor, "+", count)
+            entries, more = await streams._page(self.key, self.cursor, "+", count)
             if not entries:
                 return
             stop = await self._ending(entries)

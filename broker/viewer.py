@@ -115,7 +115,7 @@ async def event_stream(
     :class:`EventStreamResponse`)."""
     cursor = await streams.resolve(location, start)
     opening = await streams.opening(location, cursor)
-    if opening.status is None and not opening.entries:
+    if opening.status is None and not opening.stored_past:
         # No turn and nothing past the cursor: its data expired (410), or never was (404); the
         # located stream's data was not looked for before (see Streams.locate's ``check``).
         await streams.locate(location.stream_id, principal.tenant, start=start)
