@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from broker.settings import Settings
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
+T = TypeVar("T")
 
 api_router = APIRouter()
 ops_router = APIRouter()
@@ -298,7 +300,10 @@ async def read_stream(
     )
     if format == "json":
         page = rt.streams.page(location, start, wait_s)
-        return json_response(await page if wait_s <= 0 else await until_gone(request, page))
+        if wait_s <= 0:
+            return json_response(await page)
+        waited = await until_gone(request, page)
+        return json_response({} if waited is Hangup.HUNG_UP else waited)
     return await event_stream(rt.deps, rt.streams, location, start, principal, heartbeat_s, batch_s)
 
 
@@ -347,21 +352,27 @@ def long_poll_wait(raw: str | None, max_s: float, *, json: bool) -> float:
     return float(raw)
 
 
-async def until_gone(request: Request, page: Coroutine[Any, Any, dict[str, Any]]) -> Any:
-    """A long poll's page, or an empty answer as soon as its client hangs up (the wait ends,
-    its place on the feed is given back)."""
-    waiting = asyncio.ensure_future(page)
+class Hangup(enum.Enum):
+    """What :func:`until_gone` answers when the client hung up before the work was done."""
+
+    HUNG_UP = "hung up"
+
+
+async def until_gone(request: Request, work: Coroutine[Any, Any, T]) -> T | Hangup:
+    """What ``work`` (a long poll's wait) returns, or ``Hangup.HUNG_UP`` as soon as its client
+    hangs up: the work is then cancelled, and a wait gives its place on the feed back."""
+    working = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(disconnected(request))
     try:
-        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({working, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if waiting.done():
-        return waiting.result()
-    # The wait unsubscribes however its task ends: a cancellation swallowed by the Redis client
-    # only lets it run out its wait.
-    waiting.cancel()
-    return {}
+    if working.done():
+        return working.result()
+    # A wait unsubscribes however its task ends: a cancellation swallowed by the Redis client
+    # only lets it run out its time.
+    working.cancel()
+    return Hangup.HUNG_UP
 
 
 async def disconnected(request: Request) -> None:

@@ -26,8 +26,10 @@
 -- ARGV[14..]             a fork's inherited entries, copied: entry id, payload, entry id, ...
 --                        (ids in order, each past the last), before its initial body
 --
--- Returns  {"created", tail, closed}   tail: the last entry id ("0-0": none); closed "1" or ""
---          {"exists", tail, closed}    the same stream was there already
+-- Returns  {"created", tail, closed, type}   tail: the last entry id ("0-0": none); closed "1"
+--                                            or ""; type: the content type as the stream keeps
+--                                            it (as its creator wrote it)
+--          {"exists", tail, closed, type}    the same stream was there already
 --          {"conflict", what}          a stream is there with another configuration
 --                                      (what: content_type, ttl, expiry, closed or fork), or a
 --                                      deleted stream's forks still hold its path (deleted)
@@ -35,7 +37,7 @@
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 if redis.call('EXISTS', meta) == 1 then
   local v = redis.call('HMGET', meta, 'ct', 'ttl', 'exp', 'closed', 'tail', 'deleted', 'ff',
-    'fo', 'fs')
+    'fo', 'fs', 'ctr')
   if v[6] == '1' then return {'conflict', 'deleted'} end
   if (v[7] or '') ~= ARGV[10] or (v[9] or '') ~= ARGV[13] then return {'conflict', 'fork'} end
   if ARGV[11] ~= '' and (v[8] or '') ~= ARGV[11] then return {'conflict', 'fork'} end
@@ -43,7 +45,7 @@ if redis.call('EXISTS', meta) == 1 then
   if (v[2] or '') ~= ARGV[3] then return {'conflict', 'ttl'} end
   if (v[3] or '') ~= ARGV[4] then return {'conflict', 'expiry'} end
   if (v[4] or '') ~= ARGV[6] then return {'conflict', 'closed'} end
-  return {'exists', v[5] or '0-0', v[4] or ''}
+  return {'exists', v[5] or '0-0', v[4] or '', v[10] or ''}
 end
 -- A stream deleted and made again starts empty: nothing of the old one is kept.
 redis.call('DEL', data, producers, KEYS[4])
@@ -72,4 +74,4 @@ for _, key in ipairs({meta, data}) do
     redis.call('PEXPIREAT', key, ARGV[4])
   end
 end
-return {'created', tail, ARGV[6]}
+return {'created', tail, ARGV[6], ARGV[9]}

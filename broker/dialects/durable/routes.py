@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Coroutine
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
@@ -22,7 +23,7 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-from broker.api.routes import Caller, disconnected, runtime, until_gone
+from broker.api.routes import Caller, Hangup, runtime, until_gone
 from broker.auth import Principal
 from broker.dialects.durable import wire
 from broker.dialects.durable.store import (
@@ -46,7 +47,6 @@ PREFIX: Final = "/ds/v1/stream"
 MAX_PATH: Final = 1_024
 GENERATION_TYPE: Final = wire.JSON_TYPE
 SSE_HEADERS: Final = [(b"cache-control", b"no-cache")]
-HEARTBEAT_S: Final = 15.0  # a comment line on a quiet SSE read of a generation
 
 # Described by the protocol's own document, not in /openapi.json: its bodies are any bytes, and
 # its statuses and headers are the protocol's (see the README's "Durable Streams").
@@ -61,20 +61,20 @@ class MethodNotAllowed(BrokerError):
 
 
 class NotSupported(BrokerError):
-    """A part of the protocol this server does not implement (forks)."""
+    """A part of the protocol this server does not do: forking a generation's stream."""
 
     code = "not_supported"
     status = 501
 
 
-class _Full(BrokerError):
+class AppendsFull(BrokerError):
     """The stream holds as many appends as a stream may."""
 
     code = "stream_full"
     status = 413
 
 
-class _Stale(BrokerError):
+class StaleEpoch(BrokerError):
     """A stale producer epoch: the writer is fenced."""
 
     code = "stale_epoch"
@@ -98,6 +98,18 @@ def _writer(request: Request, principal: Principal) -> Principal:
         runtime(request).metrics.auth_failures.labels("forbidden").inc()
         raise Forbidden("an attach token only reads its generation's stream", code="read_only")
     return principal
+
+
+def _writable(
+    request: Request, path: str, principal: Principal, refusal: str
+) -> tuple[DurableStore, str]:
+    """The store and the scoped path a write (create, append, delete) goes to: 404 for a path
+    no stream can have, 403 for an attach token, 405 (``refusal``) for a generation's stream."""
+    path = _checked_path(path)
+    principal = _writer(request, principal)
+    if _generation(path):
+        raise MethodNotAllowed(refusal)
+    return _store(runtime(request)), scoped(principal.tenant, path)
 
 
 def _headers(**values: str | None) -> dict[str, str]:
@@ -192,11 +204,9 @@ async def _fork(
 @router.put(PREFIX + "/{path:path}", status_code=201, responses={200: {}, 409: {}})
 async def create_stream(request: Request, path: str, principal: Caller) -> Response:
     """Create a stream (201), or find the same one (200); 409 for another configuration."""
-    rt = runtime(request)
-    path = _checked_path(path)
-    principal = _writer(request, principal)
-    if _generation(path):
-        raise MethodNotAllowed("a generation's stream is written by its worker only")
+    store, me = _writable(
+        request, path, principal, "a generation's stream is written by its worker only"
+    )
     headers = request.headers
     ttl_s = wire.ttl_seconds(headers.get("stream-ttl"))
     expires_at = headers.get("stream-expires-at")
@@ -206,8 +216,6 @@ async def create_stream(request: Request, path: str, principal: Caller) -> Respo
     raw_type = (headers.get("content-type") or "").strip()
     if not wire.media_type(raw_type):
         raw_type = ""
-    store = _store(rt)
-    me = scoped(principal.tenant, path)
     keys = store.keys(me)
     fork = await _fork(store, principal, me, headers)
     if fork is not None:
@@ -262,27 +270,23 @@ async def create_stream(request: Request, path: str, principal: Caller) -> Respo
     response = Response(
         status_code=status,
         headers=_headers(
-            content_type=raw_type if status == 201 else None,
+            # The type as the stream keeps it: for a stream found again, as it was created.
+            content_type=reply.value(2) or raw_type,
             next_offset=tail,
             closed=_true(reply.value(1) == "1"),
         ),
     )
     if status == 201:
         response.headers["location"] = str(request.url.replace(query=""))
-    else:
-        meta = await store.meta(keys)
-        response.headers["content-type"] = meta.content_type if meta else raw_type
     return response
 
 
 @router.post(PREFIX + "/{path:path}", status_code=204, responses={200: {}, 409: {}})
 async def append_stream(request: Request, path: str, principal: Caller) -> Response:
     """Append (204; 200 for a producer's new batch), close (``Stream-Closed: true``), or both."""
-    rt = runtime(request)
-    path = _checked_path(path)
-    principal = _writer(request, principal)
-    if _generation(path):
-        raise MethodNotAllowed("a generation's stream is written by its worker only")
+    store, me = _writable(
+        request, path, principal, "a generation's stream is written by its worker only"
+    )
     headers = request.headers
     producer = wire.producer(
         headers.get("producer-id"), headers.get("producer-epoch"), headers.get("producer-seq")
@@ -290,8 +294,7 @@ async def append_stream(request: Request, path: str, principal: Caller) -> Respo
     close = wire.flag(headers.get("stream-closed"))
     body = await request.body()
     content_type = ""
-    store = _store(rt)
-    keys = store.keys(scoped(principal.tenant, path))
+    keys = store.keys(me)
     if not body and not close:
         raise BadRequest("an append needs a body (or Stream-Closed: true)", code="empty_append")
     if body:
@@ -362,7 +365,7 @@ def _append_error(result: str, values: tuple[str, ...], tail: str | None) -> Bro
     if result == "content_type":
         return Conflict(f"the stream's content type is {value}", code="type_mismatch")
     if result == "stale_epoch":
-        return _Stale(
+        return StaleEpoch(
             "a newer epoch of this producer writes now", headers={"Producer-Epoch": value}
         )
     if result == "epoch_seq":
@@ -376,20 +379,16 @@ def _append_error(result: str, values: tuple[str, ...], tail: str | None) -> Bro
     if result == "stream_seq":
         return Conflict(f"Stream-Seq must sort after {value!r}", code="sequence_conflict")
     if result == "full":
-        return _Full(f"the stream holds BROKER_DS_MAX_APPENDS={value} appends")
+        return AppendsFull(f"the stream holds BROKER_DS_MAX_APPENDS={value} appends")
     return BrokerError(f"unexpected reply {result!r}")
 
 
 @router.delete(PREFIX + "/{path:path}", status_code=204)
 async def delete_stream(request: Request, path: str, principal: Caller) -> Response:
     """Delete a stream and everything in it."""
-    rt = runtime(request)
-    path = _checked_path(path)
-    principal = _writer(request, principal)
-    if _generation(path):
-        raise MethodNotAllowed("a generation's stream is deleted by its retention only")
-    store = _store(rt)
-    me = scoped(principal.tenant, path)
+    store, me = _writable(
+        request, path, principal, "a generation's stream is deleted by its retention only"
+    )
     result = await store.delete(store.keys(me), me)
     if result == "missing":
         raise NotFound("no such stream")
@@ -463,12 +462,12 @@ async def read_stream(request: Request, path: str, principal: Caller) -> Respons
         raise _deleted()
     content_type = read.meta.content_type
     if live == "sse":
-        frames = _OwnFrames(rt, store, keys, read, params.get("cursor"))
-        return _sse(rt, frames.run, content_type)
+        own = _OwnLooks(store, keys, read)
+        return _sse(rt, own.look, params.get("cursor"), content_type)
     if live == "long-poll":
         if not read.items and not read.closed:
             waiting = store.wait(keys, read.after, rt.settings.ds_long_poll_s)
-            if not await _until_gone(request, waiting):
+            if await until_gone(request, waiting) is Hangup.HUNG_UP:
                 return Response(status_code=204)  # the client hung up: no one reads this
             waited = await store.read(keys, read.after)
             if waited is None:
@@ -478,53 +477,62 @@ async def read_stream(request: Request, path: str, principal: Caller) -> Respons
     return _own_page(request, read, offset, live=False)
 
 
-async def _until_gone(request: Request, waiting: Coroutine[Any, Any, None]) -> bool:
-    """Wait for ``waiting``, unless the client hangs up first (False): the wait then ends, and
-    gives its place on the feed back."""
-    wait = asyncio.ensure_future(waiting)
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if wait.done():
-        wait.result()
-        return True
-    # The wait unsubscribes however its task ends: a cancellation swallowed by the Redis
-    # client only lets it run out its time.
-    wait.cancel()
-    return False
-
-
 def _own_page(request: Request, read: Read, offset: str, *, live: bool) -> Response:
     content_type = read.meta.content_type
-    payloads = [to_bytes(payload) for _, payload in read.items]
-    next_offset = wire.offset_of(read.after)
-    closed = _true(read.closed and read.up_to_date)
+    return _page(
+        request,
+        [to_bytes(payload) for _, payload in read.items],
+        json=wire.is_json(content_type),
+        content_type=content_type,
+        next_offset=wire.offset_of(read.after),
+        up_to_date=read.up_to_date,
+        closed=read.closed and read.up_to_date,
+        offset=offset,
+        live=live,
+        tag=read.meta.incarnation,
+    )
+
+
+def _page(
+    request: Request,
+    messages: list[bytes],
+    *,
+    json: bool,
+    content_type: str,
+    next_offset: str,
+    up_to_date: bool,
+    closed: bool,
+    offset: str,
+    live: bool,
+    tag: str,
+) -> Response:
+    """A catch-up or long-poll answer: 204 for a long poll with nothing new, else ``messages``
+    (one JSON array, or their bytes one after another) with the protocol's headers. A catch-up
+    read from a fixed offset has an ETag (``tag``: the stream's life) and may be cached."""
     cursor = wire.next_cursor(request.query_params.get("cursor")) if live else None
-    if live and not payloads:
+    if live and not messages:
         return Response(
             status_code=204,
             headers=_headers(
                 next_offset=next_offset,
                 up_to_date="true",
-                closed=closed,
+                closed=_true(closed),
                 cursor=None if closed else cursor,
                 cache="no-store",
             ),
         )
-    body = wire.json_body(payloads) if wire.is_json(content_type) else b"".join(payloads)
+    body = wire.json_body(messages) if json else b"".join(messages)
     headers = _headers(
         content_type=content_type,
         next_offset=next_offset,
-        up_to_date=_true(read.up_to_date),
-        closed=closed,
+        up_to_date=_true(up_to_date),
+        closed=_true(closed),
         cursor=cursor,
     )
     if offset == "now":
         headers["cache-control"] = "no-store"
         return Response(body, headers=headers)
-    etag = f'"{read.meta.incarnation}:{offset}:{next_offset}{":c" if closed else ""}"'
+    etag = f'"{tag}:{offset}:{next_offset}{":c" if closed else ""}"'
     headers["etag"] = etag
     headers["cache-control"] = _cacheable(request)
     if request.headers.get("if-none-match") == etag:
@@ -540,69 +548,106 @@ def _cacheable(request: Request) -> str:
 
 
 def _sse(
-    rt: Runtime, source: Callable[[Sink], AsyncIterator[bytes]], content_type: str
+    rt: Runtime,
+    look: Callable[[float], Awaitable[_Look | None]],
+    cursor: str | None,
+    content_type: str,
 ) -> Response:
     extra = list(SSE_HEADERS)
     if not wire.is_text(content_type):
         extra.append((b"stream-sse-data-encoding", b"base64"))
     return EventStreamResponse(
-        source, send_timeout_s=rt.settings.sse_send_timeout_s, extra_headers=extra
+        functools.partial(_frames, rt, look, cursor),
+        send_timeout_s=rt.settings.sse_send_timeout_s,
+        extra_headers=extra,
     )
 
 
-class _OwnFrames:
-    """The SSE events of one read of a stream of the protocol's own: a ``data`` event per
-    append, each followed by its ``control``; ``upToDate`` once at the tail; the last control
-    of a closed stream says so, and ends the response."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Look:
+    """One look at a stream for an SSE read: its new messages (each its offset and ``data``
+    event), where the look ends, whether that is the stream's tail, and whether it is closed."""
 
-    def __init__(
-        self, rt: Runtime, store: DurableStore, keys: StreamKeys, first: Read, cursor: str | None
-    ) -> None:
-        self.rt, self.store, self.keys, self.first = rt, store, keys, first
-        self.cursor = cursor
+    items: list[tuple[str, bytes]]
+    next_offset: str
+    up_to_date: bool
+    closed: bool
 
-    async def run(self, sink: Sink) -> AsyncIterator[bytes]:
-        settings = self.rt.settings
-        loop = asyncio.get_running_loop()
-        ends_at = loop.time() + settings.ds_sse_max_s
-        read: Read | None = self.first
-        content_type = self.first.meta.content_type
-        opened = False
-        cursor = wire.next_cursor(self.cursor)
-        while read is not None and not sink.over:
-            cursor = wire.still_cursor(cursor)
-            out = []
-            for index, (place, payload) in enumerate(read.items):
-                at_tail = index == len(read.items) - 1 and read.up_to_date
-                out.append(wire.sse_data(to_bytes(payload), content_type))
-                out.append(
-                    wire.sse_control(
-                        wire.offset_of(place),
-                        cursor=cursor,
-                        up_to_date=at_tail,
-                        closed=at_tail and read.closed,
-                    )
+
+async def _frames(
+    rt: Runtime,
+    look: Callable[[float], Awaitable[_Look | None]],
+    cursor: str | None,
+    sink: Sink,
+) -> AsyncIterator[bytes]:
+    """The SSE events of a read: a ``data`` event per message, each followed by its ``control``;
+    ``upToDate`` once at the tail; the last control of a closed stream says so, and ends the
+    response, as does the protocol's ~60 s (the client resumes from its last offset). ``look``
+    is called with the seconds it may wait for something new (0: look now); None ends the read
+    (the stream is gone)."""
+    loop = asyncio.get_running_loop()
+    ends_at = loop.time() + rt.settings.ds_sse_max_s
+    wait = 0.0
+    opened = False
+    token = wire.next_cursor(cursor)
+    while not sink.over:
+        seen = await look(wait)
+        if seen is None:
+            return
+        token = wire.still_cursor(token)
+        out = []
+        for index, (offset, data) in enumerate(seen.items):
+            at_tail = index == len(seen.items) - 1 and seen.up_to_date
+            out.append(data)
+            out.append(
+                wire.sse_control(
+                    offset, cursor=token, up_to_date=at_tail, closed=at_tail and seen.closed
                 )
-            if not read.items and (read.closed or not opened or read.up_to_date):
-                out.append(
-                    wire.sse_control(
-                        wire.offset_of(read.after),
-                        cursor=cursor,
-                        up_to_date=True,
-                        closed=read.closed,
-                    )
+            )
+        if not seen.items and (seen.closed or not opened or seen.up_to_date):
+            out.append(
+                wire.sse_control(
+                    seen.next_offset, cursor=token, up_to_date=True, closed=seen.closed
                 )
-            opened = True
-            yield b"".join(out)
-            if read.closed and read.up_to_date:
-                return
-            after = read.after
-            if read.up_to_date:
-                left = ends_at - loop.time()
-                if left <= 0:
-                    return  # the client resumes from its last offset (the protocol's ~60 s)
-                await self.store.wait(self.keys, after, min(settings.ds_long_poll_s, left))
-            read = await self.store.read(self.keys, after)
+            )
+        opened = True
+        yield b"".join(out) if out else PING
+        if seen.closed:
+            return
+        left = ends_at - loop.time()
+        if left <= 0:
+            return
+        wait = min(rt.settings.ds_long_poll_s, left) if seen.up_to_date else 0.0
+
+
+class _OwnLooks:
+    """The looks of an SSE read of a stream of the protocol's own, from its first read on;
+    waits ride the stream's feed."""
+
+    def __init__(self, store: DurableStore, keys: StreamKeys, first: Read) -> None:
+        self.store, self.keys = store, keys
+        self.pending: Read | None = first
+        self.after = first.after
+        self.content_type = first.meta.content_type
+
+    async def look(self, wait_s: float) -> _Look | None:
+        read, self.pending = self.pending, None
+        if read is None:
+            if wait_s > 0:
+                await self.store.wait(self.keys, self.after, wait_s)
+            read = await self.store.read(self.keys, self.after)
+            if read is None:
+                return None
+        self.after = read.after
+        return _Look(
+            [
+                (wire.offset_of(place), wire.sse_data(to_bytes(payload), self.content_type))
+                for place, payload in read.items
+            ],
+            wire.offset_of(read.after),
+            read.up_to_date,
+            read.closed and read.up_to_date,
+        )
 
 
 # --- generation streams, read-only -------------------------------------------------------------
@@ -627,46 +672,33 @@ async def _read_generation(
     start = StartPoint.parse(offset)
     if live == "sse":
         cursor = await rt.streams.resolve(location, start)
-        frames = _GenerationFrames(rt, location, cursor, request.query_params.get("cursor"))
-        return _sse(rt, frames.run, GENERATION_TYPE)
+        generation = _GenerationLooks(rt, location, cursor)
+        return _sse(rt, generation.look, request.query_params.get("cursor"), GENERATION_TYPE)
     page = await rt.streams.page(location, start)
     if live == "long-poll" and not page["events"] and not page["closed"]:
         after = await rt.streams.resolve(location, start)
         waiting = rt.streams.page(location, StartPoint("offset", after), rt.settings.ds_long_poll_s)
-        page = await until_gone(request, waiting)
-        if not page:
+        waited = await until_gone(request, waiting)
+        if waited is Hangup.HUNG_UP:
             return Response(status_code=204)  # the client hung up: no one reads this
-    page["closed"] = await _settled(rt, location, page)
-    next_offset = page["next_offset"] if page["next_offset"] != "-1" else ORIGIN.offset
-    closed = _true(page["closed"])
-    if live == "long-poll" and not page["events"]:
-        return Response(
-            status_code=204,
-            headers=_headers(
-                next_offset=next_offset,
-                up_to_date="true",
-                closed=closed,
-                cursor=None if closed else wire.next_cursor(request.query_params.get("cursor")),
-                cache="no-store",
-            ),
-        )
-    body = wire.json_body([_message(event) for event in page["events"]])
-    headers = _headers(
+        page = waited
+    return _page(
+        request,
+        [_message(event) for event in page["events"]],
+        json=True,
         content_type=GENERATION_TYPE,
-        next_offset=next_offset,
-        up_to_date=_true(page["up_to_date"]),
-        closed=closed,
-        cursor=wire.next_cursor(request.query_params.get("cursor")) if live else None,
+        next_offset=_next_offset(page),
+        up_to_date=page["up_to_date"],
+        closed=await _settled(rt, location, page),
+        offset=offset,
+        live=live is not None,
+        tag=stream_id,
     )
-    if offset == "now":
-        headers["cache-control"] = "no-store"
-        return Response(body, headers=headers)
-    etag = f'"{stream_id}:{offset}:{next_offset}{":c" if closed else ""}"'
-    headers["etag"] = etag
-    headers["cache-control"] = _cacheable(request)
-    if request.headers.get("if-none-match") == etag:
-        return Response(status_code=304, headers={"etag": etag})
-    return Response(body, headers=headers)
+
+
+def _next_offset(page: dict[str, Any]) -> str:
+    offset: str = page["next_offset"]
+    return ORIGIN.offset if offset == "-1" else offset
 
 
 async def _settled(rt: Runtime, location: Location, page: dict[str, Any]) -> bool:
@@ -686,53 +718,26 @@ def _message(event: dict[str, Any]) -> bytes:
     return orjson.dumps({"id": event["id"], "event": event["event"], "data": event["data"]})
 
 
-class _GenerationFrames:
-    """A generation's events as Durable Streams SSE: a ``data`` event (a one-message array)
-    and its ``control`` per broker event; closed once the turn is at rest."""
+class _GenerationLooks:
+    """The looks of an SSE read of a generation: a one-message array per broker event; closed
+    once the turn is at rest."""
 
-    def __init__(self, rt: Runtime, location: Location, after: Cursor, cursor: str | None) -> None:
-        self.rt, self.location, self.after, self.cursor = rt, location, after, cursor
+    def __init__(self, rt: Runtime, location: Location, after: Cursor) -> None:
+        self.rt, self.location = rt, location
+        self.start = StartPoint("start") if after.at_origin else StartPoint("offset", after)
 
-    async def run(self, sink: Sink) -> AsyncIterator[bytes]:
-        rt = self.rt
-        loop = asyncio.get_running_loop()
-        ends_at = loop.time() + rt.settings.ds_sse_max_s
-        at_origin = self.after.at_origin
-        start = StartPoint("start") if at_origin else StartPoint("offset", self.after)
-        wait = 0.0
-        opened = False
-        cursor = wire.next_cursor(self.cursor)
-        while not sink.over:
-            page = await rt.streams.page(self.location, start, wait)
-            page["closed"] = await _settled(rt, self.location, page)
-            cursor = wire.still_cursor(cursor)
-            events = page["events"]
-            out = []
-            for index, event in enumerate(events):
-                at_tail = index == len(events) - 1 and page["up_to_date"]
-                out.append(wire.sse_event("data", wire.json_body([_message(event)]).decode()))
-                out.append(
-                    wire.sse_control(
-                        event["id"],
-                        cursor=cursor,
-                        up_to_date=at_tail,
-                        closed=at_tail and page["closed"],
-                    )
-                )
-            next_offset = page["next_offset"] if page["next_offset"] != "-1" else ORIGIN.offset
-            if not events and (page["closed"] or not opened or page["up_to_date"]):
-                out.append(
-                    wire.sse_control(
-                        next_offset, cursor=cursor, up_to_date=True, closed=page["closed"]
-                    )
-                )
-            opened = True
-            yield b"".join(out) if out else PING
-            if page["closed"]:
-                return
-            if events:
-                start = StartPoint.parse(events[-1]["id"])
-            left = ends_at - loop.time()
-            if left <= 0:
-                return
-            wait = min(rt.settings.ds_long_poll_s, left) if page["up_to_date"] else 0.0
+    async def look(self, wait_s: float) -> _Look:
+        page = await self.rt.streams.page(self.location, self.start, wait_s)
+        closed = await _settled(self.rt, self.location, page)
+        events = page["events"]
+        if events:
+            self.start = StartPoint.parse(events[-1]["id"])
+        return _Look(
+            [
+                (event["id"], wire.sse_event("data", wire.json_body([_message(event)]).decode()))
+                for event in events
+            ],
+            _next_offset(page),
+            page["up_to_date"],
+            closed,
+        )

@@ -236,12 +236,10 @@ class DurableStore:
         """The stream's metadata (None: no such stream)."""
         return Meta.of(await rc.hmget(self._redis, keys.meta, META_FIELDS))
 
-    async def read(
-        self, keys: StreamKeys, after: Cursor | None, *, touch: bool = True
-    ) -> Read | None:
+    async def read(self, keys: StreamKeys, after: Cursor | None) -> Read | None:
         """The appends past ``after`` (None: the stream's tail), up to about
         ``BROKER_DS_MAX_READ_BYTES``; None when there is no such stream. A read of a stream with
-        a TTL starts its countdown again (``touch``)."""
+        a TTL starts its countdown again."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hmget(keys.meta, META_FIELDS)
             if after is not None:
@@ -250,7 +248,7 @@ class DurableStore:
         meta = Meta.of(replies[0])
         if meta is None:
             return None
-        if touch and meta.ttl_s is not None:
+        if meta.ttl_s is not None:
             await self._touch(keys, meta.ttl_s)
         if after is None:  # from the tail: nothing to read, closed if it is
             return Read(meta, [], meta.tail, True, meta.closed)

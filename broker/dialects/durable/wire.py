@@ -22,7 +22,7 @@ from typing import Any, Final
 import orjson
 
 from broker.errors import BadRequest
-from broker.frames import ORIGIN, Cursor
+from broker.frames import Cursor
 
 OFFSET: Final = re.compile(r"([0-9]{16})_([0-9]{16})")
 TTL: Final = re.compile(r"0|[1-9][0-9]{0,11}")
@@ -288,7 +288,3 @@ def sse_control(next_offset: str, *, cursor: str | None, up_to_date: bool, close
         if up_to_date:
             control["upToDate"] = True
     return sse_event("control", orjson.dumps(control).decode())
-
-
-def at_origin(cursor: Cursor) -> bool:
-    return cursor.key == ORIGIN.key
