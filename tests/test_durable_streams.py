@@ -116,7 +116,10 @@ def test_the_typescript_client_follows_a_generation_and_resumes_it(
 def test_the_python_client_follows_a_generation_and_resumes_it(
     broker_factory: BrokerFactory,
 ) -> None:
-    durable_streams = pytest.importorskip("durable_streams")
+    try:
+        import durable_streams
+    except ImportError:
+        missing_tool("the durable-streams package is not installed (see constraints.txt)")
     broker = broker_factory(**LONG_POLL)
     turn = _generation(broker, "py-follow")
     first: list[str] = []

@@ -256,13 +256,20 @@ def test_stop_lands_within_a_second_and_aborts_the_upstream_call(fast: RunningBr
     assert len(read_sse(fast.base_url, turn["stream_id"]).events) == len(events)
 
 
-def test_stop_reaches_the_worker_even_if_the_notification_is_lost(
-    broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def lost_stop_notices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop notifications never reach the worker: it learns of a stop from the durable flag."""
+
     async def lost(self: Turns, conversation_id: str, turn_id: str, attempt: int) -> None:
         return None
 
     monkeypatch.setattr(Turns, "_notify_stop", lost)
+
+
+@pytest.mark.usefixtures("lost_stop_notices")
+def test_stop_reaches_the_worker_even_if_the_notification_is_lost(
+    broker_factory: BrokerFactory,
+) -> None:
     broker = broker_factory(lease_ttl_ms=300, job_reclaim_idle_ms=1000)
     turn = start_turn(broker.base_url, turn_id="quiet-stop", tokens=5, tokens_per_s=0.5)
     read_sse(broker.base_url, turn["stream_id"], stop_after=2)
@@ -271,13 +278,10 @@ def test_stop_reaches_the_worker_even_if_the_notification_is_lost(
     assert wait_final(broker.base_url, "quiet-stop", timeout=1.5)["status"] == "cancelled"
 
 
+@pytest.mark.usefixtures("lost_stop_notices")
 def test_a_stop_first_seen_by_an_append_counts_the_call_cancelled(
-    broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
+    broker_factory: BrokerFactory,
 ) -> None:
-    async def lost(self: Turns, conversation_id: str, turn_id: str, attempt: int) -> None:
-        return None
-
-    monkeypatch.setattr(Turns, "_notify_stop", lost)
     # A long lease: its heartbeat is seconds away, so the next append meets the durable flag.
     broker = broker_factory(lease_ttl_ms=30_000)
     turn = start_turn(broker.base_url, turn_id="append-stop", tokens=400, tokens_per_s=20)
