@@ -41,6 +41,7 @@ from broker.api import (
 from broker.api.connections import ConnectionLimits, guarded
 from broker.api.docs import install_docs
 from broker.api.schemas import install_components
+from broker.api.stream_reads import StreamReads
 from broker.auth import Authenticator
 from broker.compression import Compression
 from broker.connection import (
@@ -311,6 +312,8 @@ def create_app(
         app.include_router(durable_router)
         app.add_api_route("/", _demo_page, methods=["GET"], include_in_schema=False)
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    if settings.runs_api:  # innermost: the hot read is answered past the framework's routing
+        app.add_middleware(StreamReads)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(HeaderSizeLimit, limit=settings.max_header_bytes)
     if settings.compression == "on":  # gzip for clients that ask; streams code their own bodies

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+from typing import Any
 
 import httpx
 import pytest
@@ -342,3 +343,40 @@ def test_sse_resumes_are_counted_and_an_expired_stream_is_410(
     assert broker.metric("broker_resumes_total", '{result="ok"}') == 1
     unknown = httpx.get(f"{broker.base_url}/v1/streams/st_{'0' * 32}", timeout=5)
     assert unknown.status_code == 404
+
+
+def test_sse_reads_are_served_below_the_framework_and_json_pages_through_it(
+    broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from broker.api import routes, stream_reads
+
+    seen: dict[str, list[str]] = {"fast": [], "routed": []}
+
+    def counting(where: str, real: Any) -> Any:
+        def checked(rt: Any, stream_id: str, *args: Any, **kwargs: Any) -> Any:
+            seen[where].append(stream_id)
+            return real(rt, stream_id, *args, **kwargs)
+
+        return checked
+
+    monkeypatch.setattr(stream_reads, "checked_read", counting("fast", routes.checked_read))
+    monkeypatch.setattr(routes, "checked_read", counting("routed", routes.checked_read))
+    broker = broker_factory()
+    turn = start_turn(broker.base_url, turn_id=f"fast-{next(_turns)}", tokens=4)
+    events = reference(broker, turn["stream_id"])
+    assert seen == {"fast": [turn["stream_id"]], "routed": []}
+    page = httpx.get(f"{broker.base_url}/v1/streams/{turn['stream_id']}?format=json")
+    assert page.status_code == 200
+    assert [e["id"] for e in page.json()["events"]] == [e.id for e in events]
+    assert seen == {"fast": [turn["stream_id"]], "routed": [turn["stream_id"]]}
+    # The fast path answers errors as the app does: the same shape, status and code.
+    bad = httpx.get(f"{broker.base_url}/v1/streams/{turn['stream_id']}?offset=nope")
+    assert bad.status_code == 400
+    assert bad.json()["error"]["code"] == "bad_offset"
+    assert len(seen["fast"]) == 2
+    assert len(seen["routed"]) == 1
+    # Not a stream read: a trailing slash or a deeper path is the framework's (its 404/307).
+    deeper = httpx.get(f"{broker.base_url}/v1/streams/{turn['stream_id']}/x")
+    assert deeper.status_code == 404
+    assert deeper.json()["error"]["code"] == "not_found"
+    assert len(seen["fast"]) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import FastAPI, Request
@@ -14,6 +15,9 @@ from starlette.responses import Response
 
 from broker.errors import BrokerError
 
+if TYPE_CHECKING:
+    from broker.metrics import Metrics
+
 log = logging.getLogger("broker.api")
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "bad_request"}
@@ -24,14 +28,33 @@ def error_response(status: int, code: str, message: str) -> Response:
     return Response(body, status_code=status, media_type="application/json")
 
 
+def broker_error_response(exc: BrokerError) -> Response:
+    """A broker error's answer: its status, code and message, and its headers."""
+    response = error_response(exc.status, exc.code, exc.message)
+    response.headers.update(exc.headers)
+    return response
+
+
+def redis_unavailable(method: str, path: str, exc: Exception, metrics: Metrics | None) -> Response:
+    """The 503 of a request that met a Redis outage (logged and counted)."""
+    log.warning("Redis unavailable during %s %s: %s", method, path, exc)
+    if metrics is not None:
+        metrics.redis_errors.inc()
+    return error_response(503, "redis_unavailable", "Redis is unavailable; retry shortly")
+
+
+def internal_error(method: str, path: str) -> Response:
+    """The 500 of a bug (logged with its traceback: call it where the exception is handled)."""
+    log.exception("unexpected error in %s %s", method, path)
+    return error_response(500, "internal", "internal error")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map broker errors, validation errors, Redis outages and stray HTTP errors to JSON."""
 
     async def broker_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, BrokerError)
-        response = error_response(exc.status, exc.code, exc.message)
-        response.headers.update(exc.headers)
-        return response
+        return broker_error_response(exc)
 
     async def validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -56,15 +79,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return response
 
     async def redis_error(request: Request, exc: Exception) -> Response:
-        log.warning("Redis unavailable during %s %s: %s", request.method, request.url.path, exc)
         metrics = getattr(request.app.state, "metrics", None)
-        if metrics is not None:
-            metrics.redis_errors.inc()
-        return error_response(503, "redis_unavailable", "Redis is unavailable; retry shortly")
+        return redis_unavailable(request.method, request.url.path, exc, metrics)
 
     async def unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return error_response(500, "internal", "internal error")
+        return internal_error(request.method, request.url.path)
 
     app.add_exception_handler(BrokerError, broker_error)
     app.add_exception_handler(RequestValidationError, validation_error)

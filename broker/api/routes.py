@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
@@ -62,9 +63,14 @@ async def caller(
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
 ) -> Principal:
     """Who sends the request; 401 when the broker needs credentials and these are refused."""
-    rt = runtime(request)
-    authorization = request.headers.get("authorization")
-    token = request.query_params.get("token")
+    return authenticate(
+        runtime(request), request.headers.get("authorization"), request.query_params.get("token")
+    )
+
+
+def authenticate(rt: Runtime, authorization: str | None, token: str | None) -> Principal:
+    """The principal of an ``Authorization`` header or ``?token=``; 401, counted, when the
+    broker needs credentials and these are refused."""
     try:
         return rt.auth.authenticate(authorization, token)
     except Unauthorized as exc:
@@ -277,34 +283,84 @@ async def read_stream(
         ),
     ] = None,
 ) -> Response:
-    """Read a turn's events as SSE (default) or as a JSON catch-up page (``format=json``)."""
+    """Read a turn's events as SSE (default) or as a JSON catch-up page (``format=json``).
+
+    The SSE form is served below the framework (:mod:`broker.api.stream_reads`), by the same
+    checks and the same response: this route documents both, and serves the JSON pages."""
     rt = runtime(request)
+    read = checked_read(
+        rt,
+        stream_id,
+        principal,
+        format=format,
+        offset=offset,
+        wait=wait,
+        heartbeat=heartbeat,
+        batch_ms=batch_ms,
+        last_event_id=request.headers.get("last-event-id"),
+    )
+    if not read.json:
+        return await sse_read(rt, stream_id, principal, read)
+    location = await rt.streams.locate(stream_id, principal.tenant, start=read.start)
+    page = rt.streams.page(location, read.start, read.wait_s)
+    if read.wait_s <= 0:
+        return json_response(await page)
+    waited = await until_gone(request, page)
+    return json_response({} if waited is Hangup.HUNG_UP else waited)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamRead:
+    """A read of ``GET /v1/streams/{id}`` whose parameters passed: its form and its start."""
+
+    json: bool
+    start: StartPoint
+    wait_s: float
+    heartbeat_s: float | None
+    batch_s: float
+
+
+def checked_read(
+    rt: Runtime,
+    stream_id: str,
+    principal: Principal,
+    *,
+    format: str | None,
+    offset: str | None,
+    wait: str | None,
+    heartbeat: str | None,
+    batch_ms: str | None,
+    last_event_id: str | None,
+) -> StreamRead:
+    """The checks of a stream read, in the order its errors come: a bad parameter (400), a
+    token that may not read this stream this way (403), a malformed offset (400)."""
     if format not in (None, "sse", "json"):
         raise BadRequest("format must be sse or json", code="bad_format")
-    wait_s = long_poll_wait(wait, rt.settings.long_poll_max_s, json=format == "json")
-    heartbeat_s = heartbeat_period(heartbeat, rt.settings, sse=format != "json")
-    batch_s = batch_period(batch_ms, rt.settings.sse_batch_max_ms, sse=format != "json")
+    json = format == "json"
+    wait_s = long_poll_wait(wait, rt.settings.long_poll_max_s, json=json)
+    heartbeat_s = heartbeat_period(heartbeat, rt.settings, sse=not json)
+    batch_s = batch_period(batch_ms, rt.settings.sse_batch_max_ms, sse=not json)
     if principal.stream_id is not None and principal.stream_id != stream_id:
         rt.metrics.auth_failures.labels("forbidden").inc()
         raise Forbidden("the attach token is for another stream", code="wrong_stream")
-    if principal.one_viewer and format == "json":
+    if principal.one_viewer and json:
         raise Forbidden("a one-viewer attach token reads over SSE only", code="sse_only")
     # 400 for a malformed offset before anything else. Last-Event-ID wins over ?offset=, but a
     # malformed ?offset= is refused even then: it is bad input all the same.
     start = StartPoint.parse(offset)
-    if last_event_id := request.headers.get("last-event-id"):
+    if last_event_id:
         start = StartPoint.parse(last_event_id)
+    return StreamRead(json, start, wait_s, heartbeat_s, batch_s)
+
+
+async def sse_read(rt: Runtime, stream_id: str, principal: Principal, read: StreamRead) -> Response:
+    """The SSE response of a checked read: 404 or 410 when its stream is unknown or expired,
+    204 when nothing will ever follow its start."""
     # An SSE read learns whether the data still exists from its opening round trip.
-    location = await rt.streams.locate(
-        stream_id, principal.tenant, start=start, check=format == "json"
+    location = await rt.streams.locate(stream_id, principal.tenant, start=read.start, check=False)
+    return await event_stream(
+        rt.deps, rt.streams, location, read.start, principal, read.heartbeat_s, read.batch_s
     )
-    if format == "json":
-        page = rt.streams.page(location, start, wait_s)
-        if wait_s <= 0:
-            return json_response(await page)
-        waited = await until_gone(request, page)
-        return json_response({} if waited is Hangup.HUNG_UP else waited)
-    return await event_stream(rt.deps, rt.streams, location, start, principal, heartbeat_s, batch_s)
 
 
 def heartbeat_period(raw: str | None, settings: Settings, *, sse: bool) -> float | None:

@@ -1,0 +1,89 @@
+"""``GET /v1/streams/{id}`` over SSE, served below the framework's routing.
+
+It is the broker's hottest route: a crowd that joins a live answer opens a thousand of these at
+once, and a quiet deployment holds ten thousand open. Through FastAPI each pays the walk over
+every route, the dependency solving, a ``Request``, and exit stacks and wrappers that stay
+suspended as long as the response lasts (see ``benchmarks/RESULTS.md``). This middleware, the
+innermost of the broker's own (so CORS, security headers, compression and the header limit
+apply as to any route), answers the SSE form of that route itself: the same credentials, the
+same checks in the same order (``routes.checked_read``), the same errors and the same response
+(``routes.sse_read``). Everything else goes on to the app, ``format=json`` pages included; the
+FastAPI route stays, and documents the read in ``/openapi.json``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Final
+
+from redis.exceptions import RedisError
+from starlette.datastructures import Headers, QueryParams
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from broker.api.errors import broker_error_response, internal_error, redis_unavailable
+from broker.api.routes import authenticate, checked_read, sse_read
+from broker.errors import BrokerError
+
+if TYPE_CHECKING:
+    from broker.app import Runtime
+
+# The route's path, as the framework's router matches it: one segment, not empty.
+PATH: Final = re.compile(r"/v1/streams/([^/]+)")
+
+
+class StreamReads:
+    """Serves SSE stream reads itself; passes every other request on to ``app``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream_id = _stream_id(scope)
+        if stream_id is None:
+            await self.app(scope, receive, send)
+            return
+        params = QueryParams(scope["query_string"])
+        if params.get("format") == "json":
+            await self.app(scope, receive, send)
+            return
+        response = await _answer(scope, stream_id, params)
+        await response(scope, receive, send)
+
+
+def _stream_id(scope: Scope) -> str | None:
+    """The stream id of an SSE read's path, or None for any other request."""
+    if scope["type"] != "http" or scope["method"] != "GET":
+        return None
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):  # as the router sees it
+        path = path[len(root) :]
+    matched = PATH.fullmatch(path)
+    return matched.group(1) if matched else None
+
+
+async def _answer(scope: Scope, stream_id: str, params: QueryParams) -> Response:
+    """The read's response, or the JSON error the app's handlers would have answered."""
+    rt: Runtime = scope["app"].state.runtime
+    headers = Headers(scope=scope)
+    try:
+        principal = authenticate(rt, headers.get("authorization"), params.get("token"))
+        read = checked_read(
+            rt,
+            stream_id,
+            principal,
+            format=params.get("format"),
+            offset=params.get("offset"),
+            wait=params.get("wait"),
+            heartbeat=params.get("heartbeat"),
+            batch_ms=params.get("batch_ms"),
+            last_event_id=headers.get("last-event-id"),
+        )
+        return await sse_read(rt, stream_id, principal, read)
+    except BrokerError as exc:
+        return broker_error_response(exc)
+    except (RedisError, ConnectionError) as exc:
+        return redis_unavailable("GET", scope["path"], exc, rt.metrics)
+    except Exception:
+        return internal_error("GET", scope["path"])
