@@ -28,6 +28,7 @@ from benchmarks.harness import PROFILES, Context, Sizes, Workload
 from benchmarks.idle import Idle
 from benchmarks.join import JoinLive
 from benchmarks.profiling import Profiler, ProfilerError, summary
+from benchmarks.replay import Replay
 from benchmarks.servers import (
     REPO,
     Broker,
@@ -283,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ManyStreams(),
             FanOut(),
             JoinLive(),
+            Replay(),
             LateReader(),
             Memory(),
             Idle(),

@@ -8,7 +8,8 @@ over pipes:
 
     viewer -> ("ready",)                     imported, waiting for the stream
     bench  -> (stream_id, pace)
-    viewer -> ("attached",)                  every viewer's response is open (or it gave up)
+    viewer -> ("attached", [ms, ...])        every viewer's response is open (or it gave up), and
+                                             when each head arrived (wall-clock ms)
     viewer -> ("done",)                      every viewer read its `end` (or gave up)
     bench  -> first_ms                       when the first delta was appended
     viewer -> ("result", {...})
@@ -107,11 +108,11 @@ class _Group:
         self.failed = 0
         self.reattaches = 0
         self.errors: collections.Counter[str] = collections.Counter()
-        self._attached = 0
+        self._attached: list[float] = []
         self._announced = False
 
-    def attached(self) -> None:
-        self._attached += 1
+    def attached(self, at_ms: float) -> None:
+        self._attached.append(at_ms)
         self._announce()
 
     def fail(self) -> None:
@@ -119,9 +120,9 @@ class _Group:
         self._announce()
 
     def _announce(self) -> None:
-        if not self._announced and self._attached + self.failed >= self.viewers:
+        if not self._announced and len(self._attached) + self.failed >= self.viewers:
             self._announced = True
-            self.conn.send(("attached",))
+            self.conn.send(("attached", self._attached))
 
 
 async def _view(
@@ -151,7 +152,7 @@ async def _view(
             if status == 200 and not attached:
                 attached = True
                 viewer.attached_ms = (reader.headers_at or time.time()) * 1000
-                group.attached()
+                group.attached(viewer.attached_ms)
             if status == 200:
                 await asyncio.wait_for(asyncio.shield(reader.done), deadline - time.monotonic())
             if viewer.ended or status == 204:

@@ -21,6 +21,7 @@ WORKLOADS: Final = (
     "many_streams",
     "fanout",
     "join",
+    "replay",
     "late_reader",
     "memory",
     "idle",
@@ -189,9 +190,16 @@ FIGURES: Final = (
     Figure(
         "join.attach_cpu_ms_per_viewer",
         "ms",
-        "broker CPU the join window adds to the turn's own, per attaching viewer",
+        "broker CPU of the attaches, per viewer: the join window's less the turn's own and the "
+        "live fan-out to viewers attached already",
         "lower",
         target=0.5,
+    ),
+    Figure(
+        "join.window_cpu_ms_per_viewer",
+        "ms",
+        "broker CPU the join window adds to the turn's own, per viewer, live fan-out included",
+        "lower",
     ),
     Figure(
         "join.attach_commands_per_viewer",
@@ -199,6 +207,34 @@ FIGURES: Final = (
         "Redis commands (script calls included) the join window adds, per attaching viewer",
         "lower",
         target=2,
+    ),
+    Figure(
+        "replay.missing",
+        "deltas",
+        "deltas some replaying viewer did not get",
+        "lower",
+        target=0,
+    ),
+    Figure(
+        "replay.events_per_s",
+        "events/s",
+        "events delivered in total while 1,000 viewers replay a finished 2,000-delta turn",
+        "higher",
+        target=250_000,
+    ),
+    Figure(
+        "replay.broker_rss_peak_mib",
+        "MiB",
+        "broker RSS at its peak during the replay",
+        "lower",
+        target=200,
+    ),
+    Figure(
+        "replay.broker_rss_after_mib",
+        "MiB",
+        "broker RSS once every replaying client left (settled)",
+        "lower",
+        target=150,
     ),
     Figure(
         "late_reader.first_event_ms",

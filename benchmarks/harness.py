@@ -38,6 +38,8 @@ class Sizes:
     idle_window_s: float  # the quiet window measured
     idle_heartbeat_s: float  # the broker's BROKER_SSE_HEARTBEAT_S for it
     idle_pool_trim_s: float  # its BROKER_POOL_TRIM_S (the default, 30, but in smoke runs)
+    replay_viewers: int  # readers that replay one finished turn at once
+    replay_tokens: int  # that turn's deltas
 
 
 PROFILES: Final = {
@@ -58,6 +60,8 @@ PROFILES: Final = {
         idle_window_s=45.0,
         idle_heartbeat_s=15.0,
         idle_pool_trim_s=30.0,
+        replay_viewers=1_000,
+        replay_tokens=2_000,
     ),
     "quick": Sizes(
         ceiling_s=0.75,
@@ -76,6 +80,8 @@ PROFILES: Final = {
         idle_window_s=32.0,
         idle_heartbeat_s=15.0,
         idle_pool_trim_s=30.0,
+        replay_viewers=1_000,
+        replay_tokens=2_000,
     ),
     "smoke": Sizes(
         ceiling_s=0.2,
@@ -94,6 +100,8 @@ PROFILES: Final = {
         idle_window_s=3.0,
         idle_heartbeat_s=1.0,
         idle_pool_trim_s=1.0,
+        replay_viewers=20,
+        replay_tokens=100,
     ),
 }
 

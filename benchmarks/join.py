@@ -9,7 +9,10 @@ lag is counted for the deltas appended after its response head arrived (a replay
 The attach storm's cost is what the join window adds to a stream with no viewers: the broker's
 CPU and the Redis commands (calls inside scripts included) from the first connect to the last
 attach, less the same turn's own rate measured for a second just before, divided by the
-viewers.
+viewers. Its CPU figure also leaves out the live fan-out to the viewers attached already (the
+fan-out workload's cost, not the attaches'): the rate the broker runs at for a second once all
+follow, less the turn's own, per viewer, times the viewer-seconds they were attached in the
+window. The window's whole CPU per viewer is reported beside it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from broker.vocabulary import FINAL_STATUSES
 JOIN_OVER_S = 1.0
 BASELINE_S = 1.0  # the turn alone, before anyone joins: what the join window is compared with
 RUNNING_FOR_S = 1.0  # how long the turn has run when the first viewer joins
+STEADY_S = 1.0  # every viewer attached: the live fan-out's own rate, after the join window
 
 
 def _calls(ctx: Context) -> int:
@@ -59,7 +63,7 @@ class JoinLive:
         sizes = ctx.sizes
         pace = sizes.fanout_pace
         # Long enough that every viewer joins while it runs, and follows it live a while.
-        tokens = max(sizes.fanout_tokens, int(pace * (RUNNING_FOR_S + JOIN_OVER_S + 3)))
+        tokens = max(sizes.fanout_tokens, int(pace * (RUNNING_FOR_S + JOIN_OVER_S + STEADY_S + 3)))
         timeout = 2 * tokens / pace + 150
         args = [
             (ctx.broker.base_url, share, timeout)
@@ -93,12 +97,22 @@ class JoinLive:
         stored_at_join = xlen(client, key)
         for conn in pipes:
             conn.send((stream_id, pace, JOIN_OVER_S))
+        attached_ms: list[float] = []
         for conn in pipes:
-            _recv(conn, 120, "attached")
-        calls1, cpu1, at1 = _calls(ctx), cpu_seconds(pid), time.monotonic()
+            attached_ms += _recv(conn, 120, "attached")[1]
+        calls1, cpu1, at1, wall1 = _calls(ctx), cpu_seconds(pid), time.monotonic(), time.time()
         window_s = at1 - at0
         storm_calls = (calls1 - calls0) - calls_rate * window_s
         storm_cpu_s = (cpu1 - cpu0) - cpu_rate * window_s
+        # What the viewers attached already cost meanwhile: the live fan-out, at the rate it
+        # runs once they all follow (measured right after), for the viewer-seconds they were
+        # attached in the window. It is the fan-out's cost, not the attaches'.
+        time.sleep(STEADY_S)
+        cpu2, at2 = cpu_seconds(pid), time.monotonic()
+        steady_live = xlen(client, key) < tokens  # the turn still ran all along
+        per_viewer_cores = ((cpu2 - cpu1) / (at2 - at1) - cpu_rate) / max(1, len(attached_ms))
+        viewer_s = sum(max(0.0, wall1 - ms / 1000) for ms in attached_ms)
+        live_cpu_s = per_viewer_cores * viewer_s
         done: set[int] = set()
         cancelled = False
         turn_deadline = first_ms / 1000 + 2 * tokens / pace + 5
@@ -129,7 +143,8 @@ class JoinLive:
             values={
                 "join.missing": float(max(0, viewers * written - received)),
                 "join.lag_p99_ms": p99 / LAG_BUCKETS_PER_MS,
-                "join.attach_cpu_ms_per_viewer": storm_cpu_s * 1000 / viewers,
+                "join.attach_cpu_ms_per_viewer": (storm_cpu_s - live_cpu_s) * 1000 / viewers,
+                "join.window_cpu_ms_per_viewer": storm_cpu_s * 1000 / viewers,
                 "join.attach_commands_per_viewer": storm_calls / viewers,
             },
             details={
@@ -149,6 +164,10 @@ class JoinLive:
                 "baseline_broker_cpu_cores": round(cpu_rate, 3),
                 "storm_commands": round(storm_calls),
                 "storm_broker_cpu_s": round(storm_cpu_s, 3),
+                "live_fanout_cpu_s_in_window": round(live_cpu_s, 3),
+                "attached_viewer_s_in_window": round(viewer_s, 1),
+                "steady_cores_per_1000_viewers": round(per_viewer_cores * 1000, 3),
+                "steady_window_while_live": steady_live,
                 "viewer_cpu_s": round(sum(r["cpu_s"] for r in results), 2),
                 "errors": [e for r in results for e in r["errors"].items()],
             },
