@@ -1,7 +1,8 @@
 """Server-sent events: the frames and an ASGI response that streams them.
 
 The response races three things: the event source, the client's disconnect, and a per-send
-timeout. Whichever ends first ends the response, and the source is always closed, so a reader's
+timeout (watched for every response of the event loop by one task, :class:`SendWatch`).
+Whichever ends first ends the response, and the source is always closed, so a reader's
 subscription is released the moment its client goes away. Heartbeats are SSE comments, so
 ``EventSource`` ignores them while proxies and clients see a live connection.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any, Final, Protocol
 
@@ -144,6 +146,7 @@ class EventStreamResponse(Response):
         self._batch_s = batch_s
         self._held: list[bytes] = []  # live chunks taken for the next batched write
         self._flush_timer: asyncio.TimerHandle | None = None
+        self._stuck: asyncio.Future[None] | None = None  # set by the loop's SendWatch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         coding = scope.get(CODING)  # chosen by broker.compression's middleware, when it is on
@@ -152,15 +155,20 @@ class EventStreamResponse(Response):
         headers = self._raw_headers + stream_headers(coding)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         self._send_body = scope.get(RAW_SEND, send)
+        loop = asyncio.get_running_loop()
+        self._stuck = stuck = loop.create_future()
+        sends = SendWatch.of(loop)
+        sends.add(self)
         pump = asyncio.create_task(self._pump())
         watch = asyncio.create_task(_wait_for_disconnect(receive))
-        stuck = asyncio.create_task(self._watch_sends())
         try:
             await asyncio.wait({pump, watch, stuck}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._over = True
+            sends.discard(self)
+            stuck.cancel()
             self._drop_held()
-            tasks = [pump, watch, stuck]
+            tasks = [pump, watch]
             if self._finishing is not None:
                 tasks.append(self._finishing)
             for task in tasks:
@@ -315,17 +323,63 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": True})
         self._sending_since = None
 
-    async def _watch_sends(self) -> None:
-        """End the response when one write has waited ``send_timeout_s`` for the client."""
+    def _check_send(self, now: float) -> None:
+        """End the response if one write has waited ``send_timeout_s`` for the client (called by
+        the loop's :class:`SendWatch`)."""
+        since, stuck = self._sending_since, self._stuck
+        if since is None or stuck is None or stuck.done():
+            return
+        if now - since >= self._send_timeout_s:
+            log.info("closing a stream whose client did not read for %s s", self._send_timeout_s)
+            stuck.set_result(None)
+
+
+class SendWatch:
+    """One task per event loop that ends the responses whose write waited too long for their
+    client: a timer of its own per response would be a task, and a wake-up per send timeout,
+    for each of thousands of quiet connections.
+
+    It looks at every open response a few times per send timeout (a quarter of the shortest,
+    at most every second), so a stuck write ends between one and 1.25 timeouts after it began
+    (plus a second at most for timeouts over 4 s).
+    """
+
+    def __init__(self) -> None:
+        self.responses: set[EventStreamResponse] = set()
+        self.period = 1.0
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> SendWatch:
+        watch = _SEND_WATCHES.get(loop)
+        if watch is None:
+            watch = _SEND_WATCHES[loop] = cls()
+        return watch
+
+    def add(self, response: EventStreamResponse) -> None:
+        self.responses.add(response)
+        self.period = min(self.period, max(0.01, response._send_timeout_s / 4))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def discard(self, response: EventStreamResponse) -> None:
+        self.responses.discard(response)
+
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        timeout = self._send_timeout_s
-        while True:
-            since = self._sending_since
-            if since is not None and loop.time() - since >= timeout:
-                log.info("closing a stream whose client did not read for %s s", timeout)
-                return
-            wait = timeout if since is None else since + timeout - loop.time()
-            await asyncio.sleep(max(wait, 0.01))
+        try:
+            while self.responses:
+                await asyncio.sleep(self.period)
+                now = loop.time()
+                for response in list(self.responses):
+                    response._check_send(now)
+        finally:
+            self._task = None  # the next response starts it again
+
+
+_SEND_WATCHES: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SendWatch]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

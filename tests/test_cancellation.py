@@ -10,6 +10,7 @@ cancellation that lands on it, as redis-py often does, so each test below holds 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 import time
@@ -49,7 +50,7 @@ def swallowed(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitabl
     return execute_command
 
 
-READING = {"EventStreamResponse._pump", "_wait_for_disconnect", "EventStreamResponse._watch_sends"}
+READING = {"EventStreamResponse._pump", "_wait_for_disconnect", "SendWatch._run"}
 
 
 def reading_tasks(broker: RunningBroker) -> int:
@@ -213,3 +214,33 @@ def test_dialect_readers_whose_clients_left_cost_nothing_afterwards(
     wait_until(lambda: reading_tasks(broker) == 0, timeout=3)
     hub = broker.runtime.hub
     wait_until(lambda: all(not feed.subscriptions for feed in hub._feeds.values()), timeout=5)
+
+
+def test_each_reader_costs_two_tasks_and_one_task_watches_every_send(
+    broker_factory: BrokerFactory,
+) -> None:
+    broker = broker_factory()
+    turn_id, stream_id = start_long_turn(broker, tokens_per_s=5)
+    port = int(broker.base_url.rsplit(":", 1)[1])
+    request = f"GET /v1/streams/{stream_id} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+
+    async def census() -> collections.Counter[str]:
+        names = [getattr(task.get_coro(), "__qualname__", "") for task in asyncio.all_tasks()]
+        return collections.Counter(name for name in names if name in READING)
+
+    readers = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+    try:
+        for conn in readers:
+            conn.sendall(request)
+            assert conn.recv(100)
+        counts = broker.call(census())
+        assert counts == {
+            "EventStreamResponse._pump": 20,
+            "_wait_for_disconnect": 20,
+            "SendWatch._run": 1,
+        }
+    finally:
+        for conn in readers:
+            conn.close()
+    wait_until(lambda: reading_tasks(broker) == 0)  # the watch ends with the last reader
+    httpx.post(f"{broker.base_url}/v1/turns/{turn_id}/cancel", timeout=10)
