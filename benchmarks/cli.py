@@ -98,6 +98,14 @@ def _parser() -> argparse.ArgumentParser:
         "--compare", type=Path, metavar="PATH", help="an earlier results file to compare with"
     )
     parser.add_argument(
+        "--broker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the broker processes only (repeatable), e.g. "
+        "PYTHONMALLOC=malloc to compare allocators",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         metavar="DIR",
@@ -181,6 +189,7 @@ class Run:
         for node in self.nodes:  # FLUSHALL acts on one node of a cluster
             node.flushall()
         env = {"BROKER_REPLICA_ACKS": str(self.args.replica_acks)}
+        env.update(_broker_env(self.args.broker_env))
         broker_env = getattr(workload, "broker_env", None)  # a workload's own settings
         if broker_env is not None:
             env.update(broker_env(self.sizes))
@@ -240,6 +249,17 @@ def _log_summary(lines: Sequence[str], keep: int = 12) -> list[str]:
     return [f"{n} x {message}" for message, n in counts.most_common(keep)]
 
 
+def _broker_env(pairs: Sequence[str]) -> dict[str, str]:
+    """``--broker-env`` values as a mapping; ValueError for one without ``=``."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, equals, value = pair.partition("=")
+        if not equals or not name:
+            raise ValueError(f"--broker-env wants NAME=VALUE, not {pair!r}")
+        out[name] = value
+    return out
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
@@ -251,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.repeat < 1:
             raise ValueError("--repeat must be at least 1")
         _check_replicas(args)
+        _broker_env(args.broker_env)
     except ValueError as exc:
         print(f"benchmarks: {exc}", file=sys.stderr)
         return 2
@@ -304,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "topology": redis_server.topology,
         "replicas": args.replicas,  # per primary
         "replica_acks": args.replica_acks,  # the brokers' BROKER_REPLICA_ACKS
+        "broker_env": _broker_env(args.broker_env),  # what --broker-env gave the brokers
         "repeat": args.repeat,
         "sizes": dataclasses.asdict(sizes),
         **described,
