@@ -339,9 +339,8 @@ class SendWatch:
     client: a timer of its own per response would be a task, and a wake-up per send timeout,
     for each of thousands of quiet connections.
 
-    It looks at every open response a few times per send timeout (a quarter of the shortest,
-    at most every second), so a stuck write ends between one and 1.25 timeouts after it began
-    (plus a second at most for timeouts over 4 s).
+    It looks at every open response every quarter of the shortest send timeout (at most every
+    second), so a stuck write ends between one and 1.25 timeouts after it began.
     """
 
     def __init__(self) -> None:
