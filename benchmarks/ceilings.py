@@ -219,7 +219,7 @@ def run(
 
     def append_request(i: int) -> Target:
         lease, events, turn = (f"ceiling:{{{i}}}:{k}" for k in ("lease", "events", "turn"))
-        client.hset(lease, "token", TOKEN)
+        client.hset(lease, mapping={"token": TOKEN, "base": 0})  # as claim_lease leaves it
         client.hset(turn, "status", "streaming")
         # The k-th append names the k events before it, as the broker's writer does.
         return servers.port_for(lease), lambda k: command(

@@ -74,6 +74,7 @@ class TurnWriter:
         claim = await self._scripts.claim_lease(
             turn=self._turn,
             lease=self._lease,
+            events_key=self._events,
             owner=owner,
             ttl_ms=self._lease_ttl_ms,
             attempt=attempt,

@@ -300,9 +300,9 @@ class Scripts:
         )
 
     async def claim_lease(
-        self, *, turn: str, lease: str, owner: str, ttl_ms: int, attempt: int
+        self, *, turn: str, lease: str, events_key: str, owner: str, ttl_ms: int, attempt: int
     ) -> Claim:
-        reply = await self("claim_lease", [turn, lease], [owner, ttl_ms, attempt])
+        reply = await self("claim_lease", [turn, lease, events_key], [owner, ttl_ms, attempt])
         result = str(reply[0])
         if result == "claimed":
             return Claim("claimed", str(reply[1]), _text(reply, 2), _text(reply, 3) == "1")
@@ -385,13 +385,16 @@ class Scripts:
         events_key: str,
         tombstone: str,
         conversation_turns: str,
+        lease: str,
         ttl_ms: int,
         tombstone_ms: int,
     ) -> Outcome:
         """``cancelled`` or ``signalled`` (value: the attempt), ``final`` (the status) or
         ``missing``."""
         reply = await self(
-            "cancel_turn", [turn, events_key, tombstone, conversation_turns], [ttl_ms, tombstone_ms]
+            "cancel_turn",
+            [turn, events_key, tombstone, conversation_turns, lease],
+            [ttl_ms, tombstone_ms],
         )
         return Outcome(str(reply[0]), _text(reply, 1))
 

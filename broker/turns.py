@@ -373,6 +373,7 @@ class Turns:
             events_key=keys.events(conversation_id, turn_id),
             tombstone=keys.tombstone(conversation_id, turn_id),
             conversation_turns=keys.conversation_turns(conversation_id),
+            lease=keys.lease(conversation_id, turn_id),
             ttl_ms=settings.stream_ttl_ms,
             tombstone_ms=settings.tombstone_ttl_ms,
         )

@@ -87,6 +87,7 @@ async def test_the_turn_scripts_run_on_a_cluster(cluster: Redis) -> None:
             keys.events(conversation, turn),
             keys.tombstone(conversation, turn),
             keys.conversation_turns(conversation),
+            keys.lease(conversation, turn),
         ],
         [60_000, 60_000],
     )

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from broker import redis_calls as rc
 from broker.deps import Deps
-from broker.errors import FencedWrite
+from broker.errors import FencedWrite, StopRequested, StreamFull
 from broker.keys import Keys
 from broker.lease import TurnWriter
 from broker.metrics import Metrics
@@ -82,6 +82,94 @@ async def test_a_stale_token_is_refused_after_a_takeover(aredis: Redis, keys: Ke
         for _, f in await rc.xrange(aredis, keys.events(conversation, turn), "-")
     ]
     assert texts == ["from a", "from b"]
+
+
+def delta(text: str) -> tuple[str, dict[str, object]]:
+    return ("delta", {"attempt": 1, "text": text})
+
+
+async def cancel(scripts: Scripts, keys: Keys, conversation: str, turn: str) -> list[str]:
+    reply = await scripts(
+        "cancel_turn",
+        [
+            keys.turn(conversation, turn),
+            keys.events(conversation, turn),
+            keys.tombstone(conversation, turn),
+            keys.conversation_turns(conversation),
+            keys.lease(conversation, turn),
+        ],
+        [60_000, 60_000],
+    )
+    return [str(part) for part in reply]
+
+
+async def test_the_stream_limit_counts_what_came_before_the_lease(
+    aredis: Redis, keys: Keys
+) -> None:
+    # The append checks the length as the lease's base plus its own appends (no XLEN each
+    # time): a takeover's base holds what the lost writer appended.
+    scripts = Scripts(aredis)
+    conversation, turn = await new_turn(aredis, keys, scripts)
+    events = keys.events(conversation, turn)
+    first = writer(scripts, keys, conversation, turn, ttl_ms=10_000)
+    assert (await first.claim("worker-a", 1)).result == "claimed"
+    await first.append([delta(str(i)) for i in range(60)])
+    await aredis.delete(keys.lease(conversation, turn))  # the lease expired
+    second = writer(scripts, keys, conversation, turn, ttl_ms=10_000)
+    assert (await second.claim("worker-b", 1)).result == "claimed"
+    assert await aredis.hget(keys.lease(conversation, turn), "base") == "60"
+    await second.append([delta(str(i)) for i in range(39)])
+    with pytest.raises(StreamFull):
+        await second.append([delta("101st"), delta("102nd")])
+    assert await aredis.xlen(events) == 99  # nothing of the refused batch
+    await second.append([delta("100th")])
+    assert await aredis.xlen(events) == 100
+    with pytest.raises(StreamFull):
+        await second.append([delta("101st")])
+    assert await aredis.xlen(events) == 100
+
+
+async def test_a_stop_reaches_the_next_append_and_a_takeover(aredis: Redis, keys: Keys) -> None:
+    scripts = Scripts(aredis)
+    conversation, turn = await new_turn(aredis, keys, scripts)
+    events = keys.events(conversation, turn)
+    first = writer(scripts, keys, conversation, turn, ttl_ms=10_000)
+    assert (await first.claim("worker-a", 1)).result == "claimed"
+    await first.append([delta("a")])
+    assert await cancel(scripts, keys, conversation, turn) == ["signalled", "1"]
+    with pytest.raises(StopRequested):
+        await first.append([delta("after the stop")])
+    assert await aredis.xlen(events) == 1
+    # The writer died before it saw the stop: the worker that takes over is refused as well.
+    await aredis.delete(keys.lease(conversation, turn))
+    second = writer(scripts, keys, conversation, turn, ttl_ms=10_000)
+    claim = await second.claim("worker-b", 1)
+    assert (claim.result, claim.stop_requested) == ("claimed", True)
+    with pytest.raises(StopRequested):
+        await second.append([delta("taken over after the stop")])
+    assert await aredis.xlen(events) == 1
+
+
+async def test_a_lease_claimed_without_a_base_still_checks_the_stream(
+    aredis: Redis, keys: Keys
+) -> None:
+    # A lease claimed by a process of the version before `base` (a rolling upgrade): the append
+    # reads the stream's length and the turn's stop flag, as that version did.
+    scripts = Scripts(aredis)
+    conversation, turn = await new_turn(aredis, keys, scripts)
+    lease, events = keys.lease(conversation, turn), keys.events(conversation, turn)
+    old = writer(scripts, keys, conversation, turn, ttl_ms=10_000)
+    assert (await old.claim("worker-a", 1)).result == "claimed"
+    await aredis.hdel(lease, "base")
+    await aredis.xadd(events, {"e": "delta", "d": "{}"})  # as if by no lease at all
+    await old.append([delta(str(i)) for i in range(98)])
+    with pytest.raises(StreamFull):
+        await old.append([delta("101st"), delta("102nd")])
+    assert await aredis.xlen(events) == 99
+    await aredis.hset(keys.turn(conversation, turn), "cancel", "1")  # an old cancel_turn
+    with pytest.raises(StopRequested):
+        await old.append([delta("after the stop")])
+    assert await aredis.xlen(events) == 99
 
 
 async def test_a_live_heartbeating_lease_cannot_be_stolen(aredis: Redis, keys: Keys) -> None:

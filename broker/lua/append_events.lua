@@ -5,7 +5,8 @@
 --
 -- KEYS[1]  lease hash     {c:<conversation>}:lease:<turn_id>
 -- KEYS[2]  event stream   {c:<conversation>}:events:<turn_id>
--- KEYS[3]  turn hash      {c:<conversation>}:turn:<turn_id>
+-- KEYS[3]  turn hash      {c:<conversation>}:turn:<turn_id> (read only for a lease claimed
+--                           by a version that did not record `base`)
 -- ARGV[1]  token          the fencing token returned by claim_lease
 -- ARGV[2]  max_events     the stream may hold at most this many entries after the append
 -- ARGV[3]  appended       how many events this token appended before this batch
@@ -13,7 +14,12 @@
 --
 -- The lease hash counts the events appended under its token (field `appended`), which makes an
 -- append safe to send again when its reply was lost (a connection cut, a Redis restart): a batch
--- already appended is answered with its ids, and appended nothing twice.
+-- already appended is answered with its ids, and appended nothing twice. While a lease holds,
+-- nothing but its own appends is added to the stream (a stop only flags the lease, and the end
+-- is written by finish_attempt, which drops it), so `base` (the length at the claim) plus
+-- `appended` is the stream's length: no XLEN per append. A stop (cancel_turn) is flagged on the
+-- lease as well as the turn, so one HMGET of the lease holds every check: a single-event append
+-- is four calls (the HMGET, the XADD, the HINCRBY, and the call of the script itself).
 --
 -- Returns  the list of assigned entry ids, one per event
 -- Errors   "FENCED ..."       the lease expired or belongs to another token, or `appended` is
@@ -21,12 +27,15 @@
 --          "CANCELLED ..."    the user asked to stop this attempt; nothing appended
 --          "STREAM_FULL ..."  the append would pass max_events; nothing appended
 local lease, events = KEYS[1], KEYS[2]
-if redis.call('HGET', lease, 'token') ~= ARGV[1] then
+-- One read of the lease answers every check: its token, its count, the stream's length when it
+-- was claimed, and a stop requested since (see claim_lease and cancel_turn).
+local v = redis.call('HMGET', lease, 'token', 'appended', 'base', 'cancel')
+if v[1] ~= ARGV[1] then
   return redis.error_reply('FENCED lease lost or taken over')
 end
 local n = (#ARGV - 3) / 2
 local before = tonumber(ARGV[3])
-local appended = tonumber(redis.call('HGET', lease, 'appended') or '0')
+local appended = tonumber(v[2] or '0')
 if n > 0 and appended == before + n then
   -- This batch was appended, and its reply lost: it is the stream's tail.
   local tail = redis.call('XREVRANGE', events, '+', '-', 'COUNT', n)
@@ -39,10 +48,20 @@ end
 if appended ~= before then
   return redis.error_reply('FENCED appends out of order for this token')
 end
-if redis.call('HEXISTS', KEYS[3], 'cancel') == 1 then
+local length
+if v[3] then
+  length = tonumber(v[3]) + appended
+else
+  -- A lease claimed before leases recorded their base: read the turn as it was read then.
+  if redis.call('HEXISTS', KEYS[3], 'cancel') == 1 then
+    return redis.error_reply('CANCELLED a stop was requested')
+  end
+  length = redis.call('XLEN', events)
+end
+if v[4] then
   return redis.error_reply('CANCELLED a stop was requested')
 end
-if redis.call('XLEN', events) + n > tonumber(ARGV[2]) then
+if length + n > tonumber(ARGV[2]) then
   return redis.error_reply('STREAM_FULL the stream reached its maximum number of events')
 end
 local ids = {}

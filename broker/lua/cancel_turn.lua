@@ -5,6 +5,8 @@
 -- KEYS[2]  event stream   {c:<conversation>}:events:<turn_id>
 -- KEYS[3]  tombstone      {c:<conversation>}:tombstone:<turn_id>
 -- KEYS[4]  conversation turns  {c:<conversation>}:turns
+-- KEYS[5]  lease hash     {c:<conversation>}:lease:<turn_id> (flagged too, so that an append
+--                         reads one hash; a takeover's claim copies the turn's flag)
 -- ARGV[1]  ttl_ms         retention of the finished turn's keys
 -- ARGV[2]  tombstone_ms   how long the turn id stays taken after that
 --
@@ -21,6 +23,9 @@ if not status then
 end
 if status == 'streaming' then
   redis.call('HSET', turn, 'cancel', attempt)
+  if redis.call('EXISTS', KEYS[5]) == 1 then
+    redis.call('HSET', KEYS[5], 'cancel', attempt)
+  end
   return {'signalled', attempt}
 end
 if status ~= 'queued' then
