@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl, unquote
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.cluster import LoadBalancingStrategy
+from redis.driver_info import DriverInfo
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from broker.errors import BrokerError
@@ -150,6 +151,9 @@ def client(
         "socket_connect_timeout": 5,
         "socket_timeout": socket_timeout,
         "health_check_interval": 30,
+        # No CLIENT SETINFO (two commands) on each new connection: a burst of readers opens a
+        # few hundred, and CLIENT LIST's lib-name is all they would buy.
+        "driver_info": DriverInfo(name=None, lib_version=None),
     }
     if is_cluster_url(url):
         if from_replicas:

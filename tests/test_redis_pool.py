@@ -53,3 +53,19 @@ async def test_a_burst_of_connections_is_trimmed_to_the_few_most_recently_used(
     finally:
         await pool_client.aclose()
         observer.close()
+
+
+async def test_a_new_connection_costs_no_client_setinfo(redis_url: str) -> None:
+    # A burst opens hundreds of connections: each costs its handshake and nothing more.
+    name = f"pool-setinfo-{next(_names)}"
+    observer = sync_client(redis_url)
+    pool_client = client(redis_url)
+    pool_client.connection_pool.connection_kwargs["client_name"] = name
+    try:
+        await pool_client.ping()
+        info = next(c for c in observer.client_list() if c.get("name") == name)
+        assert info.get("lib-name", "") == ""
+        assert info.get("lib-ver", "") == ""
+    finally:
+        await pool_client.aclose()
+        observer.close()
