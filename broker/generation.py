@@ -120,7 +120,9 @@ class Generation:
         self._prefix = ""
         self._usage: dict[str, int] | None = None
         self._stream_id: str | None = None
-        self._output = AttemptOutput(run.writer, run.attempt)
+        self._output = AttemptOutput(
+            run.writer, run.attempt, linger_s=deps.settings.append_linger_ms / 1000
+        )
         self._tools = ToolSteps(
             run.conversation_id,
             run.turn_id,

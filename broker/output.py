@@ -1,9 +1,12 @@
 """What one attempt puts on its turn's stream, in order, through its :class:`TurnWriter`.
 
 Deltas are grouped: those that arrive while an append is in flight go together in the next one
-(a group commit), so a fast model costs fewer round trips than it sends deltas. Readers see the
-same events either way; each is in Redis before any reader can see it, and the attempt's text
-only counts what was appended.
+(a group commit), so a fast model costs fewer round trips than it sends deltas. A model slower
+than Redis would still cost an append per delta, so an append waits up to a linger
+(``BROKER_APPEND_LINGER_MS``) for the deltas that follow its first; the attempt's first output
+and everything that must follow the deltas (tool events, usage, the end) do not wait. Readers see
+the same events either way; each is in Redis before any reader can see it, and the attempt's
+text only counts what was appended.
 
 The order on the stream is kept here:
 
@@ -31,9 +34,13 @@ class AttemptOutput:
     """The stream side of one attempt: its queued deltas, the text appended so far, and whether
     anything of it reached readers."""
 
-    def __init__(self, writer: TurnWriter, attempt: int) -> None:
+    def __init__(self, writer: TurnWriter, attempt: int, *, linger_s: float = 0.0) -> None:
         self._writer = writer
         self._n = attempt
+        self._linger_s = linger_s
+        self._hurry: asyncio.Future[None] | None = None  # ends the linger under way
+        self._hurried = False  # someone waits for the queued deltas: no more lingering
+        self._first_queued = 0.0  # loop time the oldest queued delta was queued
         self.strategy: Any = None  # the attempt record's strategy, for its `attempt` event
         self.has_attempt_event = False
         self.tool_output = False  # tool events of this attempt are on the stream
@@ -78,6 +85,8 @@ class AttemptOutput:
         """Append a delta soon, together with those that arrive while an append is in flight."""
         if self._flush_error is not None:
             await self.drain()  # raises it
+        if not self._queued:
+            self._first_queued = asyncio.get_running_loop().time()
         self._queued.append(("delta", {"attempt": self._n, "text": text}))
         self._queued_text.append(text)
         if not self._flushing:
@@ -88,6 +97,7 @@ class AttemptOutput:
     async def _flush(self) -> None:
         try:
             while self._queued:
+                await self._linger()
                 events, texts = self._queued, self._queued_text
                 self._queued, self._queued_text = [], []
                 await self._write(events)
@@ -96,12 +106,37 @@ class AttemptOutput:
             self._flush_error = exc
             self._queued, self._queued_text = [], []
 
+    async def _linger(self) -> None:
+        """Give the deltas after the first queued up to the linger, from when it was queued, to
+        share its append (time spent waiting for the last append counts); not the attempt's
+        first output (its time to first token is the model's alone), nor once someone waits."""
+        if self._linger_s <= 0 or not self.has_attempt_event or self._hurried:
+            return
+        loop = asyncio.get_running_loop()
+        delay = self._first_queued + self._linger_s - loop.time()
+        if delay <= 0:
+            return
+        hurry = self._hurry = loop.create_future()
+        timer = loop.call_later(delay, _wake, hurry)
+        try:
+            await hurry  # a plain future: its cancellation does not pass through Redis
+        finally:
+            timer.cancel()
+            self._hurry = None
+
+    def _hurry_up(self) -> None:
+        self._hurried = True
+        if self._hurry is not None:
+            _wake(self._hurry)
+
     async def drain(self) -> None:
         """Wait until every queued delta is appended; raise what stopped an append."""
+        self._hurry_up()  # whoever waits for the deltas does not wait for the linger too
         flusher = self._flusher
         if flusher is not None and not flusher.done():
             # asyncio.wait: a cancelled caller must not cancel the append it waits for.
             await asyncio.wait([flusher])
+        self._hurried = False
         error, self._flush_error = self._flush_error, None
         if error is not None:
             raise error
@@ -161,3 +196,8 @@ class AttemptOutput:
         if self._flusher is not None and not self._flusher.done():
             self._queued, self._queued_text = [], []
             self._flusher.cancel()
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -31,11 +31,12 @@ BOUNDED = {
     "replica_acks": (0, 16),  # 0: writes do not wait for replicas
     "replica_wait_ms": (1, 60_000),
     "long_poll_max_s": (0, 300),  # 0: no long polls (a ?wait= above 0 is refused)
-    "sse_batch_max_ms": (0, 10_000),
+    "sse_batch_max_ms": (0, 10_000),  # 0: no batching (a ?batch_ms= above 0 is refused)
+    "append_linger_ms": (0, 1_000),  # 0: an append goes as soon as the last one is done
     "ds_long_poll_s": (0.05, 300),
     "ds_sse_max_s": (1, 3_600),
     "ds_max_read_bytes": (1_024, 1_073_741_824),
-    "ds_max_appends": (1, 100_000_000),  # 0: no batching (a ?batch_ms= above 0 is refused)
+    "ds_max_appends": (1, 100_000_000),
     "webhook_max_tries": (1, 1000),
     "webhook_backoff_ms": (1, 3_600_000),
     "webhook_backoff_max_ms": (1, 86_400_000),
@@ -71,6 +72,7 @@ class Settings:
     replica_acks: int = 0  # replicas each script's write waits for (WAIT); 0: do not wait
     replica_wait_ms: int = 500  # how long a write waits for them before it goes on anyway
     worker_concurrency: int = 64
+    append_linger_ms: float = 40.0  # how long an append waits for more deltas to share it
     sse_heartbeat_s: float = 15.0
     sse_heartbeat_max_s: float = 120.0  # the longest heartbeat period a client may ask for
     sse_batch_max_ms: int = 1_000  # the longest ?batch_ms= an SSE reader may ask for

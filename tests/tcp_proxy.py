@@ -2,6 +2,9 @@
 either cleanly (a FIN, as a server that closes mid-stream) or with a reset (an RST, as a dead
 network path), while the client reconnects through it as before.
 
+``reply_delay_s`` holds each chunk the server sends, as a slow server or a long path would; the
+server may be on a Unix socket (a ``unix://`` URL).
+
 It runs its own event loop in a thread, so tests that use blocking clients can drive it too.
 """
 
@@ -29,11 +32,14 @@ class CutProxy:
     crossed the wire.
     """
 
-    def __init__(self, upstream_url: str) -> None:
+    def __init__(self, upstream_url: str, *, reply_delay_s: float = 0.0) -> None:
         parts = urlsplit(upstream_url)
-        assert parts.hostname is not None, upstream_url
-        assert parts.port is not None, upstream_url
-        self._upstream = (parts.hostname, parts.port)
+        self._unix = parts.path if parts.scheme == "unix" else ""
+        if not self._unix:
+            assert parts.hostname is not None, upstream_url
+            assert parts.port is not None, upstream_url
+        self._upstream = (parts.hostname or "", parts.port or 0)
+        self._reply_delay_s = reply_delay_s  # each chunk the server sends waits this long
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="proxy", daemon=True)
         self._server: asyncio.Server | None = None
@@ -101,7 +107,10 @@ class CutProxy:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+            if self._unix:
+                up_reader, up_writer = await asyncio.open_unix_connection(self._unix)
+            else:
+                up_reader, up_writer = await asyncio.open_connection(*self._upstream)
         except OSError:
             writer.close()
             return
@@ -112,7 +121,8 @@ class CutProxy:
         self._received.append(received)
         try:
             await asyncio.gather(
-                self._pump(reader, up_writer, sent), self._pump(up_reader, writer, received)
+                self._pump(reader, up_writer, sent),
+                self._pump(up_reader, writer, received, self._reply_delay_s),
             )
         finally:
             self._pairs.discard(pair)
@@ -124,9 +134,12 @@ class CutProxy:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         record: bytearray,
+        delay_s: float = 0.0,
     ) -> None:
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             while chunk := await reader.read(_READ):
+                if delay_s:
+                    await asyncio.sleep(delay_s)  # a slow server or a long path
                 if writer.is_closing():
                     return
                 record += chunk

@@ -1,11 +1,18 @@
-"""Deltas that arrive while an append is in flight share the next append; nothing else changes."""
+"""Deltas that arrive while an append is in flight, or within the linger, share the next append;
+nothing else changes."""
 
 from __future__ import annotations
 
-import httpx
+import time
 
-from tests.conftest import BrokerFactory, RunningBroker
+import httpx
+import pytest
+
+from broker.connection import is_cluster_url
+from broker.offsets import to_entry_id
+from tests.conftest import BrokerFactory, RunningBroker, start_broker
 from tests.helpers import get_turn, read_sse, start_turn, text_of, wait_final, wait_until
+from tests.tcp_proxy import CutProxy
 
 
 def appends(broker: RunningBroker) -> float:
@@ -31,6 +38,66 @@ def test_a_fast_answer_takes_fewer_appends_than_deltas_and_reads_the_same(
     assert ids == sorted(ids)
     assert len(set(ids)) == len(ids)
     assert get_turn(broker.base_url, fast["turn_id"])["canonical"]["text"] == text_of(fast_events)
+
+
+def test_a_paced_answer_shares_appends_within_the_linger(broker_factory: BrokerFactory) -> None:
+    # 50 deltas/s, one every 20 ms: each append comes back long before the next delta, so
+    # without a linger every delta would be an append of its own.
+    lingering = broker_factory(append_linger_ms=200)
+    before = appends(lingering)
+    turn = start_turn(lingering.base_url, "c", tokens=40, tokens_per_s=50, seed=3)
+    assert wait_final(lingering.base_url, turn["turn_id"])["status"] == "complete"
+    used = appends(lingering) - before
+    events = read_sse(lingering.base_url, turn["stream_id"]).events
+    assert len([e for e in events if e.event == "delta"]) == 40
+    assert events[0].event == "attempt"
+    assert events[-1].event == "end"
+    ids = [e.id for e in events]
+    assert ids == sorted(ids)
+    assert len(set(ids)) == len(ids)
+    # The first output alone, then groups of the deltas of up to 200 ms (about ten): the end
+    # and whatever else follows need a few more.
+    assert used <= 40 / 4, used
+    assert get_turn(lingering.base_url, turn["turn_id"])["canonical"]["text"] == text_of(events)
+
+
+def test_a_slow_redis_lingers_before_every_append_not_only_the_first(redis_url: str) -> None:
+    # Every Redis reply 25 ms late: each append takes longer than the 10 ms between deltas, so
+    # a delta is always waiting when an append ends. Those must still wait out the linger from
+    # when the first of them came, not go at once in appends of two or three.
+    if is_cluster_url(redis_url):
+        pytest.skip("a proxy in front of one server; the cluster pass covers the rest")
+    with CutProxy(redis_url, reply_delay_s=0.025) as proxy:
+        broker = start_broker(proxy.url.replace("http://", "redis://"), append_linger_ms=200)
+        try:
+            before = appends(broker)
+            turn = start_turn(broker.base_url, "c", tokens=80, tokens_per_s=100, seed=5)
+            assert wait_final(broker.base_url, turn["turn_id"], timeout=30)["status"] == "complete"
+            used = appends(broker) - before
+            events = read_sse(broker.base_url, turn["stream_id"]).events
+        finally:
+            broker.stop()
+    assert [e.event for e in events].count("delta") == 80
+    # 0.8 s of deltas: the first output, four lingers of 200 ms, the end. Appends that went as
+    # soon as the last one came back would be about 30.
+    assert used <= 10, used
+
+
+def test_a_long_linger_delays_neither_the_first_delta_nor_the_end(
+    broker_factory: BrokerFactory,
+) -> None:
+    # A linger of a second and deltas 50 ms apart: the second delta finds no append in flight
+    # and waits, the third joins it, and the end must take both at once instead of waiting out
+    # the second. Times are Redis's own, from the entry ids (the server shares this clock).
+    broker = broker_factory(append_linger_ms=1_000)
+    posted_ms = time.time() * 1000
+    turn = start_turn(broker.base_url, "c", tokens=3, tokens_per_s=20)
+    assert wait_final(broker.base_url, turn["turn_id"])["status"] == "complete"
+    events = read_sse(broker.base_url, turn["stream_id"], timeout=5).events
+    assert [e.event for e in events].count("delta") == 3
+    at_ms = {e.event: int(to_entry_id(e.id).split("-")[0]) for e in reversed(events)}
+    assert at_ms["delta"] - posted_ms < 700  # the first delta went at once
+    assert at_ms["end"] - at_ms["delta"] < 700  # the end did not wait for the linger
 
 
 def test_a_stop_during_grouped_appends_keeps_text_and_stream_in_step(

@@ -238,8 +238,10 @@ def chunked_writes(port: int, path: str, headers: dict[str, str]) -> tuple[int, 
 
 
 def test_a_client_may_let_live_events_wait_to_be_sent_together(
-    broker: RunningBroker,
+    broker_factory: BrokerFactory,
 ) -> None:
+    # No append linger: each delta is an append of its own, and a write of its own unbatched.
+    broker = broker_factory(append_linger_ms=0)
     turn = start_turn(
         broker.base_url, "batched", tokens=40, tokens_per_s=100, first_delta_after_ms=500
     )

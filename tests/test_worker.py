@@ -117,8 +117,8 @@ def test_a_redis_blip_mid_turn_leaves_the_job_for_a_takeover(
         return await original(self, events)
 
     monkeypatch.setattr(TurnWriter, "append", flaky)
-    broker = broker_factory(lease_ttl_ms=200, job_reclaim_idle_ms=400)
-    # Paced, so that each delta is its own append (deltas arriving together share one).
+    # No linger, and paced: each delta is its own append (deltas arriving together share one).
+    broker = broker_factory(lease_ttl_ms=200, job_reclaim_idle_ms=400, append_linger_ms=0)
     turn = start_turn(broker.base_url, turn_id="blip", tokens=10, tokens_per_s=100)
     final = wait_final(broker.base_url, "blip", timeout=15)
     assert final["status"] == "interrupted"
