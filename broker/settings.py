@@ -33,6 +33,7 @@ BOUNDED = {
     "long_poll_max_s": (0, 300),  # 0: no long polls (a ?wait= above 0 is refused)
     "sse_batch_max_ms": (0, 10_000),  # 0: no batching (a ?batch_ms= above 0 is refused)
     "append_linger_ms": (0, 1_000),  # 0: an append goes as soon as the last one is done
+    "sse_page_cache_s": (0, 60),  # 0: every reader reads its pages from Redis
     "ds_long_poll_s": (0.05, 300),
     "ds_sse_max_s": (1, 3_600),
     "ds_max_read_bytes": (1_024, 1_073_741_824),
@@ -87,6 +88,7 @@ class Settings:
     ds_max_read_bytes: int = 4_194_304  # about the most one Durable Streams read returns
     ds_max_appends: int = 1_000_000  # the most appends one Durable Streams stream holds
     sse_replay_page: int = 4_096  # events per read (and per write) when an SSE reader replays
+    sse_page_cache_s: float = 1.0  # how long a full page read is kept for the next readers
     simulate_max_tokens_per_s: float = 0.0
     max_attempts_per_turn: int = 2
     session_retry_budget: int = 20

@@ -12,6 +12,8 @@ import redis as redis_lib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from broker.frames import Entry
+from broker.reader import PAGE_CACHE_EVENTS, _Pages
 from tests.conftest import BrokerFactory, RunningBroker, command_calls
 from tests.helpers import (
     SSEEvent,
@@ -209,6 +211,47 @@ def test_many_viewers_in_one_process_share_one_redis_read(
     assert deltas == 30
     # One shared feed reads each event once; per-viewer reads would need ~viewers x events.
     assert calls < 2 * (deltas + 5), f"{calls} XREADs for {viewers} viewers of {deltas} deltas"
+
+
+def test_readers_of_one_answer_read_each_full_page_from_redis_once(
+    broker_factory: BrokerFactory, raw_redis: redis_lib.Redis
+) -> None:
+    # Pages kept 30 s: what is counted does not depend on how soon the readers come.
+    broker = broker_factory(sse_page_cache_s=30)
+    turn = start_turn(broker.base_url, turn_id="crowd-pages", tokens=300, tokens_per_s=0, seed=4)
+    assert wait_final(broker.base_url, turn["turn_id"])["status"] == "complete"
+    whole = reference(broker, turn["stream_id"])  # the first reader reads every page
+    assert len(whole) > 64 + 128  # pages of 64 and 128, full, and a short last one
+    readers = 10
+
+    def xrange_calls() -> int:
+        return command_calls(raw_redis, "xrange")
+
+    before = xrange_calls()
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        reads = list(pool.map(lambda _: read_sse(broker.base_url, turn["stream_id"]), range(10)))
+    calls = xrange_calls() - before
+    assert all(r.events == whole for r in reads)
+    # Each reads the short last page only (it might have grown); each would read four without.
+    assert calls <= readers + 2, f"{calls} XRANGEs for {readers} readers"
+
+
+def test_kept_pages_expire_and_stay_within_their_bound() -> None:
+    entry = Entry.from_redis("1-0", ["e", "delta", "d", "{}"])
+    pages = _Pages(ttl_s=1.0)
+    pages.put(("k", "0-0", "+", 2), [entry, entry], 0.0)
+    assert pages.get(("k", "0-0", "+", 2), 0.5) == [entry, entry]
+    assert pages.get(("k", "0-0", "+", 3), 0.5) is None  # another page
+    assert pages.get(("k", "0-0", "+", 2), 1.0) is None  # its time ran out
+    half = [entry] * (PAGE_CACHE_EVENTS // 2)
+    for n in range(3):
+        pages.put(("k", str(n), "+", len(half)), half, 0.0)
+    assert pages.get(("k", "0", "+", len(half)), 0.1) is None  # the oldest went for the third
+    assert pages.get(("k", "1", "+", len(half)), 0.1) == half
+    assert pages.get(("k", "2", "+", len(half)), 0.1) == half
+    pages.put(("k", "big", "+", PAGE_CACHE_EVENTS + 1), [entry] * (PAGE_CACHE_EVENTS + 1), 0.0)
+    assert pages.get(("k", "big", "+", PAGE_CACHE_EVENTS + 1), 0.1) is None  # never kept
+    assert pages.get(("k", "2", "+", len(half)), 0.1) == half  # and pushed nothing out
 
 
 def test_json_catch_up_pages(broker_factory: BrokerFactory) -> None:
