@@ -91,7 +91,8 @@ class JoinLive:
         # The turn alone, no viewer: its own commands and CPU per second.
         base_calls, base_cpu, base_at = _calls(ctx), cpu_seconds(pid), time.monotonic()
         time.sleep(BASELINE_S)
-        calls0, cpu0, at0 = _calls(ctx), cpu_seconds(pid), time.monotonic()
+        by_name0 = commandstats(ctx.nodes)
+        calls0, cpu0, at0 = sum(by_name0.values()), cpu_seconds(pid), time.monotonic()
         calls_rate = (calls0 - base_calls) / (at0 - base_at)
         cpu_rate = (cpu0 - base_cpu) / (at0 - base_at)
         stored_at_join = xlen(client, key)
@@ -100,7 +101,13 @@ class JoinLive:
         attached_ms: list[float] = []
         for conn in pipes:
             attached_ms += _recv(conn, 120, "attached")[1]
-        calls1, cpu1, at1, wall1 = _calls(ctx), cpu_seconds(pid), time.monotonic(), time.time()
+        by_name1 = commandstats(ctx.nodes)
+        calls1, cpu1, at1, wall1 = (
+            sum(by_name1.values()),
+            cpu_seconds(pid),
+            time.monotonic(),
+            time.time(),
+        )
         window_s = at1 - at0
         storm_calls = (calls1 - calls0) - calls_rate * window_s
         storm_cpu_s = (cpu1 - cpu0) - cpu_rate * window_s
@@ -163,6 +170,12 @@ class JoinLive:
                 "baseline_commands_per_s": round(calls_rate, 1),
                 "baseline_broker_cpu_cores": round(cpu_rate, 3),
                 "storm_commands": round(storm_calls),
+                # Per viewer, the turn's own commands in the window included (not subtracted).
+                "window_commands_per_viewer_by_name": {
+                    name: round((calls - by_name0.get(name, 0)) / viewers, 3)
+                    for name, calls in sorted(by_name1.items())
+                    if calls > by_name0.get(name, 0)
+                },
                 "storm_broker_cpu_s": round(storm_cpu_s, 3),
                 "live_fanout_cpu_s_in_window": round(live_cpu_s, 3),
                 "attached_viewer_s_in_window": round(viewer_s, 1),
