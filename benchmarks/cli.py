@@ -3,7 +3,9 @@
 One private Redis (with ``--cluster``, a private 3-primary Redis Cluster, with ``--replicas`` N
 replicas per primary) serves the whole run.
 Each broker workload gets a fresh broker process (and an empty Redis), so its memory and CPU
-figures are its own; its repeats share that broker.
+figures are its own; its repeats share that broker, unless the workload's figures are what
+the process grew by (``fresh_broker_each_repeat``, the quiet connections): then each repeat
+has a broker of its own.
 """
 
 from __future__ import annotations
@@ -193,27 +195,44 @@ class Run:
         broker_env = getattr(workload, "broker_env", None)  # a workload's own settings
         if broker_env is not None:
             env.update(broker_env(self.sizes))
+        # A workload whose figures are what one broker process grew by (RSS, files) gets a new
+        # broker for every repeat: a second repeat would start from what the first left.
+        fresh = getattr(workload, "fresh_broker_each_repeat", False)
         broker = Broker(self.redis_server.url, concurrency=workload.worker_concurrency, env=env)
         profiler: Profiler | None = None
+        lines: list[str] = []  # what the brokers stopped so far said
         try:
-            broker.start()
-            ctx = Context(
-                self.redis_server,
-                self.redis,
-                self.nodes,
-                broker,
-                self.sizes,
-                self.run_id,
-                self.replica_nodes,
-            )
-            workload.prepare(ctx)
-            if self.args.profile is not None:
-                profiler = Profiler(broker.pid, self.args.profile / f"{name}.txt")
             for repeat in range(self.args.repeat):
+                if repeat == 0 or fresh:
+                    if repeat > 0:
+                        broker.stop()
+                        lines += broker.lines
+                        for node in self.nodes:
+                            node.flushall()
+                        broker = Broker(
+                            self.redis_server.url, concurrency=workload.worker_concurrency, env=env
+                        )
+                    broker.start()
+                    ctx = Context(
+                        self.redis_server,
+                        self.redis,
+                        self.nodes,
+                        broker,
+                        self.sizes,
+                        self.run_id,
+                        self.replica_nodes,
+                    )
+                    workload.prepare(ctx)
+                    if repeat == 0 and self.args.profile is not None:
+                        # The first broker only, when each repeat has its own.
+                        profiler = Profiler(broker.pid, self.args.profile / f"{name}.txt")
                 outcome = workload.once(ctx, repeat)
                 if not broker.alive():
                     raise ServerError("the broker died:\n" + "\n".join(broker.lines))
                 self._record(name, outcome.values, outcome.details)
+                if fresh and profiler is not None:
+                    self._profile_summary(name, profiler)
+                    profiler = None
         except Exception as exc:
             self._fail(name, exc)
         finally:
@@ -221,7 +240,7 @@ class Run:
                 self._profile_summary(name, profiler)
             broker.stop()
             # The broker logs warnings only: what it said explains a figure that looks wrong.
-            self.workloads[name]["broker_log"] = _log_summary(broker.lines)
+            self.workloads[name]["broker_log"] = _log_summary([*lines, *broker.lines])
 
     def _profile_summary(self, name: str, profiler: Profiler) -> None:
         try:

@@ -208,6 +208,10 @@ class Idle:
     name = "idle"
     worker_concurrency = 128  # a slot for each stream (at most 100), each turn silent
 
+    # RSS, files and Redis connections are counted from before the crowd: a second repeat on
+    # the same broker would start from what the first left (it measured ~0 KiB per connection).
+    fresh_broker_each_repeat = True
+
     def broker_env(self, sizes: Sizes) -> dict[str, str]:
         return {
             "BROKER_SSE_HEARTBEAT_S": f"{sizes.idle_heartbeat_s:g}",
