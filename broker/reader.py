@@ -36,6 +36,7 @@ from broker.offsets import NOW, START
 from broker.sse import Sink
 from broker.vocabulary import FINAL_STATUSES, decode_turn_ref
 
+PageKey = tuple[str, str, str, int]  # a page asked of Redis: key, after, until, count
 PAGE_CACHE_EVENTS: Final = 8_192  # events of full pages a process keeps (see _Pages; ~4 MiB)
 LOCATED_CACHE: Final = 8_192  # streams whose index lookup a process remembers (~1.5 MiB)
 FIRST_PAGE: Final = 64  # a replay's first page (its first event comes sooner); the next ones double
@@ -153,10 +154,10 @@ class _Pages:
 
     def __init__(self, ttl_s: float) -> None:
         self._ttl_s = ttl_s
-        self._pages: dict[tuple[str, str, str, int], tuple[float, list[Entry]]] = {}
+        self._pages: dict[PageKey, tuple[float, list[Entry]]] = {}
         self._events = 0
 
-    def get(self, page: tuple[str, str, str, int], now: float) -> list[Entry] | None:
+    def get(self, page: PageKey, now: float) -> list[Entry] | None:
         kept = self._pages.get(page)
         if kept is None:
             return None
@@ -165,7 +166,7 @@ class _Pages:
             return None
         return kept[1]
 
-    def put(self, page: tuple[str, str, str, int], entries: list[Entry], now: float) -> None:
+    def put(self, page: PageKey, entries: list[Entry], now: float) -> None:
         if self._ttl_s <= 0 or len(entries) > PAGE_CACHE_EVENTS or page in self._pages:
             return
         self._pages[page] = (now + self._ttl_s, entries)  # dicts keep order: oldest first
@@ -173,7 +174,7 @@ class _Pages:
         while self._events > PAGE_CACHE_EVENTS:
             self._drop(next(iter(self._pages)))
 
-    def _drop(self, page: tuple[str, str, str, int]) -> None:
+    def _drop(self, page: PageKey) -> None:
         self._events -= len(self._pages.pop(page)[1])
 
 
