@@ -12,11 +12,12 @@ conversation's slot), so the rest of the broker holds either as a ``Redis``.
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import Any, SupportsIndex, cast
 from urllib.parse import parse_qsl, unquote
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.cluster import LoadBalancingStrategy
 from redis.driver_info import DriverInfo
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
@@ -159,11 +160,12 @@ def client(
         if from_replicas:
             options["load_balancing_strategy"] = LoadBalancingStrategy.ROUND_ROBIN_REPLICAS
         return _cluster_client(url, options)
+    pool: ConnectionPool
     if wait_s is None:
-        redis = Redis.from_url(url, **options)
+        pool = MarkedPool.from_url(url, **options)
     else:
-        pool = BlockingConnectionPool.from_url(url, timeout=wait_s, **options)
-        redis = Redis(connection_pool=pool)
+        pool = MarkedBlockingPool.from_url(url, timeout=wait_s, **options)
+    redis = Redis.from_pool(pool)  # closing the client closes its pool
     for command in RAW_STREAM_REPLIES:
         redis.set_response_callback(command, _as_sent)
     return redis
@@ -218,32 +220,79 @@ async def drop_idle_connections(redis: Redis) -> None:
     await redis.connection_pool.disconnect(inuse_connections=False)
 
 
-# Idle connections a pool keeps open, the most recently used; the others are closed by
-# :func:`trim_idle_connections` (every ``BROKER_POOL_TRIM_S``, see broker.app).
+# Idle connections a pool keeps at most, the most recently used, and at least, however long
+# they sat unused: :func:`trim_idle_connections` (every ``BROKER_POOL_TRIM_S``, see broker.app)
+# closes the others.
 POOL_KEEP_IDLE = 16
+POOL_MIN_IDLE = 2
 
 
-async def trim_idle_connections(redis: Redis, keep: int = POOL_KEEP_IDLE) -> int:
-    """Close the idle connections of ``redis``'s pool beyond the ``keep`` most recently used,
-    and take them out of the pool; return how many were closed.
+class _IdleStack(list[AbstractConnection]):
+    """A pool's idle connections, knowing how many at the bottom no call took since the last trim.
+
+    redis-py's pool hands out its most recently released connection first (``pop()`` off the
+    end), so a connection below the lowest the stack went since the last trim was not taken once
+    meanwhile: that depth is ``untouched``, lowered by every take and raised by the trim.
+    """
+
+    untouched = 0  # none at first: a pool's first trim period only marks
+
+    def pop(self, index: SupportsIndex = -1) -> AbstractConnection:
+        connection = super().pop(index)
+        self.untouched = min(self.untouched, len(self))
+        return connection
+
+
+class _Marked(ConnectionPool):
+    """A pool whose idle connections are an :class:`_IdleStack`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._available_connections = _IdleStack(self._available_connections)
+
+    def reset(self) -> None:
+        super().reset()  # type: ignore[no-untyped-call]
+        self._available_connections = _IdleStack()
+
+
+class MarkedPool(_Marked):
+    """A ``ConnectionPool`` that marks its untouched idle connections (see :class:`_IdleStack`)."""
+
+
+class MarkedBlockingPool(_Marked, BlockingConnectionPool):
+    """A ``BlockingConnectionPool`` that marks its untouched idle connections."""
+
+
+async def trim_idle_connections(
+    redis: Redis, keep: int = POOL_KEEP_IDLE, floor: int = POOL_MIN_IDLE
+) -> int:
+    """Close the idle connections of ``redis``'s pool that a burst left behind, and take them out
+    of the pool; return how many were closed.
 
     A burst (a thousand readers attaching at once) grows a pool to as many connections as
     commands were in flight, and redis-py keeps every one open for ever: file descriptors and
-    Redis clients that never come back. The pool hands out its most recently released
-    connection first, so the ones at the far end have been idle longest; those go. They are
-    taken out of the pool before they are closed (nothing else can take them meanwhile), and
-    the pool opens new ones when it needs them again. A cluster client is left alone: its
-    per-node pools are its own.
+    Redis clients that never come back. Two rules bound what stays: no more than ``keep`` idle
+    connections, the most recently used (the pool hands out its most recently released one
+    first, so the ones at the far end have been idle longest); and of those, the ones no call took
+    since the last trim go too, down to ``floor``. So a connection idle for a whole trim period is
+    closed, and two periods after a burst the pool holds what the load since needed. They are taken
+    out of the pool before they are closed (nothing else can take them meanwhile), and the pool
+    opens new ones when it needs them again. A cluster client is left alone: its per-node pools
+    are its own.
     """
     if as_cluster(redis) is not None:
         return 0
     # The pool's list of idle connections, most recently released last (redis-py's own: a
     # test holds this to what each pinned version does).
     idle = getattr(redis.connection_pool, "_available_connections", None)
-    if not isinstance(idle, list) or len(idle) <= keep:
+    if not isinstance(idle, list):
         return 0
-    surplus = idle[: len(idle) - keep]
-    del idle[: len(idle) - keep]  # no await since the pool's list was read: nobody took one
+    untouched = min(idle.untouched, len(idle)) if isinstance(idle, _IdleStack) else 0
+    drop = max(len(idle) - keep, min(untouched, len(idle) - floor), 0)
+    surplus = idle[:drop]
+    del idle[:drop]  # no await since the pool's list was read: nobody took one
+    if isinstance(idle, _IdleStack):
+        idle.untouched = len(idle)
     closed = 0
     for connection in surplus:
         if getattr(connection, "is_connected", True):

@@ -3,7 +3,8 @@
 redis-py keeps every connection a pool ever opened: a thousand readers attaching at once leave
 a pool of hundreds of idle connections, file descriptors and Redis clients for ever.
 ``trim_idle_connections`` (run by every broker process every 30 s) closes the idle ones beyond
-the most recently used few, and the pool opens new ones when it needs them again.
+the most recently used few, and those no call took since its last pass, and the pool opens new
+ones when it needs them again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import itertools
 import pytest
 import redis
 
-from broker.connection import POOL_KEEP_IDLE, client, trim_idle_connections
+from broker.connection import POOL_KEEP_IDLE, POOL_MIN_IDLE, client, trim_idle_connections
 from tests.conftest import sync_client
 from tests.helpers import wait_until
 
@@ -45,11 +46,49 @@ async def test_a_burst_of_connections_is_trimmed_to_the_few_most_recently_used(
         # The server drops a closed connection from its list once it has read the close.
         wait_until(lambda: clients_named(observer, name) <= POOL_KEEP_IDLE, timeout=5)
         assert clients_named(observer, name) == POOL_KEEP_IDLE
-        assert await trim_idle_connections(pool_client) == 0  # nothing beyond the few
         # The pool still works, and grows again when it must.
         assert await pool_client.set(key + ":x", "1")
         await asyncio.gather(*(pool_client.blpop([key], timeout=0.2) for _ in range(BURST)))
         assert clients_named(observer, name) == BURST
+    finally:
+        await pool_client.aclose()
+        observer.close()
+
+
+@pytest.mark.parametrize("wait_s", [None, 5.0], ids=["pool", "waiting-pool"])
+async def test_connections_idle_for_a_whole_trim_period_are_closed(
+    redis_url: str, wait_s: float | None
+) -> None:
+    # Both kinds of pool the broker makes (a waiting one for short calls, a plain one for the
+    # blocking reads) come back to what the load since the last pass needed.
+    name = f"pool-untouched-{next(_names)}"
+    pool_client = client(redis_url, wait_s=wait_s)
+    pool_client.connection_pool.connection_kwargs["client_name"] = name
+    observer = sync_client(redis_url)
+    key = f"pool-untouched:{name}"
+    idle = pool_client.connection_pool._available_connections
+    try:
+        await asyncio.gather(*(pool_client.blpop([key], timeout=0.3) for _ in range(BURST)))
+        # The first pass after the burst: the burst took every connection, so none is
+        # untouched yet; only the cap applies.
+        assert await trim_idle_connections(pool_client) == BURST - POOL_KEEP_IDLE
+        # Meanwhile the load needs three at once: those are taken, the others sit.
+        for _ in range(3):
+            await asyncio.gather(*(pool_client.blpop([key], timeout=0.05) for _ in range(3)))
+        assert await trim_idle_connections(pool_client) == POOL_KEEP_IDLE - 3
+        wait_until(lambda: clients_named(observer, name) <= 3, timeout=5)
+        assert clients_named(observer, name) == 3
+        assert len(idle) == 3
+        # A period with no call at all: down to the floor, and no further on the next.
+        assert await trim_idle_connections(pool_client) == 3 - POOL_MIN_IDLE
+        assert await trim_idle_connections(pool_client) == 0
+        assert len(idle) == POOL_MIN_IDLE
+        wait_until(lambda: clients_named(observer, name) <= POOL_MIN_IDLE, timeout=5)
+        assert clients_named(observer, name) == POOL_MIN_IDLE
+        assert await pool_client.set(key + ":x", "1")
+        # Closing the client closes its pool: none of its connections is left on the server.
+        await pool_client.aclose()
+        wait_until(lambda: clients_named(observer, name) == 0, timeout=5)
     finally:
         await pool_client.aclose()
         observer.close()
