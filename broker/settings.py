@@ -126,7 +126,7 @@ class Settings:
     max_header_bytes: int = 16_384
     header_timeout_s: float = 10.0  # from a connection's (or request's) first byte to its headers
     max_connections: int = 10_000  # HTTP connections one process serves; 503 beyond
-    pool_trim_s: float = 30.0  # how often idle Redis connections past the few, or unused since, close
+    pool_trim_s: float = 30.0  # how often idle Redis connections (past a few, or unused) close
     turn_rate_per_s: float = 10.0  # per tenant; 0 = no rate limit
     turn_burst: int = 100
     max_streams_per_tenant: int = 200  # turns queued or generating at once; 0 = no limit
