@@ -58,6 +58,7 @@ from broker.vocabulary import FINAL_STATUSES
 CONNECT_CONCURRENCY = 50  # connections being opened at once, per viewer process
 MAX_REATTACHES = 5
 LAG_BUCKETS_PER_MS = 10  # lag histograms have 0.1 ms buckets
+LOOP_TICK_S = 0.01  # a viewer process's loop watch sleeps this long at a time
 
 
 class _Viewer:
@@ -186,13 +187,28 @@ def viewer_process(conn: Connection, base_url: str, viewers: int, timeout_s: flo
     group = _Group(conn, viewers)
     watchers = [_Viewer(group) for _ in range(viewers)]
 
+    # How late this process's event loop wakes from a short sleep (ms buckets): when it is
+    # late, the process is behind on its sockets, and the lag it counts is its own, not the
+    # broker's.
+    loop_late: collections.Counter[int] = collections.Counter()
+
+    async def watch_loop() -> None:
+        while True:
+            asked = time.monotonic() + LOOP_TICK_S
+            await asyncio.sleep(LOOP_TICK_S)
+            loop_late[int(max(0.0, time.monotonic() - asked) * 1000)] += 1
+
     async def watch() -> None:
         slots = asyncio.Semaphore(CONNECT_CONCURRENCY)
         deadline = time.monotonic() + timeout_s
         path = f"/v1/streams/{stream_id}"
-        await asyncio.gather(
-            *(_view(v, slots, base_url, path, deadline, join_over_s) for v in watchers)
-        )
+        looking = asyncio.ensure_future(watch_loop())
+        try:
+            await asyncio.gather(
+                *(_view(v, slots, base_url, path, deadline, join_over_s) for v in watchers)
+            )
+        finally:
+            looking.cancel()
 
     # The viewers share two cores with the broker: keep their own cost per event low.
     try:
@@ -228,6 +244,7 @@ def viewer_process(conn: Connection, base_url: str, viewers: int, timeout_s: flo
                 "histogram": dict(histogram),
                 "behind_schedule": dict(behind),
                 "cpu_s": usage.ru_utime + usage.ru_stime,
+                "loop_late_ms": dict(loop_late),
                 "errors": dict(group.errors.most_common(5)),
             },
         )

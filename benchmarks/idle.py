@@ -28,6 +28,7 @@ The viewer processes talk to the benchmark over pipes:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import resource
@@ -190,6 +191,17 @@ def redis_clients(ctx: Context) -> int:
     return sum(int(node.info("clients")["connected_clients"]) for node in ctx.nodes)
 
 
+def clients_by_last_command(ctx: Context, idle_s: float) -> dict[str, int]:
+    """The Redis connections open now, by the last command each ran; those idle for longer
+    than ``idle_s`` are counted under ``"<cmd> (idle)"``."""
+    found: collections.Counter[str] = collections.Counter()
+    for node in ctx.nodes:
+        for client in node.client_list():
+            idle = float(client.get("idle", 0)) > idle_s
+            found[f"{client.get('cmd', '?')}{' (idle)' if idle else ''}"] += 1
+    return dict(found.most_common())
+
+
 def settle(probe: Any, timeout: float = 30.0, steady_s: float = 3.0) -> float:
     """``probe()`` once it has stopped falling for ``steady_s`` (or at ``timeout``)."""
     deadline = time.monotonic() + timeout
@@ -282,13 +294,15 @@ class Idle:
             for conn in pipes:
                 conn.send("stop")
             results = [_recv(conn, 120, "result")[1] for conn in pipes]
-        # Every client left: what comes back, once the broker had the time of one pass of its
-        # pool trim (BROKER_POOL_TRIM_S) after the last reader went.
+        # Every client left: what comes back, once the broker had the time of two passes of its
+        # pool trim (BROKER_POOL_TRIM_S) after the last reader went (a connection is closed
+        # once a whole period went by without a call taking it).
         settle(lambda: broker_gauge(ctx.broker.base_url, 'broker_stream_viewers{mode="sse"}'))
-        time.sleep(sizes.idle_pool_trim_s + 2)
+        time.sleep(2 * sizes.idle_pool_trim_s + 2)
         rss_after = settle(lambda: status_kib(pid, "VmRSS"), timeout=30, steady_s=3) / 1024
         fds_after = settle(lambda: open_fds(pid), timeout=30, steady_s=3)
         clients_after = settle(lambda: redis_clients(ctx), timeout=30, steady_s=3)
+        left_open = clients_by_last_command(ctx, sizes.idle_pool_trim_s)
         with httpx.Client(base_url=ctx.broker.base_url, timeout=30, trust_env=False) as http:
             for turn_id in turns:
                 http.post(f"/v1/turns/{turn_id}/cancel")
@@ -335,6 +349,7 @@ class Idle:
                     "before": clients_before,
                     "loaded": clients_loaded,
                     "after": clients_after,
+                    "after_by_last_command": left_open,
                 },
                 "commands_in_window": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
                 "cpu_cores": cpu,

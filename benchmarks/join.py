@@ -138,6 +138,9 @@ class JoinLive:
         histogram: collections.Counter[int] = collections.Counter()
         for result in results:
             histogram.update({int(k): v for k, v in result["histogram"].items()})
+        loop_late: collections.Counter[int] = collections.Counter()
+        for result in results:
+            loop_late.update({int(k): v for k, v in result["loop_late_ms"].items()})
         failed = sum(r["failed"] for r in results)
         viewers = sum(r["viewers"] for r in results)
         received = sum(r["deltas"] for r in results)
@@ -182,6 +185,12 @@ class JoinLive:
                 "steady_cores_per_1000_viewers": round(per_viewer_cores * 1000, 3),
                 "steady_window_while_live": steady_live,
                 "viewer_cpu_s": round(sum(r["cpu_s"] for r in results), 2),
+                # How late the viewer processes' loops woke (all processes, the whole run):
+                # a live lag near these is the clients' backlog, not the broker's.
+                "viewer_loop_late_p99_ms": percentile(loop_late, 99),
+                "viewer_loop_late_max_ms": max(loop_late, default=0),
+                "viewer_loop_late_over_50ms_s": sum(k * n for k, n in loop_late.items() if k > 50)
+                / 1000,
                 "errors": [e for r in results for e in r["errors"].items()],
             },
         )
