@@ -58,11 +58,12 @@ from broker.vocabulary import FINAL_STATUSES
 CONNECT_CONCURRENCY = 50  # connections being opened at once, per viewer process
 MAX_REATTACHES = 5
 LAG_BUCKETS_PER_MS = 10  # lag histograms have 0.1 ms buckets
+SLOW_MS = 500.0  # a live delta this late makes its viewer a slow one (reported apart)
 LOOP_TICK_S = 0.01  # a viewer process's loop watch sleeps this long at a time
 
 
 class _Viewer:
-    __slots__ = ("attached_ms", "deltas", "ended", "group", "last_id")
+    __slots__ = ("attached_ms", "deltas", "ended", "group", "last_id", "slow_after_s", "worst_ms")
 
     def __init__(self, group: _Group) -> None:
         self.group = group
@@ -72,6 +73,15 @@ class _Viewer:
         # When its first response head arrived (ms): a viewer that joins a running stream
         # replays what came before, and only the deltas appended after count for the lag.
         self.attached_ms = 0.0
+        self.worst_ms = 0.0  # its worst live lag
+        # How long after it attached its first live delta later than SLOW_MS came (None: none).
+        self.slow_after_s: float | None = None
+
+    def on_head(self, now: float) -> None:
+        """Its response head arrived: the first time, the deltas appended from now on are live
+        (those of the same read included)."""
+        if not self.attached_ms:
+            self.attached_ms = now * 1000
 
     def on_events(self, events: list[tuple[bytes, bytes, bytes]], now: float) -> bool:
         group = self.group
@@ -85,9 +95,14 @@ class _Viewer:
             if event == b"delta":
                 sent_ms = entry_ms(event_id)
                 if sent_ms >= self.attached_ms:
+                    lag = now_ms - sent_ms
                     group.index.append(self.deltas)
                     group.sent_ms.append(sent_ms)
-                    group.lag_ms.append(now_ms - sent_ms)
+                    group.lag_ms.append(lag)
+                    if lag > self.worst_ms:
+                        self.worst_ms = lag
+                        if lag > SLOW_MS and self.slow_after_s is None:
+                            self.slow_after_s = (sent_ms - self.attached_ms) / 1000
                 self.deltas += 1
             elif event == b"end":
                 self.ended = True
@@ -146,13 +161,14 @@ async def _view(
         try:
             async with slots:
                 resume = viewer.last_id.decode() or None
-                reader = await open_sse(base_url, path, viewer.on_events, resume)
+                reader = await open_sse(
+                    base_url, path, viewer.on_events, resume, on_head=viewer.on_head
+                )
                 status = await asyncio.wait_for(
                     asyncio.shield(reader.opened), deadline - time.monotonic()
                 )
             if status == 200 and not attached:
                 attached = True
-                viewer.attached_ms = (reader.headers_at or time.time()) * 1000
                 group.attached(viewer.attached_ms)
             if status == 200:
                 await asyncio.wait_for(asyncio.shield(reader.done), deadline - time.monotonic())
@@ -245,6 +261,11 @@ def viewer_process(conn: Connection, base_url: str, viewers: int, timeout_s: flo
                 "behind_schedule": dict(behind),
                 "cpu_s": usage.ru_utime + usage.ru_stime,
                 "loop_late_ms": dict(loop_late),
+                "slow_viewers": [
+                    (round(w.slow_after_s, 2), round(w.worst_ms))
+                    for w in watchers
+                    if w.slow_after_s is not None
+                ],
                 "errors": dict(group.errors.most_common(5)),
             },
         )

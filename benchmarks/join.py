@@ -50,6 +50,16 @@ def _calls(ctx: Context) -> int:
     return sum(commandstats(ctx.nodes).values())
 
 
+def _slow_viewers(slow: list[tuple[float, float]]) -> dict[str, Any]:
+    after = sorted(a for a, _ in slow)
+    worst = sorted(w for _, w in slow)
+    return {
+        "slow_viewers": len(slow),
+        "slow_viewers_first_slow_after_attach_s_p50": after[len(after) // 2] if after else None,
+        "slow_viewers_worst_lag_ms_p50": worst[len(worst) // 2] if worst else None,
+    }
+
+
 class JoinLive:
     """``viewers`` SSE viewers join a live turn over ``JOIN_OVER_S``."""
 
@@ -189,6 +199,9 @@ class JoinLive:
                 # a live lag near these is the clients' backlog, not the broker's.
                 "viewer_loop_late_p99_ms": percentile(loop_late, 99),
                 "viewer_loop_late_max_ms": max(loop_late, default=0),
+                # Viewers with a live delta later than 500 ms: how many, and for the median
+                # one, how long after it attached that delta was appended, and its worst lag.
+                **_slow_viewers([v for r in results for v in r["slow_viewers"]]),
                 "viewer_loop_late_over_50ms_s": sum(k * n for k, n in loop_late.items() if k > 50)
                 / 1000,
                 "errors": [e for r in results for e in r["errors"].items()],

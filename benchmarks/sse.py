@@ -38,7 +38,13 @@ class SSEReader(asyncio.Protocol):
     """Reads one SSE response; ``done`` resolves when it ends, is stopped or fails."""
 
     def __init__(
-        self, host: str, port: int, path: str, on_events: EventsHandler, last_event_id: str | None
+        self,
+        host: str,
+        port: int,
+        path: str,
+        on_events: EventsHandler,
+        last_event_id: str | None,
+        on_head: Callable[[float], None] | None = None,
     ) -> None:
         extra = f"Last-Event-ID: {last_event_id}\r\n" if last_event_id else ""
         self._request = (
@@ -46,6 +52,9 @@ class SSEReader(asyncio.Protocol):
             f"{extra}\r\n"
         ).encode()
         self._on_events = on_events
+        # Told the wall-clock time a 200's head arrived, before any event of the same
+        # read is handed over (a viewer counts lag for the events appended after it).
+        self._on_head = on_head
         self.status = 0
         self.headers_at: float | None = None  # wall-clock time the response head arrived
         self.error: str | None = None
@@ -105,6 +114,8 @@ class SSEReader(asyncio.Protocol):
         lines = head.decode("latin-1").split("\r\n")
         self.status = int(lines[0].split()[1])
         self.headers_at = now
+        if self._on_head is not None and self.status == 200:
+            self._on_head(now)
         self._in_body = True
         if not self.opened.done():
             self.opened.set_result(self.status)
@@ -163,14 +174,18 @@ class SSEReader(asyncio.Protocol):
 
 
 async def open_sse(
-    base_url: str, path: str, on_events: EventsHandler, last_event_id: str | None = None
+    base_url: str,
+    path: str,
+    on_events: EventsHandler,
+    last_event_id: str | None = None,
+    on_head: Callable[[float], None] | None = None,
 ) -> SSEReader:
     """Connect and send the request; the reader's ``done`` resolves when the read is over."""
     url = httpx.URL(base_url)
     host, port = str(url.host), int(url.port or 80)
     loop = asyncio.get_running_loop()
     _, reader = await loop.create_connection(
-        lambda: SSEReader(host, port, path, on_events, last_event_id), host, port
+        lambda: SSEReader(host, port, path, on_events, last_event_id, on_head), host, port
     )
     return reader
 
