@@ -176,7 +176,9 @@ class _Feed:
     Redis.
     """
 
-    def __init__(self, hub: Hub, key: str, start: Cursor | None, turn_key: str | None) -> None:
+    def __init__(
+        self, hub: Hub, key: str, start: Cursor | None, turn_key: str | None, seen: bool = False
+    ) -> None:
         self.hub = hub
         self.key = key
         self.turn_key = turn_key
@@ -184,6 +186,9 @@ class _Feed:
         # Where the feed's reads stand: every entry past it is published after now (None: not
         # known yet, the feed will read the tail).
         self.read_after = start
+        # The newest entry this feed read from Redis (None: none yet): every entry up to it is
+        # stored for good, whatever a reader's resume point said.
+        self.seen: Cursor | None = start if seen else None
         # The readers' shared look at whether the turn is at rest, after a heartbeat (see
         # shared_look), and when it began.
         self.rest_look: asyncio.Future[bool] | None = None
@@ -319,6 +324,7 @@ class _Feed:
                     if after is None:
                         tail = await rc.last_entry_id(redis, self.key)
                         after = self.read_after = Cursor.after(tail) if tail else ORIGIN
+                        self.seen = after if tail else None
                     reply = await rc.xread(redis, self.key, after.entry_id, 1000, FEED_BLOCK_MS)
                 except (RedisError, OSError) as exc:
                     # A blip is retried; a Redis that stays away ends the reads, whose clients
@@ -337,7 +343,7 @@ class _Feed:
                     continue
                 entries = [Entry.from_redis(i, f) for i, f in reply]
                 batch = Batch(after, entries)
-                after = self.read_after = entries[-1].cursor
+                after = self.read_after = self.seen = entries[-1].cursor
                 if self.turn_key is not None and batch.ends:
                     status, attempt = await rc.hmget(
                         self.hub.redis, self.turn_key, ["status", "attempt"]
@@ -445,17 +451,24 @@ class Hub:
         return task
 
     def subscribe(
-        self, key: str, start: Cursor | None = None, turn_key: str | None = None
+        self,
+        key: str,
+        start: Cursor | None = None,
+        turn_key: str | None = None,
+        *,
+        seen: bool = False,
     ) -> Subscription:
         """Join (or start, reading after ``start``; by default the stream's tail) the feed of one
         stream.
 
         With ``turn_key``, the feed looks up the turn's state after each batch holding an
-        ``end`` event, for all its readers at once.
+        ``end`` event, for all its readers at once. With ``seen``, ``start`` is an entry the
+        subscriber read from the stream (not only a place a client asked for): a feed started
+        there has seen it (see :meth:`seen`).
         """
         feed = self._feeds.get(key)
         if feed is None or feed.task is None or feed.task.done():
-            feed = _Feed(self, key, start, turn_key)
+            feed = _Feed(self, key, start, turn_key, seen and start is not None)
             self._feeds[key] = feed
             self.metrics.live_streams.set(len(self._feeds))
         subscription = Subscription(feed)
@@ -465,6 +478,14 @@ class Hub:
         if feed.task is None:
             feed.task = self._start(feed.run(), f"feed {key}")
         return subscription
+
+    def seen(self, key: str) -> Cursor | None:
+        """The newest entry of stream ``key`` that its running feed in this process has read
+        (None: no feed, or none read yet): the stream up to it will never change."""
+        feed = self._feeds.get(key)
+        if feed is None or feed.task is None or feed.task.done():
+            return None
+        return feed.seen
 
     @property
     def readers(self) -> int:

@@ -64,12 +64,6 @@ class Opening:
         return (self.status is None or self.status in FINAL_STATUSES) and not self.stored_past
 
     @property
-    def settled(self) -> bool:
-        """Whether the turn was at rest as the read began (it still exists, nothing will be
-        appended): its replay pages are kept for the next readers (see :class:`_Pages`)."""
-        return self.status in FINAL_STATUSES
-
-    @property
     def open(self) -> bool:
         """Whether the turn was not at rest as the read began: its coming to rest writes an
         ``end`` after this, which the read meets (so it need not look at the turn first)."""
@@ -136,16 +130,13 @@ class _Pages:
     """Full pages of stored events this process read lately, for the next reader of the same
     page: a crowd that replays a finished answer reads each page from Redis once.
 
-    Only the replays of turns at rest as their reads began share pages. Sharing the replays of
-    live turns too halved what a crowd joining one costs (2.1 Redis commands and 0.95 ms of CPU
-    per attach, against 4.4 and 1.2), but the viewers' live lag p99 went from 33 ms to 1.6 s
-    in the same runs, though the feed wrote every batch to every viewer within 40 ms of its
-    append: the benchmark's clients, sharing the machine, fell behind the faster replays
-    (benchmarks/RESULTS.md). Until a run tells the two apart, live turns do not share.
+    A crowd that joins a running answer shares them too: 2.1 Redis commands and 1.1 ms of CPU
+    per attach instead of 4.4 and 1.3, the live lag unchanged (benchmarks/RESULTS.md).
 
-    Only a full page is kept (as many events as asked for): the events of a stream between two
-    ids never change (a turn's stream is only appended to, never trimmed), so it is the same
-    page whoever asks. A page that came short may grow and is never kept. A page is kept
+    A full page is kept (as many events as asked for): the events of a stream between two ids
+    never change (a turn's stream is only appended to, never trimmed), so it is the same page
+    whoever asks. A page that came short may grow and is not kept, unless it was read up to an
+    entry that was read already (see :meth:`Streams._page`'s ``bound``). A page is kept
     ``ttl_s`` (``BROKER_SSE_PAGE_CACHE_S``) at most, so a stream that expires is not read from
     here for longer than that, and ``PAGE_CACHE_EVENTS`` events in all, the oldest going first.
     """
@@ -195,6 +186,9 @@ class Streams:
         # up every time.
         self._located: dict[str, str] = {}
         self._pages = _Pages(deps.settings.sse_page_cache_s)
+        # Pages bounded by what the feed read (see _page) need the feed and the pages to read
+        # the same server: not so when reads go to a cluster's replicas, one or another.
+        self._bounded = reads is None
 
     def events_key(self, location: Location) -> str:
         """The Redis key of the turn's event stream."""
@@ -307,20 +301,51 @@ class Streams:
         return Opening(cursor, status, bool(page))
 
     async def _page(
-        self, key: str, after: Cursor, until: str, count: int, *, shared: bool = False
+        self,
+        key: str,
+        after: Cursor,
+        until: str,
+        count: int,
+        *,
+        shared: bool = False,
+        bound: Cursor | None = None,
     ) -> tuple[list[Entry], bool]:
         """Up to ``count`` stored events past ``after``, and whether there may be more. With
         ``shared``, a full page is taken from, or kept for, the next readers (see
-        :class:`_Pages`)."""
+        :class:`_Pages`); with ``bound`` as well (an entry this process's feed read, see
+        :meth:`Hub.seen`), the page stops there, and is kept whether full or not: the stream up
+        to an entry that was read never changes, so every reader standing at ``after`` while
+        the feed stands at ``bound`` takes the same short last page (then the feed)."""
+        now = time.monotonic()
         asked = (key, after.entry_id, until, count)
-        if shared and (kept := self._pages.get(asked, time.monotonic())) is not None:
+        if shared and (kept := self._pages.get(asked, now)) is not None:
             return kept, True
+        bounded = shared and until == "+" and self._bounded and bound is not None
+        if bounded and bound is not None and bound.key > after.key:
+            return await self._bounded_page(asked, bound, now)
         page = await rc.xrange_raw(self._redis, key, "(" + after.entry_id, until, count)
         entries = [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
         if len(entries) < count:
             return entries, False
         if shared:
-            self._pages.put(asked, entries, time.monotonic())
+            self._pages.put(asked, entries, now)
+        return entries, True
+
+    async def _bounded_page(
+        self, asked: PageKey, bound: Cursor, now: float
+    ) -> tuple[list[Entry], bool]:
+        """The page ``asked`` for, up to ``bound``'s entry (see :meth:`_page`)."""
+        key, start, _, count = asked
+        bounded = (key, start, bound.entry_id, count)
+        entries = self._pages.get(bounded, now)
+        if entries is None:
+            page = await rc.xrange_raw(self._redis, key, "(" + start, bound.entry_id, count)
+            entries = [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
+            if entries:
+                self._pages.put(bounded, entries, now)
+        if len(entries) < count:
+            return entries, False  # all there is up to the bound: the feed brings the rest
+        self._pages.put(asked, entries, now)  # a full page is the same, bounded or not
         return entries, True
 
     def _next_count(self, count: int | None) -> int:
@@ -370,10 +395,9 @@ class Streams:
         if sink is not None and not direct:
             sink = _Watched(sink)
         cursor = Cursor.after(after) if isinstance(after, str) else after
-        # A response writing our frames needs those only, not the events behind them.
-        # A turn at rest as the read began: its pages are the same for every reader, and kept.
-        settled = opening is not None and opening.settled
-        read = _Read(self, location, cursor, keep=sink is None or not direct, shared=settled)
+        # A response writing our frames needs those only, not the events behind them. Its
+        # replay's pages are shared with the other readers of the stream (see _Pages).
+        read = _Read(self, location, cursor, keep=sink is None or not direct, shared=True)
         heartbeat_s = heartbeat_s or self._settings.sse_heartbeat_s
         subscription: Subscription | None = None
         try:
@@ -385,7 +409,11 @@ class Streams:
             # more what arrived in between: whatever the feed has already passed is in Redis by
             # now, so no event waits for a later one to surface. A feed that has read nothing
             # past this reader yet will bring all of it: no read then.
-            subscription = self._hub.subscribe(read.key, read.cursor, read.turn_key)
+            # A cursor the replay moved stands on an entry it read (a feed started there has
+            # seen it); one it did not is only where the client asked to start.
+            subscription = self._hub.subscribe(
+                read.key, read.cursor, read.turn_key, seen=read.cursor is not cursor
+            )
             subscription.sink = sink
             catch_up, first_look = not subscription.covers(read.cursor), True
             # A turn that was running as the read began ends with an `end` the read will meet.
@@ -536,7 +564,12 @@ class _Read:
         count = streams._next_count(None)
         while True:
             entries, more = await streams._page(
-                self.key, self.cursor, "+", count, shared=self.shared
+                self.key,
+                self.cursor,
+                "+",
+                count,
+                shared=self.shared,
+                bound=streams._hub.seen(self.key) if self.shared else None,
             )
             if not entries:
                 return

@@ -236,6 +236,71 @@ def test_readers_of_one_answer_read_each_full_page_from_redis_once(
     assert calls <= readers + 2, f"{calls} XRANGEs for {readers} readers"
 
 
+def test_readers_joining_a_live_answer_share_its_pages_up_to_what_the_feed_read(
+    broker_factory: BrokerFactory, raw_redis: redis_lib.Redis
+) -> None:
+    # A live turn gone quiet after 250 deltas: one reader follows it (its feed starts on the
+    # last entry that reader read), then a crowd joins from the start.
+    broker = broker_factory(sse_page_cache_s=30)
+    turn = start_turn(
+        broker.base_url,
+        turn_id="join-pages",
+        tokens=400,
+        tokens_per_s=0,
+        stall_after_deltas=250,
+        seed=5,
+    )
+    stream_id = turn["stream_id"]
+    prefix = read_sse(broker.base_url, stream_id, stop_after=240).events  # stored by now
+    assert len(prefix) == 240
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        follower = pool.submit(read_sse, broker.base_url, stream_id, timeout=30)
+        wait_until(lambda: broker.metric("broker_live_streams") >= 1, timeout=10)
+        before = command_calls(raw_redis, "xrange")
+        joiners = list(
+            pool.map(
+                lambda _: read_sse(broker.base_url, stream_id, stop_after=240).events, range(10)
+            )
+        )
+        calls = command_calls(raw_redis, "xrange") - before
+        assert all(events == prefix for events in joiners)
+        # Pages of 64 and 128 are full, and shared; the short last one, read up to the entry
+        # the feed stands on, is the same for every joiner too: one read in all, where each
+        # joiner read it for itself before (ten).
+        assert calls <= 3, f"{calls} XRANGEs for 10 joiners"
+        httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
+        followed = follower.result(timeout=30)
+    assert followed.ended_by_server
+    assert followed.events[:240] == prefix
+    assert_well_ordered(followed.events)
+    assert followed.events[-1].event == "end"
+
+
+def test_a_resume_point_past_the_stream_never_bounds_the_shared_pages(
+    broker_factory: BrokerFactory,
+) -> None:
+    # A client may name an id the stream has not reached: a feed started there has seen
+    # nothing, and pages bounded by that id would miss what is appended before it.
+    broker = broker_factory(sse_page_cache_s=30, sse_heartbeat_s=1)
+    turn = start_turn(
+        broker.base_url, turn_id="far-resume", tokens=50, tokens_per_s=0, stall_after_deltas=20
+    )
+    stream_id = turn["stream_id"]
+    prefix = read_sse(broker.base_url, stream_id, stop_after=20).events
+    key = broker.runtime.keys.events("conv-1", "far-resume")
+    far = "9999999999999999-0000000000"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(read_sse, broker.base_url, stream_id, last_event_id=far, timeout=30)
+        wait_until(lambda: broker.metric("broker_live_streams") >= 1, timeout=10)
+        assert broker.runtime.hub.seen(key) is None
+        assert read_sse(broker.base_url, stream_id, stop_after=20).events == prefix
+        httpx.post(f"{broker.base_url}/v1/turns/far-resume/cancel", timeout=10)
+        assert waiting.result(timeout=30).events == []  # nothing lies past its resume point
+    whole = reference(broker, stream_id)
+    assert whole[:20] == prefix
+    assert whole[-1].event == "end"
+
+
 def test_kept_pages_expire_and_stay_within_their_bound() -> None:
     entry = Entry.from_redis("1-0", ["e", "delta", "d", "{}"])
     pages = _Pages(ttl_s=1.0)
