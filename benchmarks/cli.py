@@ -26,6 +26,7 @@ from typing import Any
 from benchmarks import ceilings, machine, report
 from benchmarks.fanout import FanOut
 from benchmarks.figures import WORKLOADS
+from benchmarks.floor import Floor
 from benchmarks.harness import PROFILES, Context, Sizes, Workload
 from benchmarks.idle import Idle
 from benchmarks.join import JoinLive
@@ -328,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             LateReader(),
             Memory(),
             Idle(),
+            Floor(),
         ]
         for workload in workloads:
             if workload.name in selected:

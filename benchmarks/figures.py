@@ -25,6 +25,7 @@ WORKLOADS: Final = (
     "late_reader",
     "memory",
     "idle",
+    "floor",
 )
 
 
@@ -319,6 +320,18 @@ FIGURES: Final = (
         "Redis connections once every client left, less before (back to baseline)",
         "lower",
         target=4,
+    ),
+    Figure(
+        "floor.rss_per_connection_kib",
+        "KiB",
+        "RSS per open SSE connection of a bare ASGI app on the broker's uvicorn (no broker code)",
+        "lower",
+    ),
+    Figure(
+        "floor.attach_cpu_ms_per_connection",
+        "ms",
+        "CPU per connection while they attach, same bare app: the HTTP server's own share",
+        "lower",
     ),
 )
 
