@@ -147,6 +147,7 @@ class EventStreamResponse(Response):
         self._held: list[bytes] = []  # live chunks taken for the next batched write
         self._flush_timer: asyncio.TimerHandle | None = None
         self._stuck: asyncio.Future[None] | None = None  # set by the loop's SendWatch
+        self._watch: SendWatch | None = None  # the loop's, once the response started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         coding = scope.get(CODING)  # chosen by broker.compression's middleware, when it is on
@@ -157,7 +158,7 @@ class EventStreamResponse(Response):
         self._send_body = scope.get(RAW_SEND, send)
         loop = asyncio.get_running_loop()
         self._stuck = stuck = loop.create_future()
-        sends = SendWatch.of(loop)
+        self._watch = sends = SendWatch.of(loop)
         sends.add(self)
         pump = asyncio.create_task(self._pump())
         watch = asyncio.create_task(_wait_for_disconnect(receive))
@@ -247,7 +248,7 @@ class EventStreamResponse(Response):
         except Exception:  # the connection broke: the source's next write ends the response
             return False
         loop = asyncio.get_running_loop()
-        self._sending_since = loop.time()
+        self._mark_sending(loop.time())
         self._finishing = loop.create_task(self._finish(steps, waiting_on))
         return True
 
@@ -265,7 +266,7 @@ class EventStreamResponse(Response):
                     await asyncio.sleep(0)
                 waiting_on = steps.send(None)
         except StopIteration:
-            self._sending_since = None
+            self._mark_sending(None)
             self._finishing = None
         except Exception as exc:  # the next chunk's send re-raises it and ends the response
             log.info("a write the client held up failed: %s: %s", type(exc).__name__, exc)
@@ -309,19 +310,30 @@ class EventStreamResponse(Response):
         start = 0
         while len(chunk) - start > WRITE_SLICE:
             # The server waits for its buffer to drain before a write, not after one.
-            self._sending_since = clock()
+            self._mark_sending(clock())
             piece = chunk[start : start + WRITE_SLICE]
             await send({"type": "http.response.body", "body": piece, "more_body": True})
             start += WRITE_SLICE
-        self._sending_since = clock()
+        self._mark_sending(clock())
         rest = chunk[start:] if start else chunk
         await send({"type": "http.response.body", "body": rest, "more_body": more})
         if more:
             # An empty body waits for the drain, writing nothing: the source reads its next
             # chunk only once this one is on its way, never ahead of a client that stopped.
-            self._sending_since = clock()
+            self._mark_sending(clock())
             await send({"type": "http.response.body", "body": b"", "more_body": True})
-        self._sending_since = None
+        self._mark_sending(None)
+
+    def _mark_sending(self, since: float | None) -> None:
+        """A write began waiting at ``since`` (None: none waits): the loop's SendWatch looks at
+        the responses with a write under way only."""
+        self._sending_since = since
+        watch = self._watch
+        if watch is not None:
+            if since is None:
+                watch.sending.discard(self)
+            else:
+                watch.sending.add(self)
 
     def _check_send(self, now: float) -> None:
         """End the response if one write has waited ``send_timeout_s`` for the client (called by
@@ -339,12 +351,14 @@ class SendWatch:
     client: a timer of its own per response would be a task, and a wake-up per send timeout,
     for each of thousands of quiet connections.
 
-    It looks at every open response every quarter of the shortest send timeout (at most every
-    second), so a stuck write ends between one and 1.25 timeouts after it began.
+    It looks at every response with a write under way (``sending``; a quiet connection has
+    none) every quarter of the shortest send timeout (at most every second), so a stuck write
+    ends between one and 1.25 timeouts after it began.
     """
 
     def __init__(self) -> None:
         self.responses: set[EventStreamResponse] = set()
+        self.sending: set[EventStreamResponse] = set()
         self.period = 1.0
         self._task: asyncio.Task[None] | None = None
 
@@ -363,6 +377,7 @@ class SendWatch:
 
     def discard(self, response: EventStreamResponse) -> None:
         self.responses.discard(response)
+        self.sending.discard(response)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -370,7 +385,7 @@ class SendWatch:
             while self.responses:
                 await asyncio.sleep(self.period)
                 now = loop.time()
-                for response in list(self.responses):
+                for response in list(self.sending):
                     response._check_send(now)
         finally:
             self._task = None  # the next response starts it again

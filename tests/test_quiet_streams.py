@@ -8,7 +8,9 @@ a process shares that look: one ``HMGET`` per stream and heartbeat period, howev
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 from collections.abc import Callable
 
 import httpx
@@ -58,4 +60,47 @@ def test_readers_of_a_quiet_stream_share_one_look_per_heartbeat(
     # One look per stream and period (two, where a tick falls on the edge of one), not one per
     # reader: 30 readers looking for themselves would make 30 per period.
     assert spent <= 2 * periods + 4, (spent, periods)
+    httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
+
+
+def ping_times(url: str, times: list[float], stop: threading.Event) -> None:
+    """Note when each heartbeat of one SSE read arrives, until ``stop``."""
+    with httpx.stream("GET", url, timeout=20) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith(":"):
+                times.append(time.monotonic())
+            if stop.is_set():
+                return
+
+
+def test_readers_with_different_heartbeat_periods_each_hear_theirs(
+    broker_factory: BrokerFactory,
+) -> None:
+    # One stream's parked readers mixing two periods: the ticker, which looks at the front of
+    # a stream's readers in deadline order only, must still find each one when it is due.
+    broker = broker_factory(sse_heartbeat_s=1, sse_heartbeat_max_s=5)
+    turn = start_turn(broker.base_url, "mixed", tokens=10, tokens_per_s=0, stall_after_deltas=2)
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    wait_for_deltas(url, 2)
+    periods = [1, 2, 1, 2, 2, 1]
+    times: list[list[float]] = [[] for _ in periods]
+    stop = threading.Event()
+    readers = [
+        threading.Thread(
+            target=ping_times, args=(f"{url}?heartbeat={p}", times[i], stop), daemon=True
+        )
+        for i, p in enumerate(periods)
+    ]
+    try:
+        for reader in readers:
+            reader.start()
+        wait_until(lambda: all(len(t) >= 4 for t in times), timeout=30)
+    finally:
+        stop.set()
+    for period, heard in zip(periods, times, strict=True):
+        gaps = [b - a for a, b in itertools.pairwise(heard)]
+        # Due every period, sent within a quarter of it (at most the ticker's 0.25 s) once due.
+        assert max(gaps) <= period + 0.25 + 0.2, (period, gaps)
+        assert min(gaps) >= period - 0.2, (period, gaps)  # not another reader's period
     httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
