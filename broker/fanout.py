@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
+from operator import attrgetter
 from typing import Any, Final
 
 from redis.asyncio import Redis
@@ -382,10 +383,6 @@ def _retrieved(future: asyncio.Future[bool]) -> None:
         future.exception()
 
 
-def _deadline(subscription: Subscription) -> float:
-    return subscription.deadline
-
-
 def _write_heartbeat(subscription: Subscription) -> bool:
     """Whether a heartbeat was written to a parked reader's sink at once."""
     sink = subscription.sink
@@ -471,7 +468,7 @@ class Hub:
                         subscription.ticked = True
                         subscription.wake()
                 if not feed.in_order:
-                    feed.parked.sort(key=_deadline)
+                    feed.parked.sort(key=attrgetter("deadline"))
                     feed.in_order = True
                 if period is not None:
                     feed.shared_look(now, period)

@@ -320,8 +320,7 @@ class Streams:
         asked = (key, after.entry_id, until, count)
         if shared and (kept := self._pages.get(asked, now)) is not None:
             return kept, True
-        bounded = shared and until == "+" and self._bounded and bound is not None
-        if bounded and bound is not None and bound.key > after.key:
+        if shared and self._bounded and until == "+" and bound and bound.key > after.key:
             return await self._bounded_page(asked, bound, now)
         page = await rc.xrange_raw(self._redis, key, "(" + after.entry_id, until, count)
         entries = [Entry.from_redis(entry_id, fields) for entry_id, fields in page]

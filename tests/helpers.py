@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -233,3 +234,17 @@ def wait_for_deltas(url: str, count: int) -> None:
         return sum(event["event"] == "delta" for event in page["events"])
 
     wait_until(lambda: stored() == count)
+
+
+def pings_and_gaps(base_url: str, stream_id: str, params: dict[str, str]) -> list[float]:
+    """The times between the first heartbeats of a quiet stream (3 gaps)."""
+    seen: list[float] = []
+    url = f"{base_url}/v1/streams/{stream_id}"
+    with httpx.stream("GET", url, params=params, timeout=20) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith(":"):
+                seen.append(time.monotonic())
+                if len(seen) == 4:
+                    break
+    return [later - earlier for earlier, later in itertools.pairwise(seen)]

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +27,7 @@ import pytest
 
 from broker_client import AttachPolicy, AttachStats, BrokerClient, TurnText
 from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import read_sse, start_turn, text_of, wait_final, wait_until
+from tests.helpers import pings_and_gaps, read_sse, start_turn, text_of, wait_final, wait_until
 
 HEARTBEAT_S = 0.3
 
@@ -165,20 +163,6 @@ def test_after_a_network_change_a_one_viewer_token_is_taken_over_by_the_new_conn
         lambda: 'broker_stream_viewers{mode="sse"} 0.0' in httpx.get(metrics, timeout=5).text,
         timeout=10,
     )
-
-
-def pings_and_gaps(base_url: str, stream_id: str, params: dict[str, str]) -> list[float]:
-    """The times between the first heartbeats of a quiet stream (3 gaps)."""
-    seen: list[float] = []
-    url = f"{base_url}/v1/streams/{stream_id}"
-    with httpx.stream("GET", url, params=params, timeout=20) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith(":"):
-                seen.append(time.monotonic())
-                if len(seen) == 4:
-                    break
-    return [later - earlier for earlier, later in itertools.pairwise(seen)]
 
 
 def test_a_client_may_space_heartbeats_further_apart_within_limits(

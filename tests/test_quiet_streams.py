@@ -8,15 +8,14 @@ a process shares that look: one ``HMGET`` per stream and heartbeat period, howev
 
 from __future__ import annotations
 
-import itertools
+import concurrent.futures
 import threading
-import time
 from collections.abc import Callable
 
 import httpx
 
 from tests.conftest import BrokerFactory, command_calls, sync_client
-from tests.helpers import start_turn, wait_for_deltas, wait_until
+from tests.helpers import pings_and_gaps, start_turn, wait_for_deltas, wait_until
 
 READERS = 30
 HEARTBEAT_S = 0.25
@@ -63,17 +62,6 @@ def test_readers_of_a_quiet_stream_share_one_look_per_heartbeat(
     httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
 
 
-def ping_times(url: str, times: list[float], stop: threading.Event) -> None:
-    """Note when each heartbeat of one SSE read arrives, until ``stop``."""
-    with httpx.stream("GET", url, timeout=20) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith(":"):
-                times.append(time.monotonic())
-            if stop.is_set():
-                return
-
-
 def test_readers_with_different_heartbeat_periods_each_hear_theirs(
     broker_factory: BrokerFactory,
 ) -> None:
@@ -84,22 +72,14 @@ def test_readers_with_different_heartbeat_periods_each_hear_theirs(
     url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
     wait_for_deltas(url, 2)
     periods = [1, 2, 1, 2, 2, 1]
-    times: list[list[float]] = [[] for _ in periods]
-    stop = threading.Event()
-    readers = [
-        threading.Thread(
-            target=ping_times, args=(f"{url}?heartbeat={p}", times[i], stop), daemon=True
+    with concurrent.futures.ThreadPoolExecutor(len(periods)) as pool:
+        heard = list(
+            pool.map(
+                lambda p: pings_and_gaps(broker.base_url, turn["stream_id"], {"heartbeat": str(p)}),
+                periods,
+            )
         )
-        for i, p in enumerate(periods)
-    ]
-    try:
-        for reader in readers:
-            reader.start()
-        wait_until(lambda: all(len(t) >= 4 for t in times), timeout=30)
-    finally:
-        stop.set()
-    for period, heard in zip(periods, times, strict=True):
-        gaps = [b - a for a, b in itertools.pairwise(heard)]
+    for period, gaps in zip(periods, heard, strict=True):
         # Due every period, sent within a quarter of it (at most the ticker's 0.25 s) once due.
         assert max(gaps) <= period + 0.25 + 0.2, (period, gaps)
         assert min(gaps) >= period - 0.2, (period, gaps)  # not another reader's period
