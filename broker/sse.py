@@ -1,10 +1,13 @@
 """Server-sent events: the frames and an ASGI response that streams them.
 
-The response races three things: the event source, the client's disconnect, and a per-send
-timeout (watched for every response of the event loop by one task, :class:`SendWatch`).
-Whichever ends first ends the response, and the source is always closed, so a reader's
-subscription is released the moment its client goes away. Heartbeats are SSE comments, so
-``EventSource`` ignores them while proxies and clients see a live connection.
+The response reads its source in its own task and ends at whichever comes first: the source's
+end, the client's disconnect, or a write that waited past the send timeout (watched for every
+response of the event loop by one task, :class:`SendWatch`). The source is always closed, so a
+reader's subscription is released the moment its client goes away. A server that offers a
+:class:`Wire` (the broker's own HTTP protocol does) says when the client left and takes a
+write without a coroutine; with any other, a second task waits for ``http.disconnect``.
+Heartbeats are SSE comments, so ``EventSource`` ignores them while proxies and clients see a
+live connection.
 
 While the source waits, a live feed may write a chunk for it (:meth:`EventStreamResponse.
 write_now`): one write, in order with the source's own, without waking the reader's task. A
@@ -48,6 +51,7 @@ PING = b": ping\n"
 # The event that carries a read's resume point (see opening_frame).
 RESUME_POINT: Final = "resume_point"
 RAW_SEND: Final = "broker.raw_send"  # the scope key of the server's own send (see RawSend)
+WIRE: Final = "broker.wire"  # the scope key of the connection's Wire, when the server has one
 # The most one write hands the server: what it buffers for a client that does not read is then
 # at most its high-water mark plus this, whatever the size of a chunk.
 WRITE_SLICE: Final = 16_384
@@ -63,6 +67,25 @@ class Sink(Protocol):
     @property
     def over(self) -> bool:
         """Whether the response has ended (its client left): the source must stop."""
+        ...
+
+
+class Wire(Protocol):
+    """What an event stream may ask of its connection past ASGI, when the server offers it
+    (``scope[WIRE]``, see ``broker.api.connections``): a body write that never waits, and a
+    call when the client leaves. Without it, the response does both through ASGI: a task per
+    response that waits for ``http.disconnect``, and a coroutine per write.
+    """
+
+    def write(self, body: bytes) -> bool:
+        """Write ``body`` as the response's next body chunk now, or return False when that
+        cannot be done without waiting (the client's buffer is full, or the connection or the
+        response is over): the caller then sends it through ASGI, which waits."""
+        ...
+
+    def when_lost(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` once the connection is lost (at once if it is already); None
+        forgets the one given before."""
         ...
 
 
@@ -137,7 +160,7 @@ class EventStreamResponse(Response):
         self._send_timeout_s = send_timeout_s
         extra = extra_headers or []
         named = {name for name, _ in extra}  # an extra header replaces a default of its name
-        self._raw_headers = [h for h in HEADERS if h[0] not in named] + extra
+        self.raw_headers = [h for h in HEADERS if h[0] not in named] + extra
         self._sending_since: float | None = None
         self._send_body: Send | None = None  # set once the response has started
         self._finishing: asyncio.Task[None] | None = None  # a direct write the client holds up
@@ -146,38 +169,69 @@ class EventStreamResponse(Response):
         self._batch_s = batch_s
         self._held: list[bytes] = []  # live chunks taken for the next batched write
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._stuck: asyncio.Future[None] | None = None  # set by the loop's SendWatch
         self._watch: SendWatch | None = None  # the loop's, once the response started
+        self._wire: Wire | None = None  # the connection's, when the server offers one
+        self._task: asyncio.Task[Any] | None = None  # the task that runs the response
+        self._pumping = False  # the source is being read and written (ended by _end)
+        self._cancelled = False  # _end cancelled the response's task
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         coding = scope.get(CODING)  # chosen by broker.compression's middleware, when it is on
         if coding == GZIP:
             self._gzip = GzipStream()  # one per response: its history is this stream's frames
-        headers = self._raw_headers + stream_headers(coding)
+        headers = self.raw_headers + stream_headers(coding)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         self._send_body = scope.get(RAW_SEND, send)
-        loop = asyncio.get_running_loop()
-        self._stuck = stuck = loop.create_future()
-        self._watch = sends = SendWatch.of(loop)
+        self._wire = wire = scope.get(WIRE)
+        self._task = task = asyncio.current_task()
+        self._watch = sends = SendWatch.of(asyncio.get_running_loop())
         sends.add(self)
-        pump = asyncio.create_task(self._pump())
-        watch = asyncio.create_task(_wait_for_disconnect(receive))
+        # The source is read in this task: one task per response. The client's leaving, or a
+        # write stuck past the send timeout, ends it (_end): over at once, then a cancellation
+        # that wakes a source parked on its feed. A source that lost the cancellation in a
+        # Redis call sees over before it waits again.
+        watch: asyncio.Task[None] | None = None
+        if wire is not None:
+            wire.when_lost(self._end)
+        else:
+            watch = asyncio.create_task(_wait_for_disconnect(receive))
+            watch.add_done_callback(self._ended_by)
+        self._pumping = True
+        interrupted = False
         try:
-            await asyncio.wait({pump, watch, stuck}, return_when=asyncio.FIRST_COMPLETED)
+            await self._pump()
+        except asyncio.CancelledError:
+            interrupted = True
+        except Exception:  # (logged where it failed) the response ends
+            pass
         finally:
+            self._pumping = False
             self._over = True
+            if wire is not None:
+                wire.when_lost(None)
             sends.discard(self)
-            stuck.cancel()
             self._drop_held()
-            tasks = [pump, watch]
-            if self._finishing is not None:
-                tasks.append(self._finishing)
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
+            tasks = [t for t in (watch, self._finishing) if t is not None]
+            for other in tasks:
+                other.cancel()
+            for other in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task  # (what failed was logged where it failed)
+                    await other  # (what failed was logged where it failed)
             await _close(self._source)
+        if self._cancelled and task is not None:
+            task.uncancel()  # the cancellation was this response's own
+        if interrupted and (not self._cancelled or (task is not None and task.cancelling())):
+            raise asyncio.CancelledError  # someone else's: the server's, at shutdown
+
+    def _end(self) -> None:
+        """End the response: its client left, or a write waited past the send timeout."""
+        self._over = True
+        if self._pumping and not self._cancelled and self._task is not None:
+            self._cancelled = True
+            self._task.cancel()
+
+    def _ended_by(self, _watch: asyncio.Task[None]) -> None:
+        self._end()
 
     @property
     def over(self) -> bool:
@@ -239,6 +293,9 @@ class EventStreamResponse(Response):
             return False
         # Coded only now that it will be sent: the compressor's output must follow the writes.
         body = chunk if self._gzip is None else self._gzip.write(chunk)
+        wire = self._wire
+        if wire is not None and wire.write(body):
+            return True  # no ASGI message, no coroutine: the common case, a client that reads
         message = {"type": "http.response.body", "body": body, "more_body": True}
         steps = send(message).__await__()
         try:
@@ -338,12 +395,12 @@ class EventStreamResponse(Response):
     def _check_send(self, now: float) -> None:
         """End the response if one write has waited ``send_timeout_s`` for the client (called by
         the loop's :class:`SendWatch`)."""
-        since, stuck = self._sending_since, self._stuck
-        if since is None or stuck is None or stuck.done():
+        since = self._sending_since
+        if since is None or self._over:
             return
         if now - since >= self._send_timeout_s:
             log.info("closing a stream whose client did not read for %s s", self._send_timeout_s)
-            stuck.set_result(None)
+            self._end()
 
 
 class SendWatch:

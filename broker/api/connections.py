@@ -21,6 +21,14 @@ ever, and enough of them exhaust the process's file descriptors. This protocol a
   (which would answer 503 to their next request too) is not used.
 * **URLs past httptools' URL parser** (64 KiB) are split here, so that the app answers them with
   its JSON 431 instead of the parser's plain-text 400.
+* **A wire for event streams** (``broker.sse.WIRE`` in each request's scope): a body write
+  that frames the chunk and hands it to the transport at once, and a callback when the
+  connection is lost. An event stream's heartbeats and live batches are then one transport
+  write each, not an ASGI message and a coroutine through uvicorn's ``send``, and its response
+  needs no task of its own waiting for ``http.disconnect``. The write declines (and the
+  response falls back to ``send``, which waits) whenever uvicorn's would have to wait or do
+  more than frame a chunk: the transport's buffer full, the connection or the response over, or
+  a body that is not chunked.
 * **A bound on what is queued unsent** per connection: ``UNSENT_LIMIT`` in the kernel
   (``TCP_NOTSENT_LOWAT``, where the platform has it) and as the transport's high-water mark.
   Without it the kernel grows a connection's send buffer towards ``net.ipv4.tcp_wmem`` (4 MiB;
@@ -45,10 +53,11 @@ from urllib.parse import unquote
 import orjson
 from starlette.types import Receive, Scope, Send
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from broker.api.security import COMMON
+from broker.sse import WIRE
 
 log = logging.getLogger("broker.connections")
 
@@ -103,6 +112,42 @@ def json_error(status: int, code: str, message: str) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
+class _Wire:
+    """One request's :class:`broker.sse.Wire`: its response's chunks, framed, straight to the
+    transport (see the module's docstring)."""
+
+    __slots__ = ("_callback", "_cycle", "_protocol")
+
+    def __init__(self, protocol: GuardedHttpProtocol, cycle: RequestResponseCycle) -> None:
+        self._protocol = protocol
+        self._cycle = cycle  # this request's: a pipelined request has a cycle of its own
+        self._callback: Callable[[], None] | None = None
+
+    def write(self, body: bytes) -> bool:
+        cycle = self._cycle
+        if (
+            not cycle.chunked_encoding  # not started yet, or sized, or a HEAD
+            or cycle.response_complete
+            or cycle.disconnected
+            or cycle.flow.write_paused
+        ):
+            return False
+        if body:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    def when_lost(self, callback: Callable[[], None] | None) -> None:
+        protocol = self._protocol
+        if callback is None:  # forget this request's own, never a later request's
+            if protocol.on_lost is self._callback:
+                protocol.on_lost = None
+            self._callback = None
+        elif protocol.lost or self._cycle.disconnected:
+            callback()
+        else:
+            self._callback = protocol.on_lost = callback
+
+
 class GuardedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; bind limits with :func:`guarded`."""
 
@@ -119,6 +164,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._phase = _Phase.FRESH
         self._header_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
+        self.lost = False  # the connection is lost
+        self.on_lost: Callable[[], None] | None = None  # a response's (see _Wire.when_lost)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -136,6 +183,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        self.lost = True
+        callback, self.on_lost = self.on_lost, None
+        if callback is not None:
+            callback()
 
     def data_received(self, data: bytes) -> None:
         if self._phase is _Phase.CLOSING:
@@ -165,6 +216,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         target = self.url
         if len(target) <= URL_PARSER_MAX:
             super().on_headers_complete()
+            self._offer_wire()
             return
         # Too long for httptools.parse_url: let uvicorn build the request on a stand-in, then
         # put the real path and query in its scope (the request's task has not run yet).
@@ -176,6 +228,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.scope["raw_path"] = self.root_path.encode("ascii") + raw_path
         self.scope["path"] = self.root_path + unquote(raw_path.decode("latin-1"))
         self.scope["query_string"] = query
+        self._offer_wire()
+
+    def _offer_wire(self) -> None:
+        """Put the request's wire in its scope (its task has not run yet)."""
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
+            self.scope[WIRE] = _Wire(self, cycle)  # type: ignore[typeddict-unknown-key]
 
     def _answer_and_close(self, response: bytes) -> None:
         """Send ``response``, then drop what the client still sends until it stops or LINGER_S.

@@ -1,0 +1,205 @@
+"""The connection's wire (``broker.sse.WIRE``): event-stream writes past ASGI, on a real uvicorn.
+
+The broker's HTTP protocol offers each request a write that frames a body chunk and hands it to
+the transport at once, and a call when the connection is lost. These tests serve a small ASGI
+app with that protocol on a real socket and check what a client receives: the framing, the
+order against ASGI's own sends, the refusal once the client stops reading (the caller then
+waits in ``send``, and nothing is lost or reordered), and the call on a lost connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from broker.api.connections import ConnectionLimits, _Wire, guarded
+from broker.sse import WIRE, Wire
+from tests.helpers import wait_until
+
+START = {"type": "http.response.start", "status": 200, "headers": [(b"x-test", b"wire")]}
+
+
+@dataclass
+class Served:
+    """What the app saw, for the test to look at (written on the server's thread)."""
+
+    base_url: str
+    refused: list[int] = field(default_factory=list)  # indexes of the writes the wire refused
+    lost: threading.Event = field(default_factory=threading.Event)
+    lost_late: threading.Event = field(default_factory=threading.Event)
+    wires: list[Wire | None] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def chunk(index: int, size: int = 100) -> bytes:
+    return f"{index:08d}".encode().ljust(size, b".")
+
+
+def make_app(served: Served) -> Callable[[Scope, Receive, Send], Any]:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        wire: Wire | None = scope.get(WIRE)
+        served.wires.append(wire)
+        path = scope["path"]
+        if path == "/sized":  # a body with a length: not chunked, the wire declines
+            await send({**START, "headers": [(b"content-length", b"2")]})
+            assert wire is not None
+            if wire.write(b"no"):
+                served.refused.append(-1)  # (wrong: the test sees it)
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        assert wire is not None
+        await send(START)
+        if path == "/mixed":  # wire writes and ASGI sends, alternating
+            for i in range(200):
+                if i % 3 == 0:
+                    await send({"type": "http.response.body", "body": chunk(i), "more_body": True})
+                elif not wire.write(chunk(i)):
+                    served.refused.append(i)
+                    await send({"type": "http.response.body", "body": chunk(i), "more_body": True})
+        elif path.startswith("/flood/"):  # a client that stops reading: the wire refuses
+            count = int(path.rsplit("/", 1)[1])
+            for i in range(count):
+                if not wire.write(chunk(i, 4096)):
+                    served.refused.append(i)
+                    await send(
+                        {"type": "http.response.body", "body": chunk(i, 4096), "more_body": True}
+                    )
+        elif path == "/lost":  # held open until the client leaves
+            left = asyncio.Event()
+
+            def lost() -> None:
+                left.set()
+                served.lost.set()
+
+            wire.when_lost(lost)
+            await left.wait()
+            wire.when_lost(served.lost_late.set)  # after the loss: called at once
+            served.done.set()
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        served.done.set()
+
+    return app
+
+
+@pytest.fixture
+def served() -> Iterator[Served]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    served = Served(base_url=f"http://127.0.0.1:{port}")
+    limits = ConnectionLimits(header_timeout_s=10, max_header_bytes=65_536, max_connections=100)
+    config = uvicorn.Config(
+        make_app(served), http=guarded(limits), lifespan="off", log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started)
+    try:
+        yield served
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def test_wire_writes_and_asgi_sends_arrive_framed_and_in_order(served: Served) -> None:
+    response = httpx.get(f"{served.base_url}/mixed", timeout=10)
+    assert response.status_code == 200
+    assert response.headers["x-test"] == "wire"
+    assert response.headers["transfer-encoding"] == "chunked"
+    assert response.content == b"".join(chunk(i) for i in range(200))
+    assert served.refused == []  # a client that reads: every wire write went at once
+
+
+def test_the_wire_refuses_once_the_client_stops_reading_and_nothing_is_lost(
+    served: Served,
+) -> None:
+    count = 1_000  # 4 MiB: far past what the kernel and the transport hold for a silent client
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65_536)  # before the handshake
+        sock.connect(("127.0.0.1", int(served.base_url.rsplit(":", 1)[1])))
+        sock.sendall(b"GET /flood/%d HTTP/1.1\r\nHost: x\r\n\r\n" % count)
+        wait_until(lambda: len(served.refused) > 0, timeout=10)  # the client reads nothing yet
+        first_refused = served.refused[0]
+        assert first_refused < count // 2
+        received = bytearray()
+        sock.settimeout(10)
+        while not received.endswith(b"0\r\n\r\n"):
+            data = sock.recv(1 << 16)
+            assert data, "closed before the end of the body"
+            received += data
+    assert served.done.wait(5)
+    body = _unchunk(bytes(received).partition(b"\r\n\r\n")[2])
+    assert body == b"".join(chunk(i, 4096) for i in range(count))
+
+
+def test_a_body_with_a_length_is_never_written_by_the_wire(served: Served) -> None:
+    response = httpx.get(f"{served.base_url}/sized", timeout=10)
+    assert response.content == b"ok"
+    assert served.refused == []  # the wire declined the write
+
+
+def test_the_wire_calls_back_when_the_connection_is_lost_and_at_once_after(
+    served: Served,
+) -> None:
+    with socket.create_connection(("127.0.0.1", int(served.base_url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"GET /lost HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(10)
+        assert sock.recv(100).startswith(b"HTTP/1.1 200")
+        assert not served.lost.is_set()
+    assert served.lost.wait(5)
+    assert served.lost_late.wait(5)
+    assert served.done.wait(5)
+
+
+def test_every_http_request_is_offered_a_wire_of_its_own(served: Served) -> None:
+    with httpx.Client(base_url=served.base_url, timeout=10) as client:  # one kept-alive socket
+        for _ in range(3):
+            assert client.get("/mixed").status_code == 200
+    wires = [w for w in served.wires if w is not None]
+    assert len(wires) == 3
+    assert len({id(w) for w in wires}) == 3
+
+
+def _unchunk(data: bytes) -> bytes:
+    """A chunked body's bytes (asserting its framing is whole)."""
+    out = bytearray()
+    while True:
+        size_line, _, rest = data.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert rest == b"\r\n"
+            return bytes(out)
+        out += rest[:size]
+        assert rest[size : size + 2] == b"\r\n"
+        data = rest[size + 2 :]
+
+
+def test_a_wire_forgets_only_its_own_callback() -> None:
+    """A response that ends after the next request's began must not unhook the next one."""
+    protocol: Any = SimpleNamespace(lost=False, on_lost=None)
+    cycle: Any = SimpleNamespace(disconnected=False)
+    calls: list[str] = []
+    earlier, later = _Wire(protocol, cycle), _Wire(protocol, cycle)
+    earlier.when_lost(lambda: calls.append("earlier"))
+    later.when_lost(lambda: calls.append("later"))
+    earlier.when_lost(None)
+    assert protocol.on_lost is not None
+    protocol.on_lost()
+    assert calls == ["later"]
+    later.when_lost(None)
+    assert protocol.on_lost is None
