@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
+from starlette.types import ASGIApp
 
 from broker import __version__
 from broker import redis_calls as rc
@@ -41,7 +43,7 @@ from broker.api import (
 from broker.api.connections import ConnectionLimits, guarded
 from broker.api.docs import install_docs
 from broker.api.schemas import install_components
-from broker.api.stream_reads import StreamReads
+from broker.api.stream_reads import FrontReads, StreamReads
 from broker.auth import Authenticator
 from broker.compression import Compression
 from broker.connection import (
@@ -279,6 +281,16 @@ async def shared_attach_secret(redis: Redis, settings: Settings, secured: bool) 
     return value.encode()
 
 
+class BrokerApp(FastAPI):
+    """FastAPI, with a layer of the broker's ahead of the framework's own (``front``)."""
+
+    front: Callable[[ASGIApp], ASGIApp] | None = None
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack = super().build_middleware_stack()
+        return stack if self.front is None else self.front(stack)
+
+
 def create_app(
     settings: Settings, runtime: Runtime | None = None, *, tools: ToolRegistry | None = None
 ) -> FastAPI:
@@ -294,7 +306,7 @@ def create_app(
         finally:
             await rt.close()
 
-    app = FastAPI(
+    app = BrokerApp(
         title="Resumable stream broker",
         version=__version__,
         lifespan=lifespan,
@@ -314,6 +326,13 @@ def create_app(
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     if settings.runs_api:  # innermost: the hot read is answered past the framework's routing
         app.add_middleware(StreamReads)
+        # And at the front, ahead of every layer, when it needs none of them.
+        app.front = functools.partial(
+            FrontReads,
+            max_header_bytes=settings.max_header_bytes,
+            compression=settings.compression == "on",
+            cors=bool(cors_origins(settings.cors_origins)),
+        )
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(HeaderSizeLimit, limit=settings.max_header_bytes)
     if settings.compression == "on":  # gzip for clients that ask; streams code their own bodies

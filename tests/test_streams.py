@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
 from typing import Any
@@ -451,6 +452,71 @@ def test_sse_resumes_are_counted_and_an_expired_stream_is_410(
     assert broker.metric("broker_resumes_total", '{result="ok"}') == 1
     unknown = httpx.get(f"{broker.base_url}/v1/streams/st_{'0' * 32}", timeout=5)
     assert unknown.status_code == 404
+
+
+def _awaiting(broker: RunningBroker) -> list[list[str]]:
+    """For each request task of the broker's loop, the qualified names of the coroutines it
+    is suspended in, outermost first (what each layer keeps alive while a response lasts)."""
+
+    async def chains() -> list[list[str]]:
+        found = []
+        for task in asyncio.all_tasks():
+            coro: Any = task.get_coro()
+            if getattr(coro, "__qualname__", "") != "RequestResponseCycle.run_asgi":
+                continue
+            names = []
+            while coro is not None and hasattr(coro, "cr_await"):
+                names.append(coro.__qualname__)
+                coro = coro.cr_await
+            found.append(names)
+        return found
+
+    result: list[list[str]] = broker.call(chains())
+    return result
+
+
+LAYERS = {"ServerErrorMiddleware.__call__", "SecurityHeaders.__call__", "Compression.__call__"}
+
+
+def test_a_plain_sse_read_is_answered_ahead_of_every_layer_and_a_cors_one_through_them(
+    broker_factory: BrokerFactory,
+) -> None:
+    origin = "https://app.example"
+    broker = broker_factory(cors_origins=origin)
+    turn = start_turn(broker.base_url, turn_id=f"front-{next(_turns)}", tokens=400, tokens_per_s=20)
+    url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
+    headers_seen = {}
+    for label, extra in (("plain", {}), ("cors", {"Origin": origin})):
+        with httpx.stream("GET", url, headers=extra, timeout=10) as response:
+            assert response.status_code == 200
+            body = response.iter_bytes()  # (kept: an iterator dropped closes the response)
+            assert next(body)
+            chains = _awaiting(broker)
+            reading = [c for c in chains if "EventStreamResponse.__call__" in c]
+            assert len(reading) == 1, chains
+            if label == "plain":
+                assert reading[0][:4] == [
+                    "RequestResponseCycle.run_asgi",
+                    "ProxyHeadersMiddleware.__call__",
+                    "FastAPI.__call__",
+                    "Starlette.__call__",
+                ]
+                assert reading[0][4] == "FrontReads.__call__"
+                assert not LAYERS & set(reading[0])
+            else:
+                assert set(reading[0]) >= LAYERS
+                assert response.headers["access-control-allow-origin"] == origin
+            headers_seen[label] = response.headers
+    for headers in headers_seen.values():  # the same headers either way, the security ones too
+        assert headers["x-content-type-options"] == "nosniff"
+        assert headers["referrer-policy"] == "no-referrer"
+        assert headers["content-type"] == "text/event-stream"
+        assert headers["vary"].startswith("Accept-Encoding")
+    # Errors answered at the front carry them as well.
+    bad = httpx.get(f"{url}?offset=nope", timeout=5)
+    assert bad.status_code == 400
+    assert bad.headers["x-content-type-options"] == "nosniff"
+    httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
 
 
 def test_sse_reads_are_served_below_the_framework_and_json_pages_through_it(

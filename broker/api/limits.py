@@ -23,18 +23,21 @@ class HeaderSizeLimit:
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            size = len(scope.get("query_string", b"")) + len(scope.get("raw_path") or b"")
-            size += sum(len(name) + len(value) + 4 for name, value in scope["headers"])
-            if size > self.limit:
-                await BodySizeLimit._reply(
-                    send,
-                    431,
-                    "headers_too_large",
-                    f"request headers are larger than BROKER_MAX_HEADER_BYTES={self.limit}",
-                )
-                return
+        if scope["type"] == "http" and header_bytes(scope) > self.limit:
+            await BodySizeLimit._reply(
+                send,
+                431,
+                "headers_too_large",
+                f"request headers are larger than BROKER_MAX_HEADER_BYTES={self.limit}",
+            )
+            return
         await self.app(scope, receive, send)
+
+
+def header_bytes(scope: Scope) -> int:
+    """What :class:`HeaderSizeLimit` counts of a request: its headers, path and query."""
+    size = len(scope.get("query_string", b"")) + len(scope.get("raw_path") or b"")
+    return size + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
 
 
 class BodyTooLarge(BrokerError):

@@ -29,6 +29,21 @@ def is_page(path: str) -> bool:
     return path == "/" or path.startswith("/static/")
 
 
+def headers_for(path: str) -> list[tuple[bytes, bytes]]:
+    """The headers above that a response to ``path`` carries."""
+    if path.startswith("/ds/"):
+        return COMMON + CROSS_ORIGIN
+    return COMMON + PAGE if is_page(path) else COMMON
+
+
+def with_headers(
+    headers: list[tuple[bytes, bytes]], extra: list[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
+    """``headers`` and those of ``extra`` it does not name already."""
+    present = {name.lower() for name, _ in headers}
+    return [*headers, *((n, v) for n, v in extra if n not in present)]
+
+
 class SecurityHeaders:
     """Adds the headers above to every HTTP response."""
 
@@ -39,16 +54,11 @@ class SecurityHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        extra = COMMON + PAGE if is_page(path) else COMMON
-        if path.startswith("/ds/"):
-            extra = COMMON + CROSS_ORIGIN
+        extra = headers_for(scope.get("path", ""))
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                present = {name.lower() for name, _ in message.get("headers", [])}
-                added = [(n, v) for n, v in extra if n not in present]
-                message["headers"] = [*message.get("headers", []), *added]
+                message["headers"] = with_headers(list(message.get("headers", [])), extra)
             await send(message)
 
         await self.app(scope, receive, send_with_headers)

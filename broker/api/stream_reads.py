@@ -9,6 +9,14 @@ apply as to any route), answers the SSE form of that route itself: the same cred
 same checks in the same order (``routes.checked_read``), the same errors and the same response
 (``routes.sse_read``). Everything else goes on to the app, ``format=json`` pages included; the
 FastAPI route stays, and documents the read in ``/openapi.json``.
+
+:class:`FrontReads` answers the same reads earlier still, at the very front of the stack (ahead
+of the framework's error and telemetry layers and of the broker's own middleware), when they
+need nothing of what lies between: it does what each layer would do to such a read (the header
+limit's count, the choice of coding, the security headers) with the same functions. A read
+that needs more, one with an ``Origin`` when CORS is on or one over the header limit, goes
+through the stack as before. Each layer is a frame and a wrapper that stays suspended as long
+as the response: ten thousand quiet readers held about 2 KiB each in them.
 """
 
 from __future__ import annotations
@@ -22,7 +30,10 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.api.errors import broker_error_response, internal_error, redis_unavailable
+from broker.api.limits import header_bytes
 from broker.api.routes import authenticate, checked_read, sse_read
+from broker.api.security import headers_for, with_headers
+from broker.compression import CODING, negotiate
 from broker.errors import BrokerError
 
 if TYPE_CHECKING:
@@ -49,6 +60,40 @@ class StreamReads:
             return
         response = await _answer(scope, stream_id, params)
         await response(scope, receive, send)
+
+
+class FrontReads:
+    """At the front of the stack: serves the SSE stream reads that need none of the layers
+    between (see the module's docstring); passes every other request on to ``app``."""
+
+    def __init__(
+        self, app: ASGIApp, *, max_header_bytes: int, compression: bool, cors: bool
+    ) -> None:
+        self.app = app
+        self.max_header_bytes = max_header_bytes
+        self.compression = compression
+        self.cors = cors
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream_id = _stream_id(scope)
+        if stream_id is None or not self._alone(scope):
+            await self.app(scope, receive, send)
+            return
+        params = QueryParams(scope["query_string"])
+        if params.get("format") == "json":
+            await self.app(scope, receive, send)
+            return
+        if self.compression:  # as broker.compression's middleware chooses it
+            scope[CODING] = negotiate(Headers(scope=scope).get("accept-encoding"))
+        response = await _answer(scope, stream_id, params)
+        response.raw_headers = with_headers(response.raw_headers, headers_for(scope["path"]))
+        await response(scope, receive, send)
+
+    def _alone(self, scope: Scope) -> bool:
+        """Whether the read needs nothing of the layers this one passes by."""
+        if header_bytes(scope) > self.max_header_bytes:
+            return False  # the stack's 431 (with CORS headers when they apply)
+        return not self.cors or all(name != b"origin" for name, _ in scope["headers"])
 
 
 def _stream_id(scope: Scope) -> str | None:
