@@ -364,6 +364,15 @@ class EventStreamResponse(Response):
         # timer per response instead of one per write. Each slice restarts the clock: a client
         # that takes bytes, however slowly, is not the one the timeout is for.
         clock = asyncio.get_running_loop().time
+        wire = self._wire
+        if more and wire is not None and len(chunk) <= WRITE_SLICE and wire.write(chunk):
+            # Taken at once, and nothing awaited, so no direct write can come between. The
+            # source reads on at once if the server can take more (a write of nothing says so).
+            if not wire.write(b""):
+                self._mark_sending(clock())
+                await send({"type": "http.response.body", "body": b"", "more_body": True})
+                self._mark_sending(None)
+            return
         start = 0
         while len(chunk) - start > WRITE_SLICE:
             # The server waits for its buffer to drain before a write, not after one.
