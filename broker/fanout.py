@@ -439,6 +439,10 @@ class Hub:
         while True:
             await asyncio.sleep(self._tick_s)
             now = loop.time()
+            # Due by the middle of the next period counts as due now: a heartbeat is written
+            # up to half a period early rather than up to a whole one (and the tick's own work)
+            # late, so the silence stays within the period plus one tick.
+            horizon = now + self._tick_s / 2
             for feed in list(self._feeds.values()):
                 parked = feed.parked
                 if not parked:
@@ -447,7 +451,7 @@ class Hub:
                     # In deadline order: the due readers are a prefix, found without a look at
                     # the others (ten thousand quiet readers cost a look per feed per tick).
                     due = 0
-                    while due < len(parked) and parked[due].deadline <= now:
+                    while due < len(parked) and parked[due].deadline <= horizon:
                         due += 1
                     if not due:
                         continue
@@ -457,7 +461,7 @@ class Hub:
                 feed.parked, feed.in_order = kept, True
                 period: float | None = None  # the shortest heartbeat period written to
                 for subscription in looked_at:
-                    if subscription.deadline > now:
+                    if subscription.deadline > horizon:
                         feed.park(subscription)
                     elif _write_heartbeat(subscription):
                         subscription.deadline = now + subscription.timeout
