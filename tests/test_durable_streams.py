@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import bearer, missing_tool, start_turn, wait_final, wait_until
+from tests.helpers import bearer, get_turn, missing_tool, start_turn, wait_final, wait_until
 
 FOLDER = Path(__file__).resolve().parent / "node" / "durable-streams"
 SUITE = "@durable-streams/server-conformance-tests"
@@ -259,10 +259,15 @@ def test_a_long_poll_whose_client_hangs_up_gives_its_place_back(
 
 def test_an_expired_generation_is_gone_not_unknown(broker_factory: BrokerFactory) -> None:
     broker = broker_factory(stream_ttl=0.5, **LONG_POLL)
-    turn = start_turn(broker.base_url, turn_id="ds-old", tokens=3, tokens_per_s=0)
-    wait_final(broker.base_url, "ds-old")
+    # Read while the turn runs (its keys expire only once it ends), then end it: whatever the
+    # machine's pace, the first read comes before the expiry (regression: with a finished turn
+    # the read raced the 0.5 s expiry and lost on a loaded machine).
+    turn = start_turn(broker.base_url, turn_id="ds-old", tokens=1000, tokens_per_s=10)
     url = f"{broker.base_url}/ds/v1/stream/{turn['stream_id']}"
+    wait_until(lambda: get_turn(broker.base_url, "ds-old")["status"] == "streaming")
     assert httpx.get(url, timeout=5).status_code == 200
+    httpx.post(f"{broker.base_url}/v1/turns/ds-old/cancel", timeout=5).raise_for_status()
+    wait_final(broker.base_url, "ds-old")
     gone = wait_until(lambda: (r := httpx.get(url, timeout=5)).status_code == 410 and r, 5)
     assert gone.json()["error"]["code"] == "expired"
     assert httpx.head(url, timeout=5).status_code == 410

@@ -437,13 +437,16 @@ def test_sse_resumes_are_counted_and_an_expired_stream_is_410(
     """An SSE read learns that its data expired from its opening round trip: 410 all the same,
     and each resume's outcome is counted once."""
     broker = broker_factory(stream_ttl=0.5)
-    turn = start_turn(broker.base_url, turn_id="counted", tokens=3, tokens_per_s=0)
-    wait_final(broker.base_url, "counted")
+    # The resume comes while the turn runs (its keys expire only once it ends), so it never
+    # races the 0.5 s expiry on a loaded machine; then the turn is ended.
+    turn = start_turn(broker.base_url, turn_id="counted", tokens=1000, tokens_per_s=10)
     url = f"{broker.base_url}/v1/streams/{turn['stream_id']}"
-    events = read_sse(broker.base_url, turn["stream_id"]).events
-    resumed = httpx.get(url, headers={"Last-Event-ID": events[0].id}, timeout=5)
-    assert resumed.status_code == 200
+    events = read_sse(broker.base_url, turn["stream_id"], stop_after=2).events
+    resumed = read_sse(broker.base_url, turn["stream_id"], last_event_id=events[0].id, stop_after=1)
+    assert resumed.events == events[1:2]
     assert broker.metric("broker_resumes_total", '{result="ok"}') == 1
+    httpx.post(f"{broker.base_url}/v1/turns/counted/cancel", timeout=5).raise_for_status()
+    wait_final(broker.base_url, "counted")
     gone = wait_until(lambda: (r := httpx.get(url, timeout=5)).status_code == 410 and r, 5)
     assert gone.json()["error"]["code"] == "expired"
     again = httpx.get(url, headers={"Last-Event-ID": events[0].id}, timeout=5)
