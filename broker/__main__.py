@@ -14,6 +14,7 @@ from broker.app import Runtime, Server, create_app, raise_file_limit, server_con
 from broker.auth import Authenticator, new_api_key
 from broker.connection import RedisConnectError
 from broker.embedded_redis import EmbeddedRedisError
+from broker.memory import settle
 from broker.providers import Providers
 from broker.settings import ROLES, Settings, SettingsError
 from broker.tools import ToolConfigError, ToolRegistry
@@ -105,6 +106,7 @@ async def _serve(settings: Settings) -> int:
     runtime = await Runtime.start(settings)
     raise_file_limit(settings)
     server = Server(server_config(settings, create_app(settings, runtime)))
+    settle()  # everything is loaded: the collector's full passes need not walk it again
     try:
         await server.serve()
     finally:

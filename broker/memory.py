@@ -1,18 +1,32 @@
 """Memory a burst freed, given back to the system.
 
-Python frees a burst's objects (a thousand readers' responses, their buffers), but the C
-allocator keeps the freed pages in its heap for the next burst, and the process's RSS stays at
-its peak. glibc's ``malloc_trim`` returns the free pages at the heap's top and every whole free
-page inside it. The broker calls it when many readers have left since its last look (see
-``Runtime.trim_pools``): it walks the heap, a few milliseconds at most for a few hundred MiB,
-so it is not called on every pass.
+Python frees a burst's objects (a thousand readers' responses, their buffers), but some of
+them sit in reference cycles (a Redis connection a pool closed, a cancelled task and its
+traceback) that only the garbage collector's full pass frees, and that pass runs when the
+objects that survived earlier passes have grown by a quarter: in a quiet process, not for a
+long time. And the C allocator keeps the freed pages in its heap for the next burst, so the
+process's RSS stays at its peak. :func:`give_back` runs the full pass, then glibc's
+``malloc_trim``, which returns the free pages at the heap's top and every whole free page
+inside it. The broker calls it when many readers have left since its last look (see
+``Runtime.trim_pools``), not on every pass: it walks the objects and the heap.
+
+:func:`settle` moves everything a started broker holds for good (modules, classes, the app)
+out of the collector's sight, so that its full passes, this one's and its own, walk only what
+came since: a few milliseconds instead of tens.
+
+What neither can return: CPython's small-object arenas (1 MiB each) go back only when every
+object in them is gone, so one long-lived object allocated during a burst keeps its arena.
+With ``PYTHONMALLOC=malloc`` every object comes from glibc instead, whose trim returns any whole
+free page (see ``benchmarks/RESULTS.md`` for what each costs).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
+import time
 from typing import Final
 
 log = logging.getLogger("broker.memory")
@@ -39,9 +53,23 @@ _TRIM = _malloc_trim()
 
 
 def give_back() -> bool:
-    """Return the C heap's free pages to the system; False where that cannot be done."""
+    """Free what only the full collection frees, and return the C heap's free pages to the
+    system; False where the pages cannot be returned (not glibc)."""
+    began = time.perf_counter()
+    collected = gc.collect()
     if _TRIM is None:
         return False
     released = bool(_TRIM(0))
-    log.debug("gave free heap pages back to the system: %s", released)
+    log.debug(
+        "gave memory back: %d objects collected, free heap pages returned: %s, in %.1f ms",
+        collected,
+        released,
+        (time.perf_counter() - began) * 1000,
+    )
     return True
+
+
+def settle() -> None:
+    """Once a process has started: what it holds now is kept out of the collector's passes."""
+    gc.collect()
+    gc.freeze()

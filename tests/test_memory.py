@@ -1,18 +1,21 @@
 """Memory a burst freed goes back to the system (``broker.memory.give_back``).
 
-In a fresh process: 200 MiB of 4 KiB buffers (the C heap, not Python's small-object arenas),
+The heap test runs in a fresh process: 200 MiB of 4 KiB buffers (the C heap, not Python's small-object arenas),
 then all freed but every 64th, so that the free pages sit inside the heap, where freeing alone
-never returns them. RSS stays high until ``give_back``, then falls.
+never returns them. RSS stays high until ``give_back``, then falls. The others check the
+collection that runs first, and the start-up objects kept out of it (``settle``).
 """
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 
 import pytest
 
-from broker.memory import give_back
+from broker.memory import give_back, settle
 
 SCRIPT = """
 import sys
@@ -42,3 +45,34 @@ def test_freed_heap_pages_go_back_to_the_system() -> None:
     base, freed, trimmed = map(float, run.stdout.split())
     assert freed - base > 150, (base, freed, trimmed)  # freeing alone kept the pages
     assert trimmed - base < 30, (base, freed, trimmed)
+
+
+def test_giving_back_frees_what_only_the_collector_frees() -> None:
+    """A cycle (a closed Redis connection, a cancelled task and its traceback) outlives its
+    last reference until a full collection: giving memory back runs one first."""
+
+    class Node:
+        peer: Node | None = None
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # so that only give_back's own collection can free the cycle
+    try:
+        node = Node()
+        node.peer = node
+        ref = weakref.ref(node)
+        del node
+        assert ref() is not None
+        give_back()
+        assert ref() is None
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_a_settled_process_keeps_what_it_holds_out_of_the_collectors_passes() -> None:
+    frozen = gc.get_freeze_count()
+    try:
+        settle()
+        assert gc.get_freeze_count() > frozen
+    finally:
+        gc.unfreeze()
