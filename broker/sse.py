@@ -176,20 +176,14 @@ class EventStreamResponse(Response):
         self._cancelled = False  # _end cancelled the response's task
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        coding = scope.get(CODING)  # chosen by broker.compression's middleware, when it is on
-        if coding == GZIP:
-            self._gzip = GzipStream()  # one per response: its history is this stream's frames
-        headers = self.raw_headers + stream_headers(coding)
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        self._send_body = scope.get(RAW_SEND, send)
-        self._wire = wire = scope.get(WIRE)
-        self._task = task = asyncio.current_task()
-        self._watch = sends = SendWatch.of(asyncio.get_running_loop())
-        sends.add(self)
-        # The source is read in this task: one task per response. The client's leaving, or a
-        # write stuck past the send timeout, ends it (_end): over at once, then a cancellation
-        # that wakes a source parked on its feed. A source that lost the cancellation in a
-        # Redis call sees over before it waits again.
+        # The source is read in this task, and in this frame: one task per response, and no
+        # coroutine of its own for each step of the read (a quiet response stays suspended
+        # here for as long as it lasts: each frame is memory, for each of thousands).
+        # The client's leaving, or a write stuck past the send timeout, ends it (_end): over at
+        # once, then a cancellation that wakes a source parked on its feed. A source that lost
+        # the cancellation in a Redis call sees over before it waits again.
+        await self._start(scope, send)
+        task, wire = self._task, self._wire
         watch: asyncio.Task[None] | None = None
         if wire is not None:
             wire.when_lost(self._end)
@@ -199,29 +193,60 @@ class EventStreamResponse(Response):
         self._pumping = True
         interrupted = False
         try:
-            await self._pump()
+            try:
+                async for chunk in self._source:
+                    if self._over:
+                        break  # the client is gone, though the cancellation may not have said so
+                    await self._send(chunk)
+                else:
+                    await self._send(b"", more=False)
+            except (asyncio.CancelledError, OSError):
+                raise
+            except Exception as exc:
+                # Redis went away mid-read (or a bug): end the response; the client resumes,
+                # and meets a 503 until Redis is back. Never leave the socket hanging.
+                log.warning("ending a stream early: %s: %s", type(exc).__name__, exc)
+                await self._send(b"", more=False)
         except asyncio.CancelledError:
             interrupted = True
-        except Exception:  # (logged where it failed) the response ends
+        except Exception:  # (the connection broke, or was logged above) the response ends
             pass
         finally:
-            self._pumping = False
-            self._over = True
-            if wire is not None:
-                wire.when_lost(None)
-            sends.discard(self)
-            self._drop_held()
-            tasks = [t for t in (watch, self._finishing) if t is not None]
-            for other in tasks:
-                other.cancel()
-            for other in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await other  # (what failed was logged where it failed)
-            await _close(self._source)
+            await self._stop(watch)
         if self._cancelled and task is not None:
             task.uncancel()  # the cancellation was this response's own
         if interrupted and (not self._cancelled or (task is not None and task.cancelling())):
             raise asyncio.CancelledError  # someone else's: the server's, at shutdown
+
+    async def _start(self, scope: Scope, send: Send) -> None:
+        """Send the response's start, and take what its writes need."""
+        coding = scope.get(CODING)  # chosen by broker.compression's middleware, when it is on
+        if coding == GZIP:
+            self._gzip = GzipStream()  # one per response: its history is this stream's frames
+        headers = self.raw_headers + stream_headers(coding)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        self._send_body = scope.get(RAW_SEND, send)
+        self._wire = scope.get(WIRE)
+        self._task = asyncio.current_task()
+        self._watch = sends = SendWatch.of(asyncio.get_running_loop())
+        sends.add(self)
+
+    async def _stop(self, watch: asyncio.Task[None] | None) -> None:
+        """Over: let go of the connection, the writes under way and the source."""
+        self._pumping = False
+        self._over = True
+        if self._wire is not None:
+            self._wire.when_lost(None)
+        if self._watch is not None:
+            self._watch.discard(self)
+        self._drop_held()
+        tasks = [t for t in (watch, self._finishing) if t is not None]
+        for other in tasks:
+            other.cancel()
+        for other in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await other  # (what failed was logged where it failed)
+        await _close(self._source)
 
     def _end(self) -> None:
         """End the response: its client left, or a write waited past the send timeout."""
@@ -330,24 +355,6 @@ class EventStreamResponse(Response):
             raise
         finally:
             steps.close()
-
-    async def _pump(self) -> None:
-        try:
-            await self._send_all()
-        except (asyncio.CancelledError, OSError):
-            raise
-        except Exception as exc:
-            # Redis went away mid-read (or a bug): end the response; the client resumes, and
-            # meets a 503 until Redis is back. Never leave the socket hanging.
-            log.warning("ending a stream early: %s: %s", type(exc).__name__, exc)
-            await self._send(b"", more=False)
-
-    async def _send_all(self) -> None:
-        async for chunk in self._source:
-            if self._over:
-                return  # the client is gone, though the cancellation may not have said so
-            await self._send(chunk)
-        await self._send(b"", more=False)
 
     async def _send(self, chunk: bytes, *, more: bool = True) -> None:
         """Write ``chunk``, a slice at a time, and return once the server could take more."""
