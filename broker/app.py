@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import secrets
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -26,7 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
-from starlette.types import ASGIApp
+from starlette.types import Receive, Scope, Send
 
 from broker import __version__
 from broker import redis_calls as rc
@@ -282,13 +281,20 @@ async def shared_attach_secret(redis: Redis, settings: Settings, secured: bool) 
 
 
 class BrokerApp(FastAPI):
-    """FastAPI, with a layer of the broker's ahead of the framework's own (``front``)."""
+    """FastAPI, with the broker's plain stream reads answered ahead of it (``front``)."""
 
-    front: Callable[[ASGIApp], ASGIApp] | None = None
+    front: FrontReads | None = None
 
-    def build_middleware_stack(self) -> ASGIApp:
-        stack = super().build_middleware_stack()
-        return stack if self.front is None else self.front(stack)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The response runs here, not under the framework's two calls and a middleware's: a
+        # quiet read stays suspended in each for as long as it lasts.
+        front = self.front
+        if front is not None and scope["type"] == "http":
+            response = await front.answer(scope, self.state.runtime)
+            if response is not None:
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -327,8 +333,7 @@ def create_app(
     if settings.runs_api:  # innermost: the hot read is answered past the framework's routing
         app.add_middleware(StreamReads)
         # And at the front, ahead of every layer, when it needs none of them.
-        app.front = functools.partial(
-            FrontReads,
+        app.front = FrontReads(
             max_header_bytes=settings.max_header_bytes,
             compression=settings.compression == "on",
             cors=bool(cors_origins(settings.cors_origins)),

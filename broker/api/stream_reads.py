@@ -10,13 +10,13 @@ same checks in the same order (``routes.checked_read``), the same errors and the
 (``routes.sse_read``). Everything else goes on to the app, ``format=json`` pages included; the
 FastAPI route stays, and documents the read in ``/openapi.json``.
 
-:class:`FrontReads` answers the same reads earlier still, at the very front of the stack (ahead
-of the framework's error and telemetry layers and of the broker's own middleware), when they
-need nothing of what lies between: it does what each layer would do to such a read (the header
-limit's count, the choice of coding, the security headers) with the same functions. A read
-that needs more, one with an ``Origin`` when CORS is on or one over the header limit, goes
-through the stack as before. Each layer is a frame and a wrapper that stays suspended as long
-as the response: ten thousand quiet readers held about 2 KiB each in them.
+:class:`FrontReads` answers the same reads earlier still, at the very front of the app (ahead
+of the framework's own calls, its error and telemetry layers and the broker's own middleware),
+when they need nothing of what lies between: it does what each layer would do to such a read
+(the header limit's count, the choice of coding, the security headers) with the same
+functions. A read that needs more, one with an ``Origin`` when CORS is on or one over the
+header limit, goes through the stack as before. Each layer is a frame and a wrapper that stays
+suspended as long as the response: ten thousand quiet readers held about 2 KiB each in them.
 """
 
 from __future__ import annotations
@@ -58,36 +58,33 @@ class StreamReads:
         if params.get("format") == "json":
             await self.app(scope, receive, send)
             return
-        response = await _answer(scope, stream_id, params)
+        response = await _answer(scope, scope["app"].state.runtime, stream_id, params)
         await response(scope, receive, send)
 
 
 class FrontReads:
-    """At the front of the stack: serves the SSE stream reads that need none of the layers
-    between (see the module's docstring); passes every other request on to ``app``."""
+    """At the front of the app: answers the SSE stream reads that need none of its layers (see
+    the module's docstring). The app asks it first (``BrokerApp.__call__``) and runs the
+    response itself, so that no frame of the framework's stays suspended under it."""
 
-    def __init__(
-        self, app: ASGIApp, *, max_header_bytes: int, compression: bool, cors: bool
-    ) -> None:
-        self.app = app
+    def __init__(self, *, max_header_bytes: int, compression: bool, cors: bool) -> None:
         self.max_header_bytes = max_header_bytes
         self.compression = compression
         self.cors = cors
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def answer(self, scope: Scope, rt: Runtime) -> Response | None:
+        """The response to a plain SSE read (an error's too), or None for any other request."""
         stream_id = _stream_id(scope)
         if stream_id is None or not self._alone(scope):
-            await self.app(scope, receive, send)
-            return
+            return None
         params = QueryParams(scope["query_string"])
         if params.get("format") == "json":
-            await self.app(scope, receive, send)
-            return
+            return None
         if self.compression:  # as broker.compression's middleware chooses it
             scope[CODING] = negotiate(Headers(scope=scope).get("accept-encoding"))
-        response = await _answer(scope, stream_id, params)
+        response = await _answer(scope, rt, stream_id, params)
         response.raw_headers = with_headers(response.raw_headers, headers_for(scope["path"]))
-        await response(scope, receive, send)
+        return response
 
     def _alone(self, scope: Scope) -> bool:
         """Whether the read needs nothing of the layers this one passes by."""
@@ -108,9 +105,8 @@ def _stream_id(scope: Scope) -> str | None:
     return matched.group(1) if matched else None
 
 
-async def _answer(scope: Scope, stream_id: str, params: QueryParams) -> Response:
+async def _answer(scope: Scope, rt: Runtime, stream_id: str, params: QueryParams) -> Response:
     """The read's response, or the JSON error the app's handlers would have answered."""
-    rt: Runtime = scope["app"].state.runtime
     headers = Headers(scope=scope)
     try:
         principal = authenticate(rt, headers.get("authorization"), params.get("token"))
