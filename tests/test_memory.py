@@ -1,10 +1,10 @@
 """Memory a burst freed goes back to the system (``broker.memory.give_back``).
 
-The heap test runs in a fresh process: 200 MiB of 4 KiB buffers (the C heap, not Python's small-object arenas),
-then all freed but every 64th, so that the free pages sit inside the heap, where freeing alone
-never returns them. RSS stays high until ``give_back``, then falls. The others check the
-collection that runs first, and the start-up objects kept out of it (``settle``).
-"""
+The heap test runs in a fresh process: 200 MiB of 4 KiB buffers (the C heap, not Python's
+small-object arenas), then all freed but every 64th, so that the free pages sit inside the heap,
+where freeing alone never returns them. RSS stays high until ``give_back``, then falls. The
+others check the collection that runs first, and the start-up objects kept out of it
+(``settle``)."""
 
 from __future__ import annotations
 
