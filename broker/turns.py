@@ -49,7 +49,9 @@ def _whole(value: Any) -> Any:
 # Bounds go before it, `Annotated[int, Field(ge=1), WHOLE]`: after it, pydantic's JSON schema
 # spells them `ge`/`le`, which JSON Schema does not know.
 WHOLE = BeforeValidator(_whole)
-WholeNumber = Annotated[int, WHOLE]
+# Any other integer of a body is a 64-bit one: what lies past it (a float such as 1e300 is a
+# whole number too) cannot be stored, and was a 500 instead of a 400.
+WholeNumber = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), WHOLE]
 
 
 class Message(BaseModel):

@@ -126,6 +126,14 @@ def test_chat_errors_have_openai_shape(broker: RunningBroker) -> None:
                     extra_headers={"Last-Event-ID": "garbage"},
                 )
             )
+        # Regression: a seed past 64 bits (the fuzzer's 2**64) was a 500 where the turn's
+        # fingerprint was taken; a whole float that large too.
+        for seed in (2**64, 1e300):
+            with pytest.raises(openai.BadRequestError) as huge:
+                sdk.chat.completions.create(
+                    model="simulated", messages=MESSAGES, extra_body={"seed": seed}
+                )
+            assert huge.value.param == "seed"
     assert unknown.value.param == "frobnicate"
     assert empty.value.param == "messages"
     assert offset.value.code == "bad_offset"
