@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -49,9 +49,12 @@ def _whole(value: Any) -> Any:
 # Bounds go before it, `Annotated[int, Field(ge=1), WHOLE]`: after it, pydantic's JSON schema
 # spells them `ge`/`le`, which JSON Schema does not know.
 WHOLE = BeforeValidator(_whole)
-# Any other integer of a body is a 64-bit one: what lies past it (a float such as 1e300 is a
-# whole number too) cannot be stored, and was a 500 instead of a 400.
-WholeNumber = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), WHOLE]
+# Any other integer of a body is one every JSON parser reads exactly (JavaScript's safe
+# integers): past 64 bits (a float such as 1e300 is a whole number too) it cannot be stored and
+# was a 500, and past 2**53 the body's parser rounds it, so that a value just past a 64-bit
+# bound came in as the bound itself and was taken.
+SAFE_INTEGER: Final = 2**53 - 1
+WholeNumber = Annotated[int, Field(ge=-SAFE_INTEGER, le=SAFE_INTEGER), WHOLE]
 
 
 class Message(BaseModel):
