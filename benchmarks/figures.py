@@ -41,6 +41,7 @@ class Figure:
     ceiling: str | None = None  # the raw-Redis figure that bounds this one
     reference: float | None = None
     reference_note: str = ""
+    optional: bool = False  # measured only where its tool is installed (a candidate server)
 
     @property
     def workload(self) -> str:
@@ -332,6 +333,35 @@ FIGURES: Final = (
         "ms",
         "CPU per connection while they attach, same bare app: the HTTP server's own share",
         "lower",
+    ),
+    Figure(
+        "floor.rss_after_over_before",
+        "x",
+        "same bare app: RSS once every client left and it gave memory back as the broker "
+        "does (full collection, malloc_trim), over RSS before they came",
+        "lower",
+    ),
+    Figure(
+        "floor.granian_rss_per_connection_kib",
+        "KiB",
+        "the candidate server (granian, ASGI, one worker, uvloop): RSS per open connection of "
+        "the same bare app (when granian is installed)",
+        "lower",
+        optional=True,
+    ),
+    Figure(
+        "floor.granian_attach_cpu_ms_per_connection",
+        "ms",
+        "the candidate server: CPU per connection while they attach (when installed)",
+        "lower",
+        optional=True,
+    ),
+    Figure(
+        "floor.granian_rss_after_over_before",
+        "x",
+        "the candidate server: RSS once every client left, over before (when installed)",
+        "lower",
+        optional=True,
     ),
 )
 

@@ -57,8 +57,10 @@ def test_a_smoke_run_reports_a_number_for_every_figure(tmp_path: Path) -> None:
     for section in ("machine", "software", "sizes", "workloads"):
         assert results[section], section
     assert results["software"]["commit"]
-    for name in (figure.name for figure in FIGURES):
-        entry = results["figures"][name]
+    for figure in FIGURES:
+        name, entry = figure.name, results["figures"][figure.name]
+        if figure.optional and entry["median"] is None:
+            continue  # its tool is not installed here
         assert isinstance(entry["median"], int | float), name
         assert math.isfinite(entry["median"]), name
         assert entry["min"] <= entry["median"] <= entry["max"], name
