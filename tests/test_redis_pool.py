@@ -108,3 +108,44 @@ async def test_a_new_connection_costs_no_client_setinfo(redis_url: str) -> None:
     finally:
         await pool_client.aclose()
         observer.close()
+
+
+async def test_a_waiting_pool_serves_more_calls_than_connections_and_each_waiter_is_woken(
+    redis_url: str,
+) -> None:
+    """The waiting pool takes and returns connections past redis-py's own path when nothing
+    waits: calls that find every connection busy must still wait for one and be woken as each
+    is returned, and the pool must never open more than its bound."""
+    pool_client = client(redis_url, max_connections=3, wait_s=5.0)
+    pool = pool_client.connection_pool
+    key = f"pool-wait:{next(_names)}"
+    try:
+        # Each call holds its connection for 50 ms: 30 of them on 3 connections take 10 rounds.
+        calls = [pool_client.blpop([key], timeout=0.05) for _ in range(30)]
+        assert await asyncio.wait_for(asyncio.gather(*calls), 10) == [None] * 30
+        assert len(pool._available_connections) + len(pool._in_use_connections) <= 3
+        assert not pool._in_use_connections  # every connection came back
+        assert await pool_client.set(key, "1")  # and the pool goes on working
+        assert await pool_client.get(key) == "1"
+    finally:
+        await pool_client.aclose()
+
+
+async def test_a_pool_that_does_not_wait_refuses_past_its_bound_and_keeps_working(
+    redis_url: str,
+) -> None:
+    """As redis-py's own: past ``max_connections`` a call fails at once (it never waits),
+    and every connection taken comes back."""
+    pool_client = client(redis_url, max_connections=2)
+    pool = pool_client.connection_pool
+    key = f"pool-bound:{next(_names)}"
+    try:
+        calls = [pool_client.blpop([key], timeout=0.2) for _ in range(5)]
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+        assert outcomes.count(None) == 2
+        assert all(isinstance(o, redis.exceptions.ConnectionError) for o in outcomes if o)
+        assert not pool._in_use_connections
+        assert len(pool._available_connections) == 2
+        assert await pool_client.set(key, "1")
+    finally:
+        await pool_client.aclose()
