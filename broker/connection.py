@@ -164,8 +164,7 @@ def client(
     # No maintenance notifications (a RESP3 feature of managed Redis that moves connections
     # ahead of a failover; the broker rides a failover on its own retries and leases): with
     # them on ("auto", redis-py's default) every connection asks for them as it opens, and
-    # every take and return of a connection goes through redis-py's locks (see
-    # MarkedBlockingPool).
+    # every take and return of a connection goes through redis-py's locks (see _Marked).
     options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
     pool: ConnectionPool
     if wait_s is None:
