@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any, Final, Protocol
 
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker.compression import CODING, GZIP, GzipStream, stream_headers
 
@@ -86,6 +86,12 @@ class Wire(Protocol):
     def when_lost(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` once the connection is lost (at once if it is already); None
         forgets the one given before."""
+        ...
+
+    async def start(self, send: Send, message: Message, body: bytes) -> bool:
+        """Send the response's start (``message``) through ``send``, and ``body`` as its first
+        chunk in the same write to the connection; False when ``body`` was not written (the
+        caller sends it through ASGI)."""
         ...
 
 
@@ -142,7 +148,10 @@ class EventStreamResponse(Response):
 
     ``source`` is called with the response as its :class:`Sink`: a live feed may call
     :meth:`write_now` to write a chunk while the source is waiting for one, and the source ends
-    once ``over`` is true. It returns the chunks to write.
+    once ``over`` is true. It returns the chunks to write. ``preamble``, known before the
+    response starts (a read's opening frame), is its first chunk: with a :class:`Wire`, it
+    goes in the same write as the response's head (one write, not two, for each of a crowd's
+    attaches).
     """
 
     media_type = "text/event-stream"
@@ -154,9 +163,11 @@ class EventStreamResponse(Response):
         send_timeout_s: float,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
         batch_s: float = 0.0,
+        preamble: bytes = b"",
     ) -> None:
         super().__init__(status_code=200)
         self._source = source(self)
+        self._preamble = preamble
         self._send_timeout_s = send_timeout_s
         extra = extra_headers or []
         named = {name for name, _ in extra}  # an extra header replaces a default of its name
@@ -224,10 +235,20 @@ class EventStreamResponse(Response):
         if coding == GZIP:
             self._gzip = GzipStream()  # one per response: its history is this stream's frames
         headers = self.raw_headers + stream_headers(coding)
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        self._send_body = scope.get(RAW_SEND, send)
-        self._wire = scope.get(WIRE)
+        start: Message = {"type": "http.response.start", "status": 200, "headers": headers}
+        self._send_body = send_body = scope.get(RAW_SEND, send)
+        self._wire = wire = scope.get(WIRE)
         self._task = asyncio.current_task()
+        preamble, self._preamble = self._preamble, b""
+        if preamble and self._gzip is not None:
+            preamble = self._gzip.write(preamble)
+        if not preamble:
+            await send(start)
+        elif wire is None or not await wire.start(send, start, preamble):
+            if wire is None:
+                await send(start)
+            # Small, and the first: no slicing, nothing before it.
+            await send_body({"type": "http.response.body", "body": preamble, "more_body": True})
         self._watch = sends = SendWatch.of(asyncio.get_running_loop())
         sends.add(self)
 

@@ -132,9 +132,10 @@ async def event_stream(
     announce = cursor.offset if start.kind == "now" else None
     viewer = await hold_viewer(deps, principal, location) if principal.one_viewer else None
     return EventStreamResponse(
-        lambda sink: _frames(deps, streams, location, opening, announce, viewer, sink, heartbeat_s),
+        lambda sink: _frames(deps, streams, location, opening, viewer, sink, heartbeat_s),
         send_timeout_s=deps.settings.sse_send_timeout_s,
         batch_s=batch_s,
+        preamble=opening_frame(deps.settings.sse_retry_ms, announce),
     )
 
 
@@ -143,7 +144,6 @@ async def _frames(
     streams: Streams,
     location: Location,
     opening: Opening,
-    announce: str | None,
     viewer: ViewerLock | None,
     sink: Sink,
     heartbeat_s: float | None,
@@ -154,7 +154,7 @@ async def _frames(
         viewer.keep()
         sink = _ViewerSink(sink, viewer)
     try:
-        yield opening_frame(deps.settings.sse_retry_ms, announce)
+        # (The opening frame is the response's preamble: it goes with the response's head.)
         # Closed on every way out, so that the reader leaves its feed at once, not when the
         # generator is collected.
         follow = streams.follow_chunks(

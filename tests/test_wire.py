@@ -43,6 +43,8 @@ class Served:
     wires: list[Wire | None] = field(default_factory=list)
     protocols: list[weakref.ref[Any]] = field(default_factory=list)  # each request's connection
     done: threading.Event = field(default_factory=threading.Event)
+    writes: list[bytes] = field(default_factory=list)  # a /started response's transport writes
+    started: list[bool] = field(default_factory=list)  # what each wire.start answered
 
 
 def chunk(index: int, size: int = 100) -> bytes:
@@ -66,6 +68,22 @@ def make_app(served: Served) -> Callable[[Scope, Receive, Send], Any]:
             await send({"type": "http.response.body", "body": b"ok"})
             return
         assert wire is not None
+        if path.startswith("/started/"):  # the head and a first chunk in one write
+            assert isinstance(wire, _Wire) and wire._cycle is not None
+            wire._cycle.transport = _Counted(wire._cycle.transport, served.writes)  # type: ignore[assignment]
+            start = START
+            if path.endswith("/sized"):
+                start = {**START, "headers": [(b"content-length", b"5")]}
+            written = await wire.start(send, start, b"first")
+            served.started.append(written)
+            if not written:
+                await send({"type": "http.response.body", "body": b"first"})
+                served.done.set()
+                return
+            await send({"type": "http.response.body", "body": b"-then", "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            served.done.set()
+            return
         await send(START)
         if path == "/mixed":  # wire writes and ASGI sends, alternating
             for i in range(200):
@@ -103,6 +121,20 @@ def make_app(served: Served) -> Callable[[Scope, Receive, Send], Any]:
         served.done.set()
 
     return app
+
+
+class _Counted:
+    """A transport whose writes are recorded in ``writes``, then made."""
+
+    def __init__(self, transport: Any, writes: list[bytes]) -> None:
+        self._transport, self._writes = transport, writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 @pytest.fixture
@@ -156,6 +188,31 @@ def test_the_wire_refuses_once_the_client_stops_reading_and_nothing_is_lost(
     assert served.done.wait(5)
     body = _unchunk(bytes(received).partition(b"\r\n\r\n")[2])
     assert body == b"".join(chunk(i, 4096) for i in range(count))
+
+
+def test_the_head_and_the_first_chunk_go_in_one_write(served: Served) -> None:
+    """An event stream's opening frame goes with its head: one write per attach, not two."""
+    response = httpx.get(f"{served.base_url}/started/chunked", timeout=10)
+    assert response.status_code == 200
+    assert response.headers["x-test"] == "wire"  # uvicorn's head, as its send makes it
+    assert response.headers["transfer-encoding"] == "chunked"
+    assert response.content == b"first-then"
+    assert served.started == [True]
+    head, _, first = served.writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert first == b"5\r\nfirst\r\n"
+    assert served.writes[1:] == [b"5\r\n-then\r\n", b"0\r\n\r\n"]
+
+
+def test_a_start_with_a_length_writes_the_head_alone(served: Served) -> None:
+    """A body that is not chunked is never framed by the wire: its head goes alone, and the
+    caller sends the body."""
+    response = httpx.get(f"{served.base_url}/started/sized", timeout=10)
+    assert response.status_code == 200
+    assert response.content == b"first"
+    assert served.started == [False]
+    assert served.writes[0].endswith(b"\r\n\r\n")  # the head, held, then written alone
+    assert served.writes[1:] == [b"first"]
 
 
 def test_a_body_with_a_length_is_never_written_by_the_wire(served: Served) -> None:

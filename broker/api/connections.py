@@ -56,7 +56,7 @@ from typing import Any, ClassVar, Literal
 from urllib.parse import unquote
 
 import orjson
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
@@ -166,16 +166,32 @@ class _Wire:
 
     def write(self, body: bytes) -> bool:
         cycle = self._cycle
-        if (
-            cycle is None  # the connection is lost
-            or not cycle.chunked_encoding  # not started yet, or sized, or a HEAD
-            or cycle.response_complete
-            or cycle.disconnected
-            or cycle.flow.write_paused
-        ):
+        if cycle is None or not _writable(cycle):
             return False
         if body:
             cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    async def start(self, send: Send, message: Message, body: bytes) -> bool:
+        # uvicorn's send writes the head as it takes the start: the write is held, and goes
+        # with the body's (uvicorn's headers, checks and state as they are).
+        cycle = self._cycle
+        if cycle is None:
+            await send(message)
+            return False
+        transport = cycle.transport
+        held = _HeldWrites(transport)
+        cycle.transport = held  # type: ignore[assignment]
+        try:
+            await send(message)
+        finally:
+            cycle.transport = transport
+        head = held.take()
+        if not _writable(cycle):
+            if head:
+                transport.write(head)
+            return False
+        transport.write(head + b"%x\r\n%b\r\n" % (len(body), body))
         return True
 
     def when_lost(self, callback: Callable[[], None] | None) -> None:
@@ -188,6 +204,38 @@ class _Wire:
             callback()
         else:
             self._callback = protocol.on_lost = callback
+
+
+def _writable(cycle: RequestResponseCycle) -> bool:
+    """Whether a chunk of ``cycle``'s body can be handed to the transport now."""
+    return bool(
+        cycle.chunked_encoding  # not started yet, or sized, or a HEAD: no
+        and not cycle.response_complete
+        and not cycle.disconnected
+        and not cycle.flow.write_paused
+    )
+
+
+class _HeldWrites:
+    """A transport whose writes are held (see :meth:`_Wire.start`); anything else is the
+    transport's own."""
+
+    __slots__ = ("_held", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self._held.append(data)
+
+    def take(self) -> bytes:
+        data = b"".join(self._held)
+        self._held.clear()
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
