@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Any
 
 import pytest
 import redis
@@ -149,3 +150,58 @@ async def test_a_pool_that_does_not_wait_refuses_past_its_bound_and_keeps_workin
         assert await pool_client.set(key, "1")
     finally:
         await pool_client.aclose()
+
+
+async def test_a_command_the_socket_takes_whole_is_sent_without_a_task(redis_url: str) -> None:
+    """redis-py bounds each send with ``asyncio.wait_for``, a task per command on this Python:
+    the broker's connections hand the command to the transport, and wait only when they must."""
+    pool_client = client(redis_url)
+    loop = asyncio.get_running_loop()
+    created: list[object] = []
+    factory = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        created.append(coro)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    try:
+        await pool_client.set("pool-send", "1")  # connected
+        loop.set_task_factory(counting)
+        for _ in range(50):
+            assert await pool_client.get("pool-send") == "1"
+        assert created == []
+    finally:
+        loop.set_task_factory(factory)
+        await pool_client.aclose()
+
+
+async def test_a_send_the_server_does_not_take_times_out_and_disconnects() -> None:
+    """A server that stops reading: the send waits for the socket, bounded by the socket
+    timeout, as redis-py's; the connection is dropped and the next call reconnects."""
+    reading = asyncio.Event()
+    reading.set()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # As much of a server as the client's handshake and PING need.
+        while data := await reader.read(65_536):
+            if b"HELLO" in data:
+                writer.write(b"%1\r\n+proto\r\n:3\r\n")
+            elif b"PING" in data:
+                writer.write(b"+PONG\r\n")
+            if not reading.is_set():
+                await asyncio.Event().wait()  # takes nothing more, ever
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool_client = client(f"redis://127.0.0.1:{port}", socket_timeout=0.3)
+    try:
+        assert await pool_client.ping()
+        reading.clear()
+        assert await pool_client.ping()  # (answered, then the server stops reading)
+        connection = pool_client.connection_pool._available_connections[-1]
+        with pytest.raises(redis.TimeoutError, match="writing to socket"):
+            await asyncio.wait_for(pool_client.set("k", "x" * 64_000_000), 10)
+        assert not connection.is_connected
+    finally:
+        await pool_client.aclose()
+        server.close()
