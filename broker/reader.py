@@ -45,8 +45,9 @@ FIRST_PAGE: Final = 64  # a replay's first page (its first event comes sooner); 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Opening:
-    """A read's first round trip: the turn's status (None: it expired, or never was) and
-    whether anything is stored past ``cursor``.
+    """A read's first round trip: whether anything is stored past ``cursor``, and the turn's
+    status (None: it expired, or never was; or it was not read, events being stored past the
+    cursor: then it is not needed, see :attr:`open`).
 
     Only that: reading the replay's first page here too was tried and measured worse. In an
     attach storm every route runs before any response starts, so the pages read there put all
@@ -66,9 +67,15 @@ class Opening:
 
     @property
     def open(self) -> bool:
-        """Whether the turn was not at rest as the read began: its coming to rest writes an
-        ``end`` after this, which the read meets (so it need not look at the turn first)."""
-        return self.status is not None and self.status not in FINAL_STATUSES
+        """Whether the read meets the turn's coming to rest without looking at the turn first.
+
+        So it does when the turn was not at rest as the read began (its coming to rest writes
+        an ``end`` after this), and when events are stored past the cursor, whatever the
+        status: a turn comes to rest only with its ``end`` as the stream's last event, in one
+        script (``finish_attempt.lua``, ``cancel_turn.lua``), so that ``end`` is past the
+        cursor too, and the read meets it and asks then whether it ends the read.
+        """
+        return self.stored_past or (self.status is not None and self.status not in FINAL_STATUSES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -350,17 +357,15 @@ class Streams:
         events_key, turn_key = self.events_key(location), self.turn_key(location)
         first = (events_key, cursor.entry_id, "+", self._next_count(None))
         if self._pages.get(first, time.monotonic()) is not None:
-            # Its first page is kept (see _Pages): events are stored past the cursor.
-            status = await self._shared.read(("status", turn_key), lambda: self._status(turn_key))
-            return Opening(cursor, status, True)
+            # Its first page is kept (see _Pages): events are stored past the cursor, which is
+            # all the read needs to know (see Opening.open). No round trip: a crowd that joins a
+            # live answer opens on the pages its first viewers read.
+            return Opening(cursor, None, True)
         status, stored_past = await self._shared.read(
             ("opening", turn_key, events_key, cursor.entry_id),
             lambda: self._opening(turn_key, events_key, cursor),
         )
         return Opening(cursor, status, stored_past)
-
-    async def _status(self, turn_key: str) -> str | None:
-        return await rc.hget(self._redis, turn_key, "status")
 
     async def _opening(
         self, turn_key: str, events_key: str, cursor: Cursor
@@ -459,8 +464,9 @@ class Streams:
         reader that renders frames of its own, such as a dialect's), nothing is written to the
         sink and every chunk keeps its events: the sink only ends the read. ``heartbeat_s`` is
         the quiet time after which a heartbeat comes (by default ``BROKER_SSE_HEARTBEAT_S``).
-        With the read's ``opening`` (see :meth:`opening`), a turn that was not at rest then is
-        not looked at before the first wait.
+        With the read's ``opening`` (see :meth:`opening`), a read that meets the turn's coming
+        to rest on its own (:attr:`Opening.open`) does not look at the turn before the first
+        wait.
         """
         if sink is not None and not direct:
             sink = _Watched(sink)
@@ -486,7 +492,8 @@ class Streams:
             )
             subscription.sink = sink
             catch_up, first_look = not subscription.covers(read.cursor), True
-            # A turn that was running as the read began ends with an `end` the read will meet.
+            # A turn that was running as the read began, or one whose stream goes on past the
+            # read's start, ends with an `end` the read will meet (see Opening.open).
             look = opening is None or not opening.open
             while True:
                 if catch_up:

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 
 from broker.deps import Deps
 from broker.fanout import Hub
-from broker.frames import ORIGIN
+from broker.frames import ORIGIN, Chunk
 from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.reader import Location, Streams, _Shared
@@ -97,28 +97,68 @@ async def test_an_error_reaches_every_joiner() -> None:
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["first-page-unread", "first-page-kept"])
-async def test_reads_that_open_together_ask_redis_once(
+async def test_reads_that_open_together_ask_redis_once_or_not_at_all(
     aredis: Redis, raw_redis: redis.Redis, cached: bool
 ) -> None:
-    prefix = f"openings{os.getpid()}-{next(_n)}"
-    keys = Keys(prefix)
-    settings = Settings(redis_url="unix:///unused", key_prefix=prefix, sse_replay_page=64)
-    metrics = Metrics()
-    streams = Streams(Deps(aredis, Scripts(aredis), keys, settings, metrics), Hub(aredis, metrics))
-    location = Location("st_" + "0" * 32, "c", "t")
-    await aredis.hset(keys.turn("c", "t"), mapping={"status": "streaming", "attempt": "1"})
+    streams, keys, location = await _setup(aredis)
     for i in range(64 if cached else 3):
-        data = orjson.dumps({"attempt": 1, "text": str(i)}).decode()
-        await aredis.xadd(keys.events("c", "t"), {"e": "delta", "d": data})
+        await aredis.xadd(keys.events("c", "t"), {"e": "delta", "d": _data(text=str(i))})
     if cached:  # a reader replayed the first page, full: it is kept for the next ones
         await streams._page(keys.events("c", "t"), ORIGIN, "+", 64, shared=True)
     before = {name: command_calls(raw_redis, name) for name in ("hget", "xrange")}
     openings = await asyncio.wait_for(
         asyncio.gather(*(streams.opening(location, ORIGIN) for _ in range(50))), 10
     )
-    assert {(o.status, o.stored_past) for o in openings} == {("streaming", True)}
     calls = {name: command_calls(raw_redis, name) - before[name] for name in before}
-    assert calls == {"hget": 1, "xrange": 0 if cached else 1}
+    assert all(o.stored_past and o.open and not o.finished for o in openings)
+    if cached:  # events are stored past the start: the status is not needed (Opening.open)
+        assert calls == {"hget": 0, "xrange": 0}
+        return
+    assert {o.status for o in openings} == {"streaming"}
+    assert calls == {"hget": 1, "xrange": 1}
     # Once that was answered, the next read asks again: it may be newer.
     await aredis.hset(keys.turn("c", "t"), "status", "complete")
     assert (await streams.opening(location, ORIGIN)).status == "complete"
+
+
+async def test_a_read_opened_on_a_kept_page_meets_the_end_of_a_turn_at_rest(
+    aredis: Redis, raw_redis: redis.Redis
+) -> None:
+    """The opening did not read the status: the read meets the turn's `end`, the stream's last
+    event, and asks then whether the turn is at rest (it is: the read ends there)."""
+    streams, keys, location = await _setup(aredis)
+    events_key = keys.events("c", "t")
+    for i in range(70):
+        await aredis.xadd(events_key, {"e": "delta", "d": _data(text=str(i))})
+    await aredis.xadd(events_key, {"e": "end", "d": _data(status="complete")})
+    await aredis.hset(keys.turn("c", "t"), "status", "complete")
+    await streams._page(events_key, ORIGIN, "+", 64, shared=True)  # kept, as a crowd's
+    before = {name: command_calls(raw_redis, name) for name in ("hget", "hmget")}
+    opening = await streams.opening(location, ORIGIN)
+    assert (opening.status, opening.open, opening.finished) == (None, True, False)
+
+    async def read_all() -> list[str]:
+        kinds = []
+        async for item in streams.follow_chunks(location, ORIGIN, opening=opening):
+            assert isinstance(item, Chunk)  # (no heartbeat: the read never waits)
+            kinds += [entry.kind for entry in item.entries]
+        return kinds
+
+    kinds = await asyncio.wait_for(read_all(), 10)
+    assert kinds == ["delta"] * 70 + ["end"]
+    calls = {name: command_calls(raw_redis, name) - before[name] for name in before}
+    assert calls == {"hget": 0, "hmget": 1}  # the end's own question
+
+
+async def _setup(aredis: Redis) -> tuple[Streams, Keys, Location]:
+    prefix = f"openings{os.getpid()}-{next(_n)}"
+    keys = Keys(prefix)
+    settings = Settings(redis_url="unix:///unused", key_prefix=prefix, sse_replay_page=64)
+    metrics = Metrics()
+    streams = Streams(Deps(aredis, Scripts(aredis), keys, settings, metrics), Hub(aredis, metrics))
+    await aredis.hset(keys.turn("c", "t"), mapping={"status": "streaming", "attempt": "1"})
+    return streams, keys, Location("st_" + "0" * 32, "c", "t")
+
+
+def _data(**fields: str) -> str:
+    return orjson.dumps({"attempt": 1, **fields}).decode()
