@@ -88,10 +88,16 @@ class Wire(Protocol):
         forgets the one given before."""
         ...
 
-    async def start(self, send: Send, message: Message, body: bytes) -> bool:
-        """Send the response's start (``message``) through ``send``, and ``body`` as its first
-        chunk in the same write to the connection; False when ``body`` was not written (the
-        caller sends it through ASGI)."""
+    async def start(self, send: Send, message: Message) -> None:
+        """Send the response's start (``message``) through ``send``, the server's own. Its
+        head is held with the chunks written after it (:meth:`write`) until the event loop's
+        next turn, or until they fill the connection's unsent bound: a response's first write
+        to the connection carries its head, its first frames and the replay that was at hand.
+        (Anything sent through ASGI must call :meth:`flush` first.)"""
+        ...
+
+    def flush(self) -> None:
+        """Write what is held now (see :meth:`start`)."""
         ...
 
 
@@ -242,11 +248,11 @@ class EventStreamResponse(Response):
         preamble, self._preamble = self._preamble, b""
         if preamble and self._gzip is not None:
             preamble = self._gzip.write(preamble)
-        if not preamble:
+        if wire is None:
             await send(start)
-        elif wire is None or not await wire.start(send, start, preamble):
-            if wire is None:
-                await send(start)
+        else:
+            await wire.start(send, start)  # the head goes with what follows it at once
+        if preamble and (wire is None or not wire.write(preamble)):
             # Small, and the first: no slicing, nothing before it.
             await send_body({"type": "http.response.body", "body": preamble, "more_body": True})
         self._watch = sends = SendWatch.of(asyncio.get_running_loop())
@@ -343,6 +349,8 @@ class EventStreamResponse(Response):
         if wire is not None and wire.write(body):
             return True  # no ASGI message, no coroutine: the common case, a client that reads
         message = {"type": "http.response.body", "body": body, "more_body": True}
+        if wire is not None:
+            wire.flush()  # what the wire holds goes first
         steps = send(message).__await__()
         try:
             waiting_on = steps.send(None)
@@ -397,10 +405,13 @@ class EventStreamResponse(Response):
             # Taken at once, and nothing awaited, so no direct write can come between. The
             # source reads on at once if the server can take more (a write of nothing says so).
             if not wire.write(b""):
+                wire.flush()
                 self._mark_sending(clock())
                 await send({"type": "http.response.body", "body": b"", "more_body": True})
                 self._mark_sending(None)
             return
+        if wire is not None:
+            wire.flush()  # what the wire holds goes before what ASGI sends
         start = 0
         while len(chunk) - start > WRITE_SLICE:
             # The server waits for its buffer to drain before a write, not after one.

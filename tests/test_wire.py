@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from broker.api.connections import ConnectionLimits, LazyEvent, _Wire, guarded
+from broker.api.connections import UNSENT_LIMIT, ConnectionLimits, LazyEvent, _Wire, guarded
 from broker.sse import WIRE, Wire
 from tests.helpers import wait_until
 
@@ -68,20 +68,23 @@ def make_app(served: Served) -> Callable[[Scope, Receive, Send], Any]:
             await send({"type": "http.response.body", "body": b"ok"})
             return
         assert wire is not None
-        if path.startswith("/started/"):  # the head and a first chunk in one write
-            assert isinstance(wire, _Wire) and wire._cycle is not None
+        if path.startswith("/started/"):  # the head held with the writes that follow it
+            assert isinstance(wire, _Wire)
+            assert wire._cycle is not None
             wire._cycle.transport = _Counted(wire._cycle.transport, served.writes)  # type: ignore[assignment]
-            start = START
             if path.endswith("/sized"):
-                start = {**START, "headers": [(b"content-length", b"5")]}
-            written = await wire.start(send, start, b"first")
-            served.started.append(written)
-            if not written:
+                await wire.start(send, {**START, "headers": [(b"content-length", b"5")]})
+                served.started.append(wire.write(b"first"))  # declined: not chunked
                 await send({"type": "http.response.body", "body": b"first"})
-                served.done.set()
-                return
-            await send({"type": "http.response.body", "body": b"-then", "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                await wire.start(send, START)
+                size = 1_000 if path.endswith("/many") else 8
+                count = 40 if path.endswith("/many") else 2
+                served.started.append(all(wire.write(chunk(i, size)) for i in range(count)))
+                await asyncio.sleep(0)  # the loop's next turn: what was held is written
+                served.started.append(wire.write(b"later"))
+                wire.flush()  # (nothing held now)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             served.done.set()
             return
         await send(START)
@@ -190,28 +193,38 @@ def test_the_wire_refuses_once_the_client_stops_reading_and_nothing_is_lost(
     assert body == b"".join(chunk(i, 4096) for i in range(count))
 
 
-def test_the_head_and_the_first_chunk_go_in_one_write(served: Served) -> None:
-    """An event stream's opening frame goes with its head: one write per attach, not two."""
+def test_the_head_and_the_chunks_right_after_it_go_in_one_write(served: Served) -> None:
+    """An event stream's head, opening frame and the replay at hand: one write per attach."""
     response = httpx.get(f"{served.base_url}/started/chunked", timeout=10)
     assert response.status_code == 200
     assert response.headers["x-test"] == "wire"  # uvicorn's head, as its send makes it
     assert response.headers["transfer-encoding"] == "chunked"
-    assert response.content == b"first-then"
-    assert served.started == [True]
+    assert response.content == chunk(0, 8) + chunk(1, 8) + b"later"
+    assert served.started == [True, True]
     head, _, first = served.writes[0].partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
-    assert first == b"5\r\nfirst\r\n"
-    assert served.writes[1:] == [b"5\r\n-then\r\n", b"0\r\n\r\n"]
+    assert first == b"".join(b"8\r\n%b\r\n" % chunk(i, 8) for i in range(2))
+    assert served.writes[1:] == [b"5\r\nlater\r\n", b"0\r\n\r\n"]  # then each at once
+
+
+def test_what_the_wire_holds_after_the_head_is_bounded(served: Served) -> None:
+    """The wire holds no more than the connection's unsent bound: past it, it writes."""
+    response = httpx.get(f"{served.base_url}/started/many", timeout=10)
+    assert response.content == b"".join(chunk(i, 1_000) for i in range(40)) + b"later"
+    assert served.started == [True, True]
+    assert served.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert all(len(write) < UNSENT_LIMIT + 1_100 for write in served.writes)
+    assert len(served.writes) >= 40 * 1_000 // (UNSENT_LIMIT + 1_100) + 2
 
 
 def test_a_start_with_a_length_writes_the_head_alone(served: Served) -> None:
-    """A body that is not chunked is never framed by the wire: its head goes alone, and the
-    caller sends the body."""
+    """A body that is not chunked is never framed by the wire: its head goes alone, at once,
+    and the body through uvicorn's send."""
     response = httpx.get(f"{served.base_url}/started/sized", timeout=10)
     assert response.status_code == 200
     assert response.content == b"first"
     assert served.started == [False]
-    assert served.writes[0].endswith(b"\r\n\r\n")  # the head, held, then written alone
+    assert served.writes[0].endswith(b"\r\n\r\n")  # the head alone
     assert served.writes[1:] == [b"first"]
 
 
