@@ -20,7 +20,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterable,
+    Sequence,
+)
 from typing import Any, Final, Literal, TypeVar
 
 import orjson
@@ -132,6 +140,31 @@ class _Watched:
 
     def write_now(self, chunk: bytes) -> bool:
         return False
+
+
+class _Kept(list[Entry]):
+    """A page's events as :class:`_Pages` keeps them for its next readers, with what each of
+    them asks of the page worked out once, when first asked: its frames joined (the write of
+    a reader that takes the whole page), and where its ``end`` events are."""
+
+    __slots__ = ("_data", "_ends")
+
+    def __init__(self, entries: Iterable[Entry] = ()) -> None:
+        super().__init__(entries)
+        self._data: bytes | None = None
+        self._ends: list[int] | None = None
+
+    @property
+    def data(self) -> bytes:
+        if self._data is None:
+            self._data = b"".join(entry.frame for entry in self)
+        return self._data
+
+    @property
+    def ends(self) -> list[int]:
+        if self._ends is None:
+            self._ends = [index for index, entry in enumerate(self) if entry.kind == "end"]
+        return self._ends
 
 
 class _Pages:
@@ -399,7 +432,10 @@ class Streams:
         if shared and self._bounded and until == "+" and bound and bound.key > after.key:
             return await self._bounded_page(asked, bound, now)
         page = await rc.xrange_raw(self._redis, key, "(" + after.entry_id, until, count)
-        entries = [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
+        if shared:
+            entries: list[Entry] = _Kept(Entry.from_redis(i, fields) for i, fields in page)
+        else:
+            entries = [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
         if len(entries) < count:
             return entries, False
         if shared:
@@ -415,7 +451,7 @@ class Streams:
         entries = self._pages.get(bounded, now)
         if entries is None:
             page = await rc.xrange_raw(self._redis, key, "(" + start, bound.entry_id, count)
-            entries = [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
+            entries = _Kept(Entry.from_redis(entry_id, fields) for entry_id, fields in page)
             if entries:
                 self._pages.put(bounded, entries, now)
         if len(entries) < count:
@@ -651,7 +687,10 @@ class _Read:
             if not entries:
                 return
             stop = await self._ending(entries)
-            chunk = Chunk.of(entries if stop is None else entries[:stop], keep=self.keep)
+            if stop is None and not self.keep and isinstance(entries, _Kept):
+                chunk = Chunk([], entries.data, entries[-1])  # joined once for all its readers
+            else:
+                chunk = Chunk.of(entries if stop is None else entries[:stop], keep=self.keep)
             del entries
             assert chunk.last is not None
             self.cursor = chunk.last.cursor
@@ -716,8 +755,12 @@ class _Read:
     async def _ending(self, entries: Sequence[Entry]) -> int | None:
         """The length of ``entries`` up to an ``end`` that ends the read (the turn is at rest
         on that attempt), or None when the read goes on."""
-        for index, entry in enumerate(entries):
-            if entry.kind == "end" and await self.streams._at_rest(self.location, entry.attempt()):
+        if isinstance(entries, _Kept):
+            ends: Sequence[int] = entries.ends
+        else:
+            ends = [index for index, entry in enumerate(entries) if entry.kind == "end"]
+        for index in ends:
+            if await self.streams._at_rest(self.location, entries[index].attempt()):
                 return index + 1
         return None
 

@@ -162,3 +162,32 @@ async def _setup(aredis: Redis) -> tuple[Streams, Keys, Location]:
 
 def _data(**fields: str) -> str:
     return orjson.dumps({"attempt": 1, **fields}).decode()
+
+
+async def test_readers_of_a_kept_page_share_its_frames(aredis: Redis) -> None:
+    """A crowd replaying a kept page writes one joined copy of its frames, not one each."""
+    streams, keys, location = await _setup(aredis)
+    for i in range(80):
+        await aredis.xadd(keys.events("c", "t"), {"e": "delta", "d": _data(text=str(i))})
+
+    async def first_chunk() -> Chunk:
+        reader = streams.follow_chunks(location, ORIGIN, _Sink())
+        try:
+            item = await asyncio.wait_for(anext(reader), 10)
+        finally:
+            await reader.aclose()
+        assert isinstance(item, Chunk)
+        return item
+
+    first, second = await first_chunk(), await first_chunk()
+    assert first.data.count(b"event: delta\n") == 64
+    assert second.data is first.data
+
+
+class _Sink:
+    """A response that takes nothing directly: the reader yields every chunk."""
+
+    over = False
+
+    def write_now(self, chunk: bytes) -> bool:
+        return False
