@@ -20,16 +20,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Hashable,
-    Iterable,
-    Sequence,
-)
-from typing import Any, Final, Literal, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from typing import Any, Final, Literal
 
 import orjson
 from redis.asyncio import Redis
@@ -47,7 +39,6 @@ from broker.vocabulary import FINAL_STATUSES, decode_turn_ref
 PageKey = tuple[str, str, str, int]  # a page asked of Redis: key, after, until, count
 PAGE_CACHE_EVENTS: Final = 8_192  # events of full pages a process keeps (see _Pages; ~4 MiB)
 LOCATED_CACHE: Final = 8_192  # streams whose index lookup a process remembers (~1.5 MiB)
-T = TypeVar("T")
 FIRST_PAGE: Final = 64  # a replay's first page (its first event comes sooner); the next ones double
 
 
@@ -210,60 +201,6 @@ class _Pages:
         self._events -= len(self._pages.pop(page)[1])
 
 
-class _Shared:
-    """Reads asked for in the same turn of the event loop, shared: the first asks, the others
-    that ask for the same (the same key) before its command is sent take its answer.
-
-    A crowd that joins a live answer opens a thousand reads in a second, many in each turn of
-    the loop when it is busy; each read's opening asked Redis the same thing on a connection of
-    its own (the pool grew, and each new connection cost a handshake). Only a read that is not
-    sent yet is joined: its answer is from after every joiner asked, as their own would be.
-
-    Each joiner waits on a future of its own, so one that is cancelled (its client left)
-    cancels nobody's read; the read runs in a task of its own, whose end (an answer, an error,
-    a cancellation) settles every joiner's future.
-    """
-
-    __slots__ = ("_asked", "_tasks")
-
-    def __init__(self) -> None:
-        self._asked: dict[Hashable, list[asyncio.Future[Any]]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def read(self, key: Hashable, read: Callable[[], Awaitable[T]]) -> T:
-        """``read()``'s answer, shared with the others that ask for ``key`` before it is sent."""
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[T] = loop.create_future()
-        joiners = self._asked.get(key)
-        if joiners is None:
-            self._asked[key] = [answer]
-            task = loop.create_task(self._run(key, read))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        else:
-            joiners.append(answer)
-        return await answer
-
-    async def _run(self, key: Hashable, read: Callable[[], Awaitable[Any]]) -> None:
-        # Its first step runs before the command is sent: the reads that join after it wait
-        # for the next.
-        joiners = self._asked.pop(key)
-        try:
-            value = await read()
-        except Exception as exc:
-            for joiner in joiners:
-                if not joiner.done():
-                    joiner.set_exception(exc)
-        else:
-            for joiner in joiners:
-                if not joiner.done():
-                    joiner.set_result(value)
-        finally:  # cancelled (the loop is closing): so are they
-            for joiner in joiners:
-                if not joiner.done():
-                    joiner.cancel()
-
-
 class Streams:
     """Locating, replaying, following and paging turn streams."""
 
@@ -281,7 +218,6 @@ class Streams:
         # up every time.
         self._located: dict[str, str] = {}
         self._pages = _Pages(deps.settings.sse_page_cache_s)
-        self._shared = _Shared()  # the openings' reads, shared by reads that open together
         # Pages bounded by what the feed read (see _page) need the feed and the pages to read
         # the same server: not so when reads go to a cluster's replicas, one or another.
         self._bounded = reads is None
@@ -384,9 +320,8 @@ class Streams:
         return (await self.opening(location, cursor)).finished
 
     async def opening(self, location: Location, cursor: Cursor) -> Opening:
-        """What a read from ``cursor`` starts with, in one round trip (see :class:`Opening`),
-        shared with the reads that open at the same point in the same turn of the event loop
-        (see :class:`_Shared`)."""
+        """What a read from ``cursor`` starts with, in one round trip at most (see
+        :class:`Opening`)."""
         events_key, turn_key = self.events_key(location), self.turn_key(location)
         first = (events_key, cursor.entry_id, "+", self._next_count(None))
         if self._pages.get(first, time.monotonic()) is not None:
@@ -394,20 +329,11 @@ class Streams:
             # all the read needs to know (see Opening.open). No round trip: a crowd that joins a
             # live answer opens on the pages its first viewers read.
             return Opening(cursor, None, True)
-        status, stored_past = await self._shared.read(
-            ("opening", turn_key, events_key, cursor.entry_id),
-            lambda: self._opening(turn_key, events_key, cursor),
-        )
-        return Opening(cursor, status, stored_past)
-
-    async def _opening(
-        self, turn_key: str, events_key: str, cursor: Cursor
-    ) -> tuple[str | None, bool]:
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hget(turn_key, "status")
             pipe.xrange(events_key, min="(" + cursor.entry_id, max="+", count=1)
             status, page = await pipe.execute()
-        return status, bool(page)
+        return Opening(cursor, status, bool(page))
 
     async def _page(
         self,

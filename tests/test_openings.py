@@ -1,8 +1,8 @@
-"""A read's opening round trip, shared by the reads that open together (``reader._Shared``).
+"""A read's opening, and the pages a crowd shares.
 
-A crowd that joins a live answer opens many reads in each turn of the event loop; they ask
-Redis the same thing. A read that is not sent yet is joined by the others that ask for the same;
-one that was sent is not (its answer may be older than the joiner's question).
+A crowd that joins a live answer opens its reads on the pages its first viewers read: events
+stored past a read's start are all its opening needs (``reader.Opening.open``), so it asks Redis
+nothing, and every reader of a kept page writes the same joined frames.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import itertools
 import os
 
 import orjson
-import pytest
 import redis
 from redis.asyncio import Redis
 
+from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.fanout import Hub
-from broker.frames import ORIGIN, Chunk
+from broker.frames import ORIGIN, Chunk, Cursor
 from broker.keys import Keys
 from broker.metrics import Metrics
-from broker.reader import Location, Streams, _Shared
+from broker.reader import Location, Streams
 from broker.scripts import Scripts
 from broker.settings import Settings
 from tests.conftest import command_calls
@@ -29,96 +29,30 @@ from tests.conftest import command_calls
 _n = itertools.count()
 
 
-class Gated:
-    """A read that counts its calls and answers once its gate opens."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.gate = asyncio.Event()
-        self.entered = asyncio.Event()
-
-    async def __call__(self) -> int:
-        self.calls += 1
-        self.entered.set()
-        answer = self.calls
-        await self.gate.wait()
-        return answer
-
-
-async def test_reads_asked_together_share_one_read() -> None:
-    shared, read, other = _Shared(), Gated(), Gated()
-    together = [asyncio.ensure_future(shared.read("a", read)) for _ in range(5)]
-    apart = asyncio.ensure_future(shared.read("b", other))
-    await asyncio.sleep(0.01)
-    read.gate.set()
-    other.gate.set()
-    assert await asyncio.wait_for(asyncio.gather(*together), 5) == [1] * 5
-    assert await asyncio.wait_for(apart, 5) == 1
-    assert (read.calls, other.calls) == (1, 1)
-
-
-async def test_a_read_asked_once_the_first_was_sent_is_its_own() -> None:
-    shared, read = _Shared(), Gated()
-    first = asyncio.ensure_future(shared.read("a", read))
-    await asyncio.wait_for(read.entered.wait(), 5)  # the first read is under way
-    second = asyncio.ensure_future(shared.read("a", read))
-    await asyncio.sleep(0.01)
-    assert read.calls == 2
-    read.gate.set()
-    assert list(await asyncio.wait_for(asyncio.gather(first, second), 5)) == [1, 2]
-
-
-async def test_a_joiner_that_is_cancelled_cancels_nobody_else() -> None:
-    shared, read = _Shared(), Gated()
-    asked = [asyncio.ensure_future(shared.read("a", read)) for _ in range(3)]
-    await asyncio.sleep(0.01)
-    asked[0].cancel()
-    await asyncio.sleep(0.01)
-    read.gate.set()
-    assert await asyncio.wait_for(asyncio.gather(*asked[1:]), 5) == [1, 1]
-    assert asked[0].cancelled()
-    assert read.calls == 1
-
-
-async def test_an_error_reaches_every_joiner() -> None:
-    shared = _Shared()
-
-    async def failing() -> int:
-        await asyncio.sleep(0)
-        raise redis.ConnectionError("gone")
-
-    asked = [asyncio.ensure_future(shared.read("a", failing)) for _ in range(3)]
-    results = await asyncio.wait_for(asyncio.gather(*asked, return_exceptions=True), 5)
-    assert [type(r) for r in results] == [redis.ConnectionError] * 3
-    # The next read asks again.
-    read = Gated()
-    read.gate.set()
-    assert await asyncio.wait_for(shared.read("a", read), 5) == 1
-
-
-@pytest.mark.parametrize("cached", [False, True], ids=["first-page-unread", "first-page-kept"])
-async def test_reads_that_open_together_ask_redis_once_or_not_at_all(
-    aredis: Redis, raw_redis: redis.Redis, cached: bool
+async def test_reads_that_open_on_a_kept_page_ask_redis_nothing(
+    aredis: Redis, raw_redis: redis.Redis
 ) -> None:
     streams, keys, location = await _setup(aredis)
-    for i in range(64 if cached else 3):
+    for i in range(70):
         await aredis.xadd(keys.events("c", "t"), {"e": "delta", "d": _data(text=str(i))})
-    if cached:  # a reader replayed the first page, full: it is kept for the next ones
-        await streams._page(keys.events("c", "t"), ORIGIN, "+", 64, shared=True)
-    before = {name: command_calls(raw_redis, name) for name in ("hget", "xrange")}
-    openings = await asyncio.wait_for(
-        asyncio.gather(*(streams.opening(location, ORIGIN) for _ in range(50))), 10
+    first = await streams.opening(location, ORIGIN)  # before any page is kept: one round trip
+    assert (first.status, first.stored_past, first.open, first.finished) == (
+        "streaming",
+        True,
+        True,
+        False,
     )
-    calls = {name: command_calls(raw_redis, name) - before[name] for name in before}
+    await streams._page(keys.events("c", "t"), ORIGIN, "+", 64, shared=True)  # a reader's
+    before = {name: command_calls(raw_redis, name) for name in ("hget", "xrange")}
+    openings = [await streams.opening(location, ORIGIN) for _ in range(20)]
     assert all(o.stored_past and o.open and not o.finished for o in openings)
-    if cached:  # events are stored past the start: the status is not needed (Opening.open)
-        assert calls == {"hget": 0, "xrange": 0}
-        return
-    assert {o.status for o in openings} == {"streaming"}
-    assert calls == {"hget": 1, "xrange": 1}
-    # Once that was answered, the next read asks again: it may be newer.
+    calls = {name: command_calls(raw_redis, name) - before[name] for name in before}
+    assert calls == {"hget": 0, "xrange": 0}
+    # A read from past the stream's end has no page kept: it asks, and learns the turn's state.
     await aredis.hset(keys.turn("c", "t"), "status", "complete")
-    assert (await streams.opening(location, ORIGIN)).status == "complete"
+    tail = Cursor.after(str(await rc.last_entry_id(aredis, keys.events("c", "t"))))
+    late = await streams.opening(location, tail)
+    assert (late.status, late.stored_past, late.finished) == ("complete", False, True)
 
 
 async def test_a_read_opened_on_a_kept_page_meets_the_end_of_a_turn_at_rest(
