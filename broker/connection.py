@@ -327,8 +327,8 @@ class _SendsAtOnce(AbstractConnection):
     Python runs the send in a new task: a task, a timer and two more turns of the event loop for
     every command the broker sends, though a send waits only when the socket's buffer is full.
     Here the command is handed to the transport at once; only if part of it waits for the
-    socket is the wait bounded by ``wait_for`` as redis-py's (about a third of the CPU of an
-    ``HGET`` in a loop). The errors are redis-py's: a timeout or a broken socket disconnects
+    socket is the wait bounded by ``wait_for`` as redis-py's (an ``HGET`` in a loop takes about
+    a fifth less CPU, see benchmarks/RESULTS.md). The errors are redis-py's: a timeout or a broken socket disconnects
     and raises its ``TimeoutError`` or ``ConnectionError``.
     """
 
