@@ -328,8 +328,8 @@ class _SendsAtOnce(AbstractConnection):
     every command the broker sends, though a send waits only when the socket's buffer is full.
     Here the command is handed to the transport at once; only if part of it waits for the
     socket is the wait bounded by ``wait_for`` as redis-py's (an ``HGET`` in a loop takes about
-    a fifth less CPU, see benchmarks/RESULTS.md). The errors are redis-py's: a timeout or a broken socket disconnects
-    and raises its ``TimeoutError`` or ``ConnectionError``.
+    a fifth less CPU, see benchmarks/RESULTS.md). The errors are redis-py's: a timeout or a
+    broken socket disconnects and raises its ``TimeoutError`` or ``ConnectionError``.
     """
 
     async def send_packed_command(
