@@ -134,9 +134,9 @@ class _Watched:
 
 
 class _Kept(list[Entry]):
-    """A page's events as :class:`_Pages` keeps them for its next readers, with what each of
-    them asks of the page worked out once, when first asked: its frames joined (the write of
-    a reader that takes the whole page), and where its ``end`` events are."""
+    """A page of events read from Redis, with what its readers ask of it worked out once,
+    when first asked: its frames joined (the write of a reader that takes the whole page), and
+    where its ``end`` events are. A page :class:`_Pages` keeps has many readers."""
 
     __slots__ = ("_data", "_ends")
 
@@ -358,10 +358,7 @@ class Streams:
         if shared and self._bounded and until == "+" and bound and bound.key > after.key:
             return await self._bounded_page(asked, bound, now)
         page = await rc.xrange_raw(self._redis, key, "(" + after.entry_id, until, count)
-        if shared:
-            entries: list[Entry] = _Kept(Entry.from_redis(i, fields) for i, fields in page)
-        else:
-            entries = [Entry.from_redis(entry_id, fields) for entry_id, fields in page]
+        entries = _Kept(Entry.from_redis(entry_id, fields) for entry_id, fields in page)
         if len(entries) < count:
             return entries, False
         if shared:
