@@ -72,9 +72,15 @@ class Opening:
         an ``end`` after this), and when events are stored past the cursor, whatever the
         status: a turn comes to rest only with its ``end`` as the stream's last event, in one
         script (``finish_attempt.lua``, ``cancel_turn.lua``), so that ``end`` is past the
-        cursor too, and the read meets it and asks then whether it ends the read.
+        cursor too, and the read meets it and asks then whether it ends the read. (Unless the
+        stream expires before the read gets there: :meth:`Streams.follow_chunks` sees to it.)
         """
-        return self.stored_past or (self.status is not None and self.status not in FINAL_STATUSES)
+        return self.stored_past or self.running
+
+    @property
+    def running(self) -> bool:
+        """Whether the turn was read, and not at rest: its coming to rest comes after this."""
+        return self.status is not None and self.status not in FINAL_STATUSES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -452,8 +458,10 @@ class Streams:
             subscription.sink = sink
             catch_up, first_look = not subscription.covers(read.cursor), True
             # A turn that was running as the read began, or one whose stream goes on past the
-            # read's start, ends with an `end` the read will meet (see Opening.open).
-            look = opening is None or not opening.open
+            # read's start, ends with an `end` the read will meet (see Opening.open). Unless
+            # the stream expired since: a replay that found nothing where the opening saw
+            # events (`dry`) looks, or it would wait a heartbeat for an `end` that is gone.
+            look = opening is None or not opening.open or (read.dry and not opening.running)
             while True:
                 if catch_up:
                     async for chunk in read.stored():
@@ -567,7 +575,17 @@ class _Read:
     """One follow of a stream: where it stands (``cursor``), whether it is over (``ended``:
     it reached an ``end`` that ends the read), and its reads of Redis."""
 
-    __slots__ = ("cursor", "ended", "keep", "key", "location", "shared", "streams", "turn_key")
+    __slots__ = (
+        "cursor",
+        "dry",
+        "ended",
+        "keep",
+        "key",
+        "location",
+        "shared",
+        "streams",
+        "turn_key",
+    )
 
     def __init__(
         self,
@@ -586,6 +604,7 @@ class _Read:
         self.keep = keep
         self.shared = shared  # full pages are shared with the next readers (see _Pages)
         self.ended = False
+        self.dry = False  # the last replay ended on an empty page (see stored)
 
     async def stored(self) -> AsyncIterator[Chunk]:
         """The stored events past the cursor, a chunk per page, up to an ``end`` that ends the
@@ -598,6 +617,7 @@ class _Read:
         """
         streams = self.streams
         count = streams._next_count(None)
+        self.dry = False
         while True:
             entries, more = await streams._page(
                 self.key,
@@ -608,6 +628,7 @@ class _Read:
                 bound=streams._hub.seen(self.key) if self.shared else None,
             )
             if not entries:
+                self.dry = True  # (an empty page is never kept: this one was read)
                 return
             stop = await self._ending(entries)
             if stop is None and not self.keep and isinstance(entries, _Kept):

@@ -12,6 +12,7 @@ import itertools
 import os
 
 import orjson
+import pytest
 import redis
 from redis.asyncio import Redis
 
@@ -82,6 +83,37 @@ async def test_a_read_opened_on_a_kept_page_meets_the_end_of_a_turn_at_rest(
     assert kinds == ["delta"] * 70 + ["end"]
     calls = {name: command_calls(raw_redis, name) - before[name] for name in before}
     assert calls == {"hget": 0, "hmget": 1}  # the end's own question
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["read", "kept"])
+async def test_a_read_whose_stream_expired_after_its_opening_ends_at_once(
+    aredis: Redis, kept: bool
+) -> None:
+    """The opening saw events stored past the start, so the read would meet their `end`; the
+    stream expired before the replay read them. The read learns it from its empty page and
+    ends, instead of waiting a heartbeat for an `end` that is gone."""
+    streams, keys, location = await _setup(aredis)
+    events_key, turn_key = keys.events("c", "t"), keys.turn("c", "t")
+    for i in range(70):
+        await aredis.xadd(events_key, {"e": "delta", "d": _data(text=str(i))})
+    await aredis.xadd(events_key, {"e": "end", "d": _data(status="complete")})
+    await aredis.hset(turn_key, "status", "complete")
+    if kept:  # a crowd's first page is kept: the opening asks nothing
+        await streams._page(events_key, ORIGIN, "+", 64, shared=True)
+    opening = await streams.opening(location, ORIGIN)
+    assert opening.open
+    assert not opening.finished
+    await aredis.delete(events_key, turn_key)  # expired, between the opening and the read
+
+    async def read_all() -> int:
+        events = 0
+        async for item in streams.follow_chunks(location, ORIGIN, opening=opening, heartbeat_s=60):
+            assert isinstance(item, Chunk)  # (no heartbeat: the read never waits)
+            events += len(item.entries)
+        return events
+
+    # What the kept page held is served (it was read less than a page-cache time ago).
+    assert await asyncio.wait_for(read_all(), 10) == (64 if kept else 0)
 
 
 async def _setup(aredis: Redis) -> tuple[Streams, Keys, Location]:
