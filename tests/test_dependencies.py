@@ -76,6 +76,20 @@ def test_runtime_dependencies_stay_ranges() -> None:
             assert operators <= {">=", "<", "!=", "~="}, f"{path}: {requirement} is pinned"
 
 
+def test_dependencies_whose_internals_the_broker_uses_are_bounded_above() -> None:
+    """A release of these may change what the broker reaches into: it comes in only by a
+    raised bound, the lock and the tests, never by itself on a fresh install."""
+    bounded = {
+        canonicalize_name(requirement.name): requirement
+        for requirement in requirements("pyproject.toml")
+        if any(spec.operator == "<" for spec in requirement.specifier)
+    }
+    assert {"redis", "uvicorn"} <= set(bounded), sorted(bounded)
+    pins = locked()
+    for name in map(canonicalize_name, ("redis", "uvicorn")):
+        assert bounded[name].specifier.contains(pins[name]), f"{name} {pins[name]} is outside"
+
+
 def test_ci_and_the_readme_install_through_the_lock() -> None:
     install = "pip install -e '.[test]' -e ./clients/python -c constraints.txt"
     readme = (ROOT / "README.md").read_text()
