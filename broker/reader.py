@@ -160,8 +160,13 @@ class _Kept(list[Entry]):
     @property
     def ends(self) -> list[int]:
         if self._ends is None:
-            self._ends = [index for index, entry in enumerate(self) if entry.kind == "end"]
+            self._ends = _end_indexes(self)
         return self._ends
+
+
+def _end_indexes(entries: Sequence[Entry]) -> list[int]:
+    """Where the ``end`` events of ``entries`` are."""
+    return [index for index, entry in enumerate(entries) if entry.kind == "end"]
 
 
 class _Pages:
@@ -363,8 +368,7 @@ class Streams:
             return kept, True
         if shared and self._bounded and until == "+" and bound and bound.key > after.key:
             return await self._bounded_page(asked, bound, now)
-        page = await rc.xrange_raw(self._redis, key, "(" + after.entry_id, until, count)
-        entries = _Kept(Entry.from_redis(entry_id, fields) for entry_id, fields in page)
+        entries = await self._read_page(key, after.entry_id, until, count)
         if len(entries) < count:
             return entries, False
         if shared:
@@ -379,14 +383,19 @@ class Streams:
         bounded = (key, start, bound.entry_id, count)
         entries = self._pages.get(bounded, now)
         if entries is None:
-            page = await rc.xrange_raw(self._redis, key, "(" + start, bound.entry_id, count)
-            entries = _Kept(Entry.from_redis(entry_id, fields) for entry_id, fields in page)
+            entries = await self._read_page(key, start, bound.entry_id, count)
             if entries:
                 self._pages.put(bounded, entries, now)
         if len(entries) < count:
             return entries, False  # all there is up to the bound: the feed brings the rest
         self._pages.put(asked, entries, now)  # a full page is the same, bounded or not
         return entries, True
+
+    async def _read_page(self, key: str, after: str, until: str, count: int) -> _Kept:
+        """Up to ``count`` events of stream ``key`` past entry ``after``, up to ``until``,
+        read from Redis."""
+        page = await rc.xrange_raw(self._redis, key, "(" + after, until, count)
+        return _Kept(Entry.from_redis(entry_id, fields) for entry_id, fields in page)
 
     def _next_count(self, count: int | None) -> int:
         """A replay's page sizes: a small first page, so that a reader resuming in a long stream
@@ -699,10 +708,7 @@ class _Read:
     async def _ending(self, entries: Sequence[Entry]) -> int | None:
         """The length of ``entries`` up to an ``end`` that ends the read (the turn is at rest
         on that attempt), or None when the read goes on."""
-        if isinstance(entries, _Kept):
-            ends: Sequence[int] = entries.ends
-        else:
-            ends = [index for index, entry in enumerate(entries) if entry.kind == "end"]
+        ends = entries.ends if isinstance(entries, _Kept) else _end_indexes(entries)
         for index in ends:
             if await self.streams._at_rest(self.location, entries[index].attempt()):
                 return index + 1
