@@ -39,7 +39,7 @@ from broker.api import (
     install_error_handlers,
     ops_router,
 )
-from broker.api.connections import ConnectionLimits, guarded
+from broker.api.connections import ConnectionLimits, guarded, uncapped_addresses
 from broker.api.docs import install_docs
 from broker.api.schemas import install_components
 from broker.api.stream_reads import FrontReads, StreamReads
@@ -370,11 +370,21 @@ def server_config(settings: Settings, app: FastAPI) -> uvicorn.Config:
         if rt is not None:
             rt.metrics.connections_closed.labels(reason).inc()
 
+    def refused(cap: str) -> None:
+        rt = _find_runtime(app)
+        if rt is not None:
+            rt.metrics.caller_refusals.labels(cap).inc()
+
     limits = ConnectionLimits(
         header_timeout_s=settings.header_timeout_s,
         max_header_bytes=parser_header_limit(settings),
         max_connections=settings.max_connections,
         count=count,
+        body_timeout_s=settings.body_timeout_s,
+        per_address=settings.address_share,
+        per_tenant=settings.tenant_share,
+        uncapped=uncapped_addresses(settings.uncapped_networks),
+        refused=refused,
     )
     return uvicorn.Config(
         app,

@@ -34,7 +34,16 @@ WEBHOOK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 AUTH_FAILURES = ("missing", "bad_credentials", "bad_token", "token_expired", "forbidden")
 # Why the server ended a connection itself (see broker.api.connections).
-CONNECTION_CLOSE_REASONS = ("header_timeout", "headers_too_large", "over_limit", "overflow")
+CONNECTION_CLOSE_REASONS = (
+    "header_timeout",
+    "body_timeout",
+    "headers_too_large",
+    "over_limit",
+    "overflow",
+    "address_overflow",
+)
+# The caps of one caller's share of a process's connections (see broker.api.connections).
+CALLER_CAPS = ("address", "tenant")
 
 
 class Metrics:
@@ -230,13 +239,23 @@ class Metrics:
         self.connections_closed = Counter(
             "broker_http_connections_closed_total",
             "Connections the server ended itself, by reason: headers not complete within "
-            "BROKER_HEADER_TIMEOUT_S, headers past the parser's cap (431), opened past "
-            "BROKER_MAX_CONNECTIONS (503), or opened a tenth past it (closed unanswered).",
+            "BROKER_HEADER_TIMEOUT_S, a body not complete within BROKER_BODY_TIMEOUT_S (408), "
+            "headers past the parser's cap (431), opened past BROKER_MAX_CONNECTIONS (503), "
+            "opened a tenth past it (closed unanswered), or opened a tenth past the address's "
+            "share (closed unanswered).",
             ["reason"],
             registry=r,
         )
         for reason in CONNECTION_CLOSE_REASONS:
             self.connections_closed.labels(reason)
+        self.caller_refusals = Counter(
+            "broker_caller_refusals_total",
+            "Requests refused 429 too_many_connections_for_caller, by the cap they met: the "
+            "client address's open connections or the tenant's requests in flight.",
+            ["cap"],
+            registry=r,
+        )
+        _at_zero(self.caller_refusals, CALLER_CAPS)
         self.webhook_deliveries = Counter(
             "broker_webhook_deliveries_total",
             "Completion webhook sends, by outcome: delivered (a 2xx), retried (a failed send "

@@ -7,6 +7,7 @@ in prose. Code receives a ``Settings`` instance explicitly and never reads the e
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -140,6 +141,11 @@ class Settings:
     webhook_backoff_max_ms: int = 600_000  # the longest pause
     webhook_timeout_s: float = 10.0  # one send, connect to answer
     webhook_recheck_ms: int = 1_500  # how often a notification's turn is looked at again
+    # Connections: the body deadline and each caller's share (broker.api.connections).
+    body_timeout_s: float = 30.0  # from a request's complete headers to the end of its body
+    max_connections_per_address: int = 0  # 0: a quarter of BROKER_MAX_CONNECTIONS
+    max_connections_per_tenant: int = 0  # requests in flight; 0: half of BROKER_MAX_CONNECTIONS
+    uncapped_addresses: str = "loopback"  # not capped per address: loopback, none, IPs, networks
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -157,6 +163,7 @@ class Settings:
             )
         _check_numbers(self)
         _check_webhooks(self)
+        _check_connections(self)
         if self.sse_heartbeat_max_s < self.sse_heartbeat_s:
             raise SettingsError(
                 "BROKER_SSE_HEARTBEAT_MAX_S must be at least BROKER_SSE_HEARTBEAT_S"
@@ -207,6 +214,23 @@ class Settings:
     def cluster(self) -> bool:
         """Whether ``BROKER_REDIS_URL`` names a Redis Cluster."""
         return self.redis_url is not None and "+cluster://" in self.redis_url.split("?")[0][:20]
+
+    @property
+    def address_share(self) -> int:
+        """The most connections one client address may hold open (``BROKER_MAX_CONNECTIONS_PER_
+        ADDRESS``, by default a quarter of ``BROKER_MAX_CONNECTIONS``)."""
+        return self.max_connections_per_address or max(1, self.max_connections // 4)
+
+    @property
+    def tenant_share(self) -> int:
+        """The most requests one tenant may have in flight (``BROKER_MAX_CONNECTIONS_PER_TENANT``,
+        by default half of ``BROKER_MAX_CONNECTIONS``)."""
+        return self.max_connections_per_tenant or max(1, self.max_connections // 2)
+
+    @property
+    def uncapped_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """The networks of ``BROKER_UNCAPPED_ADDRESSES``, ``loopback`` spelled out."""
+        return parse_networks(self.uncapped_addresses)
 
     @property
     def runs_api(self) -> bool:
@@ -355,6 +379,39 @@ def _check_numbers(settings: Settings) -> None:
     for name in positive:
         if getattr(settings, name) <= 0:
             raise SettingsError(f"BROKER_{name.upper()} must be positive")
+
+
+LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
+
+
+def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Networks from a comma-separated list of addresses, networks (``10.0.0.0/8``),
+    ``loopback`` or ``none``; ValueError names the entry that is none of these."""
+    networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+    for entry in (e.strip() for e in text.split(",")):
+        if entry.lower() == "none" or not entry:
+            continue
+        names = LOOPBACK_NETWORKS if entry.lower() == "loopback" else (entry,)
+        networks.extend(ipaddress.ip_network(name, strict=False) for name in names)
+    return tuple(networks)
+
+
+def _check_connections(settings: Settings) -> None:
+    """The connection settings are in range, and the uncapped addresses parse."""
+    if not settings.body_timeout_s > 0:  # (NaN too)
+        raise SettingsError("BROKER_BODY_TIMEOUT_S must be positive")
+    for name in ("max_connections_per_address", "max_connections_per_tenant"):
+        if getattr(settings, name) < 0:
+            raise SettingsError(
+                f"BROKER_{name.upper()} must be 0 (a share of BROKER_MAX_CONNECTIONS) or more"
+            )
+    try:
+        parse_networks(settings.uncapped_addresses)
+    except ValueError:
+        raise SettingsError(
+            "BROKER_UNCAPPED_ADDRESSES must be a comma-separated list of addresses, networks "
+            f"(10.0.0.0/8), loopback or none, not {settings.uncapped_addresses[:80]!r}"
+        ) from None
 
 
 def _check_webhooks(settings: Settings) -> None:

@@ -20,7 +20,8 @@ A client that reads slowly holds up its own response only, at a bounded cost: a 
 at most ``WRITE_SLICE`` bytes at a time, and the source is asked for the next chunk only once the
 server has taken the last one (its write buffer is below its high-water mark). A reader whose
 client stops reading thus stops reading Redis too, holding one chunk, until the send timeout
-closes it; it never reads ahead of its client.
+ends it; it never reads ahead of its client. With a :class:`Wire`, the send timeout aborts the
+connection (a graceful close would wait for that client too, socket and descriptor held).
 
 The response never relies on a cancellation reaching its source: redis-py can swallow a
 ``CancelledError`` that lands while a reply is awaited, and the source would then go on for a
@@ -86,6 +87,11 @@ class Wire(Protocol):
     def when_lost(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` once the connection is lost (at once if it is already); None
         forgets the one given before."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the connection now, unsent bytes and all: a graceful close waits until the
+        client takes what is unsent, and one that stopped reading never does."""
         ...
 
     async def start(self, send: Send, message: Message) -> None:
@@ -448,6 +454,10 @@ class EventStreamResponse(Response):
             return
         if now - since >= self._send_timeout_s:
             log.info("closing a stream whose client did not read for %s s", self._send_timeout_s)
+            if self._wire is not None:
+                # Not a close: it would wait for the unsent bytes, which this client never
+                # takes, and hold its socket and descriptor for as long.
+                self._wire.abort()
             self._end()
 
 

@@ -52,8 +52,10 @@ import collections
 import dataclasses
 import enum
 import http
+import ipaddress
 import logging
 import socket
+import struct
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 from urllib.parse import unquote
@@ -64,6 +66,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
+from broker.api.limits import CALLER_REFUSAL, CALLER_RETRY_AFTER_S, SHARE
 from broker.api.security import COMMON
 from broker.sse import WIRE
 
@@ -74,6 +77,13 @@ URL_PARSER_MAX = 0xFFFF
 REFUSAL_RETRY_AFTER_S = 1
 # How long a connection answered 431 mid-request is still read (and dropped) before the close.
 LINGER_S = 2.0
+# How long a close this protocol began may wait for its unsent bytes before the connection is
+# aborted (a client that reads nothing would hold a graceful close open for ever).
+CLOSE_GRACE_S = 2.0
+# SO_LINGER on, with no time: the close of an aborted socket resets the connection at once and
+# drops what is unsent, where the kernel would otherwise keep trying to send it (the client's
+# side stays ESTABLISHED for as long) after the descriptor is gone.
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 # Bytes the kernel, and the transport, may each hold unsent per connection (more may be in
 # flight, as the client's window allows): enough to keep a client's link busy between two
 # writes of the event loop, little for one that reads nothing.
@@ -85,6 +95,30 @@ def _uncounted(reason: str) -> None:
     """The default counter: counts nothing."""
 
 
+def _capped_nowhere(address: str) -> bool:
+    return False
+
+
+class CallerShares:
+    """What each caller holds of one server's connections: open connections per client
+    address, and requests in flight per tenant. Each count goes as its connection or request
+    ends (see :class:`GuardedHttpProtocol`); a key at zero is removed."""
+
+    __slots__ = ("addresses", "tenants")
+
+    def __init__(self) -> None:
+        self.addresses: dict[str, int] = {}
+        self.tenants: dict[str, int] = {}
+
+
+def _give_back(table: dict[str, int], key: str) -> None:
+    left = table.get(key, 0) - 1
+    if left > 0:
+        table[key] = left
+    else:
+        table.pop(key, None)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     """The limits one server applies to each of its connections."""
@@ -93,11 +127,40 @@ class ConnectionLimits:
     max_header_bytes: int  # the parser's cap, above BROKER_MAX_HEADER_BYTES
     max_connections: int
     count: Callable[[str], None] = _uncounted  # with one of metrics.CONNECTION_CLOSE_REASONS
+    body_timeout_s: float = 30.0
+    per_address: int = 0  # open connections of one client address; 0: no cap
+    per_tenant: int = 0  # requests in flight of one tenant; 0: no cap
+    uncapped: Callable[[str], bool] = _capped_nowhere  # addresses without the address cap
+    refused: Callable[[str], None] = _uncounted  # with one of metrics.CALLER_CAPS
+    shares: CallerShares = dataclasses.field(default_factory=CallerShares)
 
     @property
     def overflow(self) -> int:
         """Open connections past which a new one is closed unanswered."""
         return self.max_connections + max(1, self.max_connections // 10)
+
+    @property
+    def address_overflow(self) -> int:
+        """Open connections of one address past which its new one is closed unanswered."""
+        return self.per_address + max(1, self.per_address // 10)
+
+
+def uncapped_addresses(
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
+) -> Callable[[str], bool]:
+    """Whether a client address is in one of ``networks`` (an IPv4-mapped IPv6 address as its
+    IPv4 address): the test of ``ConnectionLimits.uncapped``."""
+
+    def uncapped(address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in network for network in networks)
+
+    return uncapped
 
 
 class LazyEvent(asyncio.Event):
@@ -125,9 +188,10 @@ class _Pipeline(list[Any]):
 
 
 class _Phase(enum.Enum):
-    FRESH = "fresh"  # connection open, no byte of a request yet
+    FRESH = "fresh"  # connection open (or bytes on a kept-alive one), no request begun yet
     HEADERS = "headers"  # a request has begun; its headers are not complete
-    REQUEST = "request"  # headers complete: the app has the request (then keep-alive)
+    BODY = "body"  # headers complete: the app has the request; its body is still coming
+    REQUEST = "request"  # the whole request arrived (then keep-alive)
     CLOSING = "closing"  # answered by this protocol; the rest of the request is dropped
 
 
@@ -215,6 +279,11 @@ class _Wire:
         if held and cycle is not None and not cycle.disconnected:
             cycle.transport.write(b"".join(held))
 
+    def abort(self) -> None:
+        protocol = self._protocol
+        if protocol is not None:
+            protocol.abort()
+
     def when_lost(self, callback: Callable[[], None] | None) -> None:
         protocol, cycle = self._protocol, self._cycle
         if callback is None:  # forget this request's own, never a later request's
@@ -225,6 +294,27 @@ class _Wire:
             callback()
         else:
             self._callback = protocol.on_lost = callback
+
+
+class _Share:
+    """One request's :class:`broker.api.limits.Share`: its place in its tenant's share, held
+    by the connection until the request's response completes or the connection is lost."""
+
+    __slots__ = ("_cycle", "_protocol", "tenant")
+
+    def __init__(self, protocol: GuardedHttpProtocol, cycle: RequestResponseCycle) -> None:
+        self._protocol: GuardedHttpProtocol | None = protocol
+        self._cycle: RequestResponseCycle | None = cycle
+        self.tenant: str | None = None  # set while the request is counted
+
+    def cut(self) -> None:
+        self._protocol = self._cycle = None
+
+    def hold(self, tenant: str) -> bool:
+        protocol, cycle = self._protocol, self._cycle
+        if protocol is None or cycle is None or cycle.response_complete or cycle.disconnected:
+            return True  # over already: there is nothing left to count
+        return protocol.hold(self, tenant)
 
 
 def _writable(cycle: RequestResponseCycle) -> bool:
@@ -267,7 +357,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     which made each connection's dictionary 1.6 KiB instead of 0.3.
     """
 
-    __slots__ = ("_deadline", "_header_bytes", "_phase", "lost", "on_lost")
+    __slots__ = (
+        "_address",
+        "_deadline",
+        "_header_bytes",
+        "_held",
+        "_phase",
+        "lost",
+        "on_lost",
+    )
     limits: ClassVar[ConnectionLimits]
 
     def __init__(
@@ -282,41 +380,77 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._phase = _Phase.FRESH
         self._header_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
+        self._address: str | None = None  # counted in the shares' addresses while open
+        self._held: _Share | None = None  # the request counted against its tenant
         self.lost = False  # the connection is lost
         self.on_lost: Callable[[], None] | None = None  # a response's (see _Wire.when_lost)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow._is_writable_event = LazyEvent(is_set=True)  # as uvicorn makes it, writable
+        limits = self.limits
         open_now = len(self.connections)  # this one included
-        if open_now > self.limits.overflow:
-            self.limits.count("overflow")
+        if open_now > limits.overflow:
+            limits.count("overflow")
             log.debug("closed a new connection: %d open", open_now)
             transport.close()
             return
-        if open_now > self.limits.max_connections:
-            self.app = self._refuse  # its request, once the headers are in, gets the 503
+        address = self.client[0] if self.client is not None else None
+        refusal: Callable[[Scope, Receive, Send], Any] | None = None
+        if address is not None and limits.per_address and not limits.uncapped(address):
+            # Counted from the first moment, refused or not: each holds a descriptor.
+            addresses = limits.shares.addresses
+            held = addresses[address] = addresses.get(address, 0) + 1
+            self._address = address
+            if held > limits.address_overflow:
+                limits.count("address_overflow")
+                log.debug("closed a new connection: %d open from its address", held)
+                transport.close()
+                return
+            if held > limits.per_address:
+                refusal = self._refuse_address  # its request, once in, gets the 429
+        if refusal is None and open_now > limits.max_connections:
+            refusal = self._refuse  # its request, once the headers are in, gets the 503
+        if refusal is not None:
+            self.app = refusal
         _limit_unsent(transport)
-        self._arm()
+        self._arm(limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._let_go()
+        if self._address is not None:
+            _give_back(self.limits.shares.addresses, self._address)
+            self._address = None
         super().connection_lost(exc)
         self.lost = True
         callback, self.on_lost = self.on_lost, None
         if callback is not None:
             callback()
         for cycle in (self.cycle, *(queued for queued, _ in self.pipeline)):
-            wire = cycle.scope.get(WIRE) if cycle is not None else None
-            if isinstance(wire, _Wire):
-                wire.cut()
+            if cycle is None:
+                continue
+            for handle in (cycle.scope.get(WIRE), cycle.scope.get(SHARE)):
+                if isinstance(handle, (_Wire, _Share)):
+                    handle.cut()
 
     def data_received(self, data: bytes) -> None:
-        if self._phase is _Phase.CLOSING:
+        phase = self._phase
+        if phase is _Phase.CLOSING:
             return
-        counted = self._phase is not _Phase.REQUEST
+        if phase is _Phase.REQUEST and self._deadline is None and self._idle():
+            # Bytes on a kept-alive connection start the next request's header clock, whether
+            # or not the parser sees a request begin: it skips stray line ends without one,
+            # and any byte cancels uvicorn's keep-alive timer, so "\r\n" now and then would
+            # otherwise hold the connection for ever.
+            self._phase = phase = _Phase.FRESH
+            self._header_bytes = 0
+            self._arm(self.limits.header_timeout_s)
+        counted = phase in (_Phase.FRESH, _Phase.HEADERS)
         super().data_received(data)
-        if not counted or self._phase is _Phase.REQUEST or self.transport.is_closing():
+        if self._phase is _Phase.BODY and self._deadline is None:
+            self._arm(self.limits.body_timeout_s)  # the body's clock, from its headers' end
+        if not counted or self._phase not in _HEADER_PHASES or self.transport.is_closing():
             return
         # The request's headers are still incomplete after this chunk: the parser holds them.
         self._header_bytes += len(data)
@@ -326,40 +460,83 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             message = f"request line and headers are larger than {limit} bytes"
             self._answer_and_close(json_error(431, "headers_too_large", message))
 
+    def _idle(self) -> bool:
+        """Whether no request is under way: the last one's response is complete."""
+        return self.cycle is None or self.cycle.response_complete
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._phase = _Phase.HEADERS
         self._header_bytes = 0
         if self._deadline is None:  # a later request on a kept-alive connection
-            self._arm()
+            self._arm(self.limits.header_timeout_s)
 
     def on_headers_complete(self) -> None:
         self._disarm()
-        self._phase = _Phase.REQUEST
+        self._phase = _Phase.BODY  # until on_message_complete (at once for a request without)
         target = self.url
         if len(target) <= URL_PARSER_MAX:
             super().on_headers_complete()
-            self._offer_wire()
+            if "path" not in self.scope:  # an upgrade, which uvicorn hands on as it came
+                self._phase = _Phase.REQUEST
+                return
+            self._offer_handles()
             return
         # Too long for httptools.parse_url: let uvicorn build the request on a stand-in, then
         # put the real path and query in its scope (the request's task has not run yet).
         self.url = b"/"
         super().on_headers_complete()
         if "path" not in self.scope:  # an upgrade, which uvicorn hands on as it came
+            self._phase = _Phase.REQUEST
             return
         raw_path, _, query = target.partition(b"#")[0].partition(b"?")
         self.scope["raw_path"] = self.root_path.encode("ascii") + raw_path
         self.scope["path"] = self.root_path + unquote(raw_path.decode("latin-1"))
         self.scope["query_string"] = query
-        self._offer_wire()
+        self._offer_handles()
 
-    def _offer_wire(self) -> None:
-        """Put the request's wire in its scope, and give it an event that waits for nothing
-        until someone waits (its task has not run yet: nobody waits on uvicorn's)."""
+    def on_message_complete(self) -> None:
+        if self._phase is _Phase.BODY:
+            self._disarm()
+            self._phase = _Phase.REQUEST
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        self._let_go()  # before the next pipelined request starts
+        super().on_response_complete()
+
+    def _offer_handles(self) -> None:
+        """Put the request's wire and share in its scope, and give it an event that waits for
+        nothing until someone waits (its task has not run yet: nobody waits on uvicorn's)."""
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
             self.scope[WIRE] = _Wire(self, cycle)  # type: ignore[typeddict-unknown-key]
+            if self.limits.per_tenant:
+                self.scope[SHARE] = _Share(self, cycle)  # type: ignore[typeddict-unknown-key]
             cycle.message_event = LazyEvent(is_set=cycle.message_event.is_set())
+
+    def hold(self, share: _Share, tenant: str) -> bool:
+        """Count ``share``'s request against ``tenant`` (see :class:`_Share`); False, counted
+        as a refusal, when the tenant holds its whole share already."""
+        if share.tenant is not None:
+            return True  # counted already (a second look at the same caller)
+        limits = self.limits
+        tenants = limits.shares.tenants
+        held = tenants.get(tenant, 0)
+        if held >= limits.per_tenant:
+            limits.refused("tenant")
+            return False
+        self._let_go()  # (a request holds one place at a time: none is held here)
+        tenants[tenant] = held + 1
+        share.tenant, self._held = tenant, share
+        return True
+
+    def _let_go(self) -> None:
+        """Give back the place the request under way holds in its tenant's share, if any."""
+        share, self._held = self._held, None
+        if share is not None and share.tenant is not None:
+            _give_back(self.limits.shares.tenants, share.tenant)
+            share.tenant = None
 
     def _answer_and_close(self, response: bytes) -> None:
         """Send ``response``, then drop what the client still sends until it stops or LINGER_S.
@@ -371,10 +548,32 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.write(response)
         if self.transport.can_write_eof():
             self.transport.write_eof()  # the client reads the answer, then an end of stream
-        self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
+        self._deadline = self.loop.call_later(LINGER_S, self._close)
 
-    def _arm(self) -> None:
-        self._deadline = self.loop.call_later(self.limits.header_timeout_s, self._expire)
+    def _close(self) -> None:
+        """Close the connection; abort it if what it still has to send is not gone within
+        CLOSE_GRACE_S (a close waits for the client to take it, and one may never)."""
+        self._disarm()
+        self._phase = _Phase.CLOSING
+        self.transport.close()
+        if not self.lost:
+            self._deadline = self.loop.call_later(CLOSE_GRACE_S, self.abort)
+
+    def abort(self) -> None:
+        """Drop the connection now, and whatever it has unsent: the client's side is reset,
+        and the descriptor closed, whether or not the client reads."""
+        if self.lost:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+            except OSError as exc:  # (closed already) the abort below still frees it
+                log.debug("SO_LINGER not set: %s", exc)
+        self.transport.abort()
+
+    def _arm(self, timeout_s: float) -> None:
+        self._deadline = self.loop.call_later(timeout_s, self._expire)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -383,40 +582,67 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _expire(self) -> None:
         self._deadline = None
-        if self._phase in (_Phase.REQUEST, _Phase.CLOSING) or self.transport.is_closing():
+        phase = self._phase
+        if phase in (_Phase.REQUEST, _Phase.CLOSING) or self.lost:
             return
-        self.limits.count("header_timeout")
-        if self._phase is _Phase.HEADERS:
-            message = f"request headers did not arrive within {self.limits.header_timeout_s:g} s"
-            self.transport.write(json_error(408, "request_timeout", message))
-        self.transport.close()
+        limits = self.limits
+        if phase is _Phase.BODY:
+            if self.pipeline:  # its body waits behind the request before it (reading paused)
+                self._arm(limits.body_timeout_s)
+                return
+            limits.count("body_timeout")
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_started and not cycle.disconnected:
+                message = f"the request body did not arrive within {limits.body_timeout_s:g} s"
+                self.transport.write(json_error(408, "request_timeout", message))
+        else:
+            limits.count("header_timeout")
+            if phase is _Phase.HEADERS:
+                message = f"request headers did not arrive within {limits.header_timeout_s:g} s"
+                self.transport.write(json_error(408, "request_timeout", message))
+        self._close()
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The app of a connection opened past ``BROKER_MAX_CONNECTIONS``."""
         self.limits.count("over_limit")
-        body = orjson.dumps(
-            {
-                "error": {
-                    "code": "too_many_connections",
-                    "message": f"this broker process serves at most {self.limits.max_connections} "
-                    "connections; retry shortly",
-                }
-            }
+        message = (
+            f"this broker process serves at most {self.limits.max_connections} connections; "
+            "retry shortly"
         )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 503,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(REFUSAL_RETRY_AFTER_S).encode()),
-                    (b"connection", b"close"),
-                    *COMMON,
-                ],
-            }
+        await _send_refusal(send, 503, "too_many_connections", message)
+
+    async def _refuse_address(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app of a connection opened past its address's share."""
+        self.limits.refused("address")
+        message = (
+            f"this address has {self.limits.per_address} connections open to this broker "
+            "process, as many as it may (BROKER_MAX_CONNECTIONS_PER_ADDRESS); retry when one "
+            "has closed"
         )
-        await send({"type": "http.response.body", "body": body})
+        await _send_refusal(send, 429, CALLER_REFUSAL, message)
+
+
+_HEADER_PHASES = (_Phase.FRESH, _Phase.HEADERS)
+
+
+async def _send_refusal(send: Send, status: int, code: str, message: str) -> None:
+    """A refusal of this protocol's own, with ``Retry-After``, that closes the connection."""
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+    retry_after = REFUSAL_RETRY_AFTER_S if status == 503 else CALLER_RETRY_AFTER_S
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(retry_after).encode()),
+                (b"connection", b"close"),
+                *COMMON,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def _limit_unsent(transport: asyncio.BaseTransport) -> None:

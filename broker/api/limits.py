@@ -1,15 +1,51 @@
-"""Size guards: 413 before a large body is read into memory, 431 for oversized headers."""
+"""Size guards: 413 before a large body is read into memory, 431 for oversized headers; and a
+tenant's share of the process's connections (:func:`hold_share`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Final
+from typing import Final, Protocol
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from broker.errors import BrokerError
+from broker.errors import BrokerError, TooManyRequests
+
+SHARE: Final = "broker.share"  # the scope key of the request's Share, when the server has one
+# The code of a 429 for a caller past its share (an address's or a tenant's).
+CALLER_REFUSAL: Final = "too_many_connections_for_caller"
+CALLER_RETRY_AFTER_S: Final = 1
+
+
+class Share(Protocol):
+    """A request's place in its tenant's share of the process's connections, offered by the
+    server (``scope[SHARE]``, see ``broker.api.connections``)."""
+
+    def hold(self, tenant: str) -> bool:
+        """Count the request against ``tenant`` until it ends (its response complete, or its
+        connection lost, however it ends); False when the tenant's share is all taken."""
+        ...
+
+
+def hold_share(scope: Scope, tenant: str | None) -> None:
+    """Count the request against its tenant's share; 429 when the tenant has no more.
+
+    Every door calls it once the caller is known (``routes.authenticate``). An open broker's
+    callers have no tenant: only the share of their address applies to them. Without the
+    broker's own server (no ``scope[SHARE]``) nothing is counted.
+    """
+    share: Share | None = scope.get(SHARE)
+    if share is None or tenant is None or share.hold(tenant):
+        return
+    refusal = TooManyRequests(
+        "this tenant has as many requests in flight on this broker process as it may "
+        "(BROKER_MAX_CONNECTIONS_PER_TENANT); retry when one has ended",
+        retry_after_s=CALLER_RETRY_AFTER_S,
+        code=CALLER_REFUSAL,
+    )
+    refusal.headers["Connection"] = "close"  # its connection goes too: no idle slot is kept
+    raise refusal
 
 
 class HeaderSizeLimit:

@@ -14,8 +14,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import PlainTextResponse, Response
+from starlette.types import Scope
 
 from broker.api.errors import describe_validation
+from broker.api.limits import hold_share
 from broker.api.schemas import (
     AttachToken,
     ErrorBody,
@@ -64,15 +66,21 @@ async def caller(
 ) -> Principal:
     """Who sends the request; 401 when the broker needs credentials and these are refused."""
     return authenticate(
-        runtime(request), request.headers.get("authorization"), request.query_params.get("token")
+        runtime(request),
+        request.scope,
+        request.headers.get("authorization"),
+        request.query_params.get("token"),
     )
 
 
-def authenticate(rt: Runtime, authorization: str | None, token: str | None) -> Principal:
+def authenticate(
+    rt: Runtime, scope: Scope, authorization: str | None, token: str | None
+) -> Principal:
     """The principal of an ``Authorization`` header or ``?token=``; 401, counted, when the
-    broker needs credentials and these are refused."""
+    broker needs credentials and these are refused; 429 when the caller's tenant has all its
+    share of the process's connections (``limits.hold_share``: every door passes here)."""
     try:
-        return rt.auth.authenticate(authorization, token)
+        principal = rt.auth.authenticate(authorization, token)
     except Unauthorized as exc:
         missing = authorization is None and token is None
         reason = (
@@ -80,6 +88,8 @@ def authenticate(rt: Runtime, authorization: str | None, token: str | None) -> P
         )
         rt.metrics.auth_failures.labels(reason).inc()
         raise
+    hold_share(scope, principal.tenant)
+    return principal
 
 
 Caller = Annotated[Principal, Depends(caller)]

@@ -109,7 +109,7 @@ async def _answer(scope: Scope, rt: Runtime, stream_id: str, params: QueryParams
     """The read's response, or the JSON error the app's handlers would have answered."""
     headers = Headers(scope=scope)
     try:
-        principal = authenticate(rt, headers.get("authorization"), params.get("token"))
+        principal = authenticate(rt, scope, headers.get("authorization"), params.get("token"))
         read = checked_read(
             rt,
             stream_id,
