@@ -5,10 +5,31 @@ httptools no bound on their size either: a client sending one byte a second hold
 ever, and enough of them exhaust the process's file descriptors. This protocol adds:
 
 * **A header deadline** (``BROKER_HEADER_TIMEOUT_S``), armed when a connection opens and when
-  the first byte of each later request on it arrives, and cancelled once that request's headers
-  are complete. A response, however long (an SSE stream lasts as long as its turn), is never cut
-  by it, nor is an idle keep-alive connection (uvicorn's ``timeout_keep_alive`` closes those).
-  A client that sent part of a request gets a 408 before the close; one that sent nothing does not.
+  the first byte after a complete response arrives on it (stray line ends too: the parser
+  begins no request for them, and any byte cancels uvicorn's keep-alive timer), and cancelled
+  once that request's headers are complete. A response, however long (an SSE stream lasts as
+  long as its turn), is never cut by it, nor is an idle keep-alive connection (uvicorn's
+  ``timeout_keep_alive`` closes those). A client that sent part of a request gets a 408 before
+  the close; one that sent nothing does not.
+* **A body deadline** (``BROKER_BODY_TIMEOUT_S``), armed when a request's headers are complete
+  and its body is not, and cancelled when the body is: past it, a 408 (unless the app answered
+  already) and the close. A pipelined request's body, which waits while the request before it
+  is served (reading is paused), gets a new period instead.
+* **Closes that finish.** A close this protocol begins (a deadline, a refusal) is turned into an
+  abort after ``CLOSE_GRACE_S`` if what it still had to send is not gone, and an event stream
+  aborts its connection at its send timeout (:meth:`_Wire.abort`): a graceful close waits for a
+  client that reads nothing for ever, socket and descriptor held. An abort sets ``SO_LINGER``
+  to zero, so the kernel drops the unsent bytes and resets the connection at once rather than
+  keep it (ESTABLISHED on the client's side) after the descriptor is gone.
+* **Each caller's share** (:class:`CallerShares`). A client address holds at most
+  ``per_address`` connections (addresses for which ``uncapped`` is true aside): the connection
+  past it is answered 429 ``too_many_connections_for_caller`` with ``Retry-After`` once its
+  request arrives, and a tenth past it is closed at once. A tenant has at most ``per_tenant``
+  requests in flight: each request carries a :class:`broker.api.limits.Share` in its scope
+  (``SHARE``), which the app holds for the request's tenant once its credentials are checked
+  (``routes.authenticate``). The place is given back by the connection, when the response
+  completes or the connection is lost: never by the request's task, which a cancellation lost
+  in redis-py could keep running.
 * **A header size cap** for the parser, above ``BROKER_MAX_HEADER_BYTES`` so that requests a
   little over the broker's limit still reach the app and its CORS-aware 431. Past the cap the
   431 is written here, with the same JSON body (no CORS headers); what the client still sends is
