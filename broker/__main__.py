@@ -63,13 +63,21 @@ def _parser() -> argparse.ArgumentParser:
 def list_providers() -> int:
     """``broker providers``: what turns may name as ``provider`` and ``model`` (never keys)."""
     try:
-        providers = Providers(Settings.from_env())
+        settings = Settings.from_env()
+        providers = Providers(settings)
     except SettingsError as exc:
         print(f"broker: {exc}", file=sys.stderr)
         return 2
-    for provider in providers:
+    for index, provider in enumerate(providers):
         models = ", ".join(provider.models) if provider.models else "(any)"
-        print(f"{provider.name:<10} {provider.description}\n{'':<10} models: {models}")
+        default = " (default)" if index == 0 else ""
+        print(f"{provider.name:<10} {provider.description}{default}\n{'':<10} models: {models}")
+    source = (
+        f"BROKER_PROVIDERS={settings.providers}" if settings.providers else "BROKER_PROVIDERS unset"
+    )
+    left_out = [name for name in providers.known if name not in providers.names]
+    print(f"served: {', '.join(providers.names)} ({source})")
+    print(f"not served: {', '.join(left_out) or 'none'}")
     asyncio.run(providers.aclose())
     return 0
 

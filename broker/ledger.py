@@ -35,7 +35,7 @@ from broker import redis_calls as rc
 from broker.canonical import fingerprint
 from broker.deps import Deps
 from broker.errors import FencedWrite
-from broker.keys import Keys
+from broker.keys import Keys, unscoped
 from broker.metrics import Metrics
 from broker.periodic import Periodic
 from broker.settings import Settings
@@ -211,6 +211,7 @@ class Dispatcher:
         problem = tool.validate(arguments)
         if problem is not None:
             return _refused("invalid_arguments", problem)
+        tenant = unscoped(slot.conversation_id)[0]  # told to the endpoint, for its own checks
         args_fingerprint = fingerprint(arguments)
         key = slot.idempotency_key(args_fingerprint)
         row = {**row, "class": tool.kind, "arguments": arguments, "idempotency_key": key}
@@ -220,13 +221,13 @@ class Dispatcher:
         while True:
             claim = await self.ledger.claim(slot, args_fingerprint, row, lease_token)
             if claim.state == "claimed":
-                return await self._run(tool, slot, claim.token, arguments, key)
+                return await self._run(tool, slot, claim.token, arguments, key, tenant)
             if claim.state == "reclaimed":
                 if tool.kind == "unkeyed_write":
                     return await self._unknown(
                         tool, slot, claim.token, key, "its previous run was cut off"
                     )
-                return await self._run(tool, slot, claim.token, arguments, key)
+                return await self._run(tool, slot, claim.token, arguments, key, tenant)
             if claim.state == "completed":
                 self._metrics.tool_calls.labels(tool.kind, "replayed").inc()
                 return Outcome("replayed", result=claim.payload, idempotency_key=key)
@@ -237,7 +238,7 @@ class Dispatcher:
                 return Outcome("replayed", error=error, fail_reason=fail, idempotency_key=key)
             if claim.state == "args_mismatch":
                 if tool.kind == "read":
-                    return await self._run(tool, None, "", arguments, key)
+                    return await self._run(tool, None, "", arguments, key, tenant)
                 return Outcome(
                     "refused",
                     fail_reason="args_mismatch",
@@ -262,7 +263,13 @@ class Dispatcher:
             delay = min(delay * 2, 1.0)
 
     async def _run(
-        self, tool: Tool, slot: Slot | None, token: str, arguments: dict[str, Any], key: str
+        self,
+        tool: Tool,
+        slot: Slot | None,
+        token: str,
+        arguments: dict[str, Any],
+        key: str,
+        tenant: str | None,
     ) -> Outcome:
         heartbeat = None
         if slot is not None:
@@ -273,7 +280,7 @@ class Dispatcher:
                 name=f"tool lease {slot.tool}",
             )
         try:
-            result = await self._invoke(tool, arguments, key)
+            result = await self._invoke(tool, arguments, key, tenant)
         except ToolError as exc:
             if not exc.outcome_known and tool.kind == "read":
                 # A read that may or may not have answered: let the next call re-run it.
@@ -311,12 +318,14 @@ class Dispatcher:
         self._metrics.tool_calls.labels(tool.kind, "ok").inc()
         return Outcome("ran", result=result, idempotency_key=key)
 
-    async def _invoke(self, tool: Tool, arguments: dict[str, Any], key: str) -> Any:
+    async def _invoke(
+        self, tool: Tool, arguments: dict[str, Any], key: str, tenant: str | None
+    ) -> Any:
         """Call the tool; a keyed write whose outcome is unknown is re-sent with the same key."""
         sends = 1 + (KEYED_RESENDS if tool.kind == "keyed_write" else 0)
         for send in range(sends):
             try:
-                return await invoke(tool, arguments, key, self._http)
+                return await invoke(tool, arguments, key, self._http, tenant)
             except ToolError as exc:
                 if exc.outcome_known or send == sends - 1:
                     raise

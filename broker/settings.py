@@ -22,6 +22,9 @@ from broker.webhook_config import (
 )
 
 ROLES = ("all", "api", "worker")
+# The providers a broker can serve (BROKER_PROVIDERS names some of them).
+PROVIDER_NAMES = ("simulated", "openai", "anthropic")
+SIMULATE_SCRIPTING = ("auto", "on", "off")
 # A cluster URL names one or more of its nodes: redis+cluster://[user:password@]host:port,host:port
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
@@ -106,6 +109,10 @@ class Settings:
     anthropic_api_key: str | None = dataclasses.field(default=None, repr=False)
     anthropic_models: str | None = None  # comma-separated; the first is the default
     anthropic_max_tokens: int = 4096
+    # The providers served, and whether callers may script the simulator's faults and tool
+    # calls (broker.providers): see served_providers and simulate_scripting_on.
+    providers: str | None = None  # comma-separated, the first the default; unset: see below
+    simulate_scripting: str = "auto"  # on | off | auto: on only on an open broker
     max_tool_steps: int = 8
     tool_lease_ms: int = 30_000
     tool_in_flight_wait_s: float = 30.0
@@ -164,6 +171,7 @@ class Settings:
         _check_numbers(self)
         _check_webhooks(self)
         _check_connections(self)
+        _check_providers(self)
         if self.sse_heartbeat_max_s < self.sse_heartbeat_s:
             raise SettingsError(
                 "BROKER_SSE_HEARTBEAT_MAX_S must be at least BROKER_SSE_HEARTBEAT_S"
@@ -231,6 +239,40 @@ class Settings:
     def uncapped_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
         """The networks of ``BROKER_UNCAPPED_ADDRESSES``, ``loopback`` spelled out."""
         return parse_networks(self.uncapped_addresses)
+
+    @property
+    def credentials_on(self) -> bool:
+        """Whether callers must authenticate (API keys or a JWT key are set)."""
+        return bool(self.api_keys or self.api_keys_file or self.jwt_secret or self.jwt_public_key)
+
+    @property
+    def served_providers(self) -> tuple[str, ...]:
+        """The providers turns may name, the first the default: ``BROKER_PROVIDERS`` as listed;
+        unset, the simulator and every provider with models configured, except that a broker
+        with credentials and a real provider leaves the simulator out (it answers with a model,
+        never with made-up text, unless the operator lists ``simulated``)."""
+        if self.providers:
+            return _provider_list(self.providers)
+        real = tuple(
+            name
+            for name, models in (
+                ("openai", self.openai_models),
+                ("anthropic", self.anthropic_models),
+            )
+            if _listed(models)
+        )
+        if real and self.credentials_on:
+            return real
+        return ("simulated", *real)
+
+    @property
+    def simulate_scripting_on(self) -> bool:
+        """Whether a turn may script the simulator's faults and tool calls: ``on``, ``off``, or
+        (``auto``) only when the broker is open, for anyone who reaches an open broker may do
+        anything already."""
+        if self.simulate_scripting == "auto":
+            return not self.credentials_on
+        return self.simulate_scripting == "on"
 
     @property
     def runs_api(self) -> bool:
@@ -412,6 +454,44 @@ def _check_connections(settings: Settings) -> None:
             "BROKER_UNCAPPED_ADDRESSES must be a comma-separated list of addresses, networks "
             f"(10.0.0.0/8), loopback or none, not {settings.uncapped_addresses[:80]!r}"
         ) from None
+
+
+def _listed(raw: str | None) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(item.strip() for item in (raw or "").split(",") if item.strip()))
+
+
+def _provider_list(raw: str) -> tuple[str, ...]:
+    return tuple(name.lower() for name in _listed(raw))
+
+
+def _check_providers(settings: Settings) -> None:
+    """``BROKER_PROVIDERS`` names known providers, each with its models configured, and
+    ``BROKER_SIMULATE_SCRIPTING`` is a known word."""
+    if settings.simulate_scripting not in SIMULATE_SCRIPTING:
+        raise SettingsError(
+            f"BROKER_SIMULATE_SCRIPTING must be one of {', '.join(SIMULATE_SCRIPTING)}, "
+            f"not {settings.simulate_scripting[:40]!r}"
+        )
+    if settings.providers is None:
+        return
+    names = _provider_list(settings.providers)
+    if not names:
+        raise SettingsError(
+            f"BROKER_PROVIDERS must name at least one of {', '.join(PROVIDER_NAMES)}"
+        )
+    for name in names:
+        if name not in PROVIDER_NAMES:
+            raise SettingsError(
+                f"BROKER_PROVIDERS names {name[:40]!r}; known: {', '.join(PROVIDER_NAMES)}"
+            )
+    for name, models in (
+        ("openai", settings.openai_models),
+        ("anthropic", settings.anthropic_models),
+    ):
+        if name in names and not _listed(models):
+            raise SettingsError(
+                f"BROKER_PROVIDERS lists {name} but BROKER_{name.upper()}_MODELS is unset"
+            )
 
 
 def _check_webhooks(settings: Settings) -> None:

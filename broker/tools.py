@@ -183,10 +183,22 @@ class ToolRegistry:
         return "\n".join(lines) + "\n"
 
 
+# The header that tells a tool endpoint whose turn the call is for.
+TENANT_HEADER = "Broker-Tenant"
+
+
 async def invoke(
-    tool: Tool, arguments: dict[str, Any], idempotency_key: str, http: httpx.AsyncClient
+    tool: Tool,
+    arguments: dict[str, Any],
+    idempotency_key: str,
+    http: httpx.AsyncClient,
+    tenant: str | None = None,
 ) -> Any:
-    """Call a tool once; raises ToolError (with whether its outcome is known)."""
+    """Call a tool once; raises ToolError (with whether its outcome is known).
+
+    An endpoint is told the tenant whose turn made the call (``Broker-Tenant``), so that it can
+    authorize it; the header is absent on an open broker, whose turns belong to no tenant.
+    """
     if tool.function is not None:
         try:
             async with asyncio.timeout(tool.timeout_s):
@@ -205,11 +217,14 @@ async def invoke(
                 "tool_error", f"{type(exc).__name__}: {exc}", outcome_known=tool.kind == "read"
             ) from None
     assert tool.endpoint is not None
+    headers = {"Idempotency-Key": idempotency_key, "Content-Type": "application/json"}
+    if tenant is not None:
+        headers[TENANT_HEADER] = tenant
     try:
         response = await http.post(
             tool.endpoint,
             content=orjson.dumps({"name": tool.name, "arguments": arguments}),
-            headers={"Idempotency-Key": idempotency_key, "Content-Type": "application/json"},
+            headers=headers,
             timeout=tool.timeout_s,
         )
     except httpx.ConnectError as exc:

@@ -166,8 +166,8 @@ def wait_final(
 
 
 class ToolEndpoint:
-    """A real HTTP tool endpoint on loopback: it records each call (its ``Idempotency-Key``
-    header and JSON body) and answers with ``reply(number_of_calls_so_far)``."""
+    """A real HTTP tool endpoint on loopback: it records each call (its ``Idempotency-Key`` and
+    ``Broker-Tenant`` headers and JSON body) and answers with ``reply(number_of_calls_so_far)``."""
 
     def __init__(self, path: str, reply: Callable[[int], Any]) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -176,7 +176,13 @@ class ToolEndpoint:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = orjson.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                endpoint.requests.append({"key": self.headers.get("Idempotency-Key"), "body": body})
+                endpoint.requests.append(
+                    {
+                        "key": self.headers.get("Idempotency-Key"),
+                        "tenant": self.headers.get("Broker-Tenant"),
+                        "body": body,
+                    }
+                )
                 answer = orjson.dumps(reply(len(endpoint.requests)))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")

@@ -28,7 +28,9 @@ STREAM = "/v1/streams/{stream_id}"
 
 @pytest.fixture(scope="module")
 def broker(redis_url: str) -> Iterator[RunningBroker]:
-    running = start_broker(redis_url, api_keys=f"openapi={KEY}", simulate_max_tokens_per_s=0)
+    running = start_broker(
+        redis_url, api_keys=f"openapi={KEY}", simulate_max_tokens_per_s=0, simulate_scripting="on"
+    )
     try:
         yield running
     finally:

@@ -49,6 +49,21 @@ KNOBS = {
     "cut_during_tool_args": "true: the first attempt's call breaks while a call's args arrive",
     "json": "true: emit a JSON document (the default for response_format json), false: prose",
 }
+# The knobs that script what happens to a turn (failures, stalls, delays, tool calls with
+# arguments of the caller's choosing): a broker with credentials refuses them unless
+# BROKER_SIMULATE_SCRIPTING is on. The others shape harmless text.
+SCRIPTING_KNOBS = frozenset(
+    {
+        "fail_before_first",
+        "fail_after_deltas",
+        "stall_after_deltas",
+        "first_delta_after_ms",
+        "error",
+        "tool_calls",
+        "fail_after_tool_calls",
+        "cut_during_tool_args",
+    }
+)
 GENERIC_PARAMS = frozenset({"simulate", "temperature", "top_p", "max_tokens", "stop", "seed"})
 DEFAULT_TOKENS = 48
 DEFAULT_TOKENS_PER_S = 25.0
@@ -109,14 +124,18 @@ def _int_knob(knobs: dict[str, Any], name: str, low: int, high: int) -> int | No
 
 
 class SimulatedProvider:
-    """Deterministic fake model; ``max_tokens_per_s`` (0 = none) caps every turn's pace."""
+    """Deterministic fake model; ``max_tokens_per_s`` (0 = none) caps every turn's pace, and
+    ``scripting`` says whether turns may use the :data:`SCRIPTING_KNOBS`."""
 
     name = "simulated"
     models: tuple[str, ...] = ("simulated",)
-    description = "built in: deterministic text, fault injection"
 
-    def __init__(self, *, max_tokens_per_s: float = 0.0) -> None:
+    def __init__(self, *, max_tokens_per_s: float = 0.0, scripting: bool = True) -> None:
         self.max_tokens_per_s = max_tokens_per_s
+        self.scripting = scripting
+        self.description = "built in: deterministic text, " + (
+            "fault and tool scripting on" if scripting else "fault and tool scripting off"
+        )
         self.aborted_calls = 0  # calls the broker closed before their end (stop, shutdown)
 
     async def aclose(self) -> None:
@@ -131,6 +150,15 @@ class SimulatedProvider:
         if unknown:
             raise BadRequest(
                 f"unknown params.simulate knobs: {', '.join(unknown)}; known: {', '.join(KNOBS)}"
+            )
+        scripted = sorted(SCRIPTING_KNOBS.intersection(knobs))
+        if scripted and not self.scripting:
+            raise BadRequest(
+                f"params.simulate.{scripted[0]} scripts the simulator's faults or tool calls, "
+                "which this broker does not take from callers (BROKER_SIMULATE_SCRIPTING is "
+                "off on a broker with credentials); harmless knobs: seed, tokens, "
+                "tokens_per_s, json",
+                code="simulate_scripting_off",
             )
         seed = knobs.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | str)):
@@ -164,6 +192,13 @@ class SimulatedProvider:
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[ProviderEvent, None]:
         knobs: dict[str, Any] = request.params.get("simulate", {})
+        if not self.scripting and SCRIPTING_KNOBS.intersection(knobs):
+            # A turn stored while scripting was on, run after it was turned off: not run.
+            raise UpstreamError(
+                "upstream_bad_request",
+                "the turn scripts the simulator, which BROKER_SIMULATE_SCRIPTING turned off",
+                retryable=False,
+            )
         retryable = knobs.get("error", "retryable") == "retryable"
         if request.upstream_call < int(knobs.get("fail_before_first", 0)):
             raise _injected(retryable, "before the first delta")

@@ -136,12 +136,13 @@ def resolve_model(providers: Providers, model: str) -> tuple[str | None, str | N
     """``model`` as (provider, model): ``provider/model``, a model some provider serves, or a
     provider's name; anything else goes to the default provider, which may refuse it."""
     prefix, slash, rest = model.partition("/")
-    if slash and prefix in providers.names:
+    # Any provider's name, served or not: one not served here is a 400 that says so.
+    if slash and prefix in providers.known:
         return prefix, rest
     for provider in providers:
         if model in provider.models:
             return provider.name, model
-    if model in providers.names:
+    if model in providers.known:
         return model, None
     return None, model
 

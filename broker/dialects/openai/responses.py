@@ -157,6 +157,7 @@ def to_turn(
 PARAM_OF_CODE = {
     "unknown_model": "model",
     "unknown_provider": "model",
+    "provider_not_served": "model",
     "too_many_messages": None,
     "message_too_long": None,
 }
