@@ -27,6 +27,8 @@ ATTEMPT_OUTCOMES = ("complete", "partial", "cancelled", "failed")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # What became of one send of a completion webhook (broker.notifier).
 WEBHOOK_OUTCOMES = ("delivered", "retried", "gave_up")
+# Why a webhook send was refused before any byte left (broker.webhook_config.REFUSAL_REASONS).
+WEBHOOK_REFUSALS = ("host", "port", "address")
 # From an attempt's end to its webhook's 2xx: a first try takes well under a second, retries
 # take minutes.
 WEBHOOK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600)
@@ -270,6 +272,15 @@ class Metrics:
             buckets=WEBHOOK_BUCKETS,
             registry=r,
         )
+        self.webhook_refusals = Counter(
+            "broker_webhook_refusals_total",
+            "Completion webhooks not sent because their per-turn URL was refused at send time, "
+            "by reason: host or port (not in BROKER_WEBHOOK_HOSTS), address (it resolved to a "
+            "loopback, private, link-local or other non-public address not allowed).",
+            ["reason"],
+            registry=r,
+        )
+        _at_zero(self.webhook_refusals, WEBHOOK_REFUSALS)
         self.requests_abandoned = Counter(
             "broker_requests_abandoned_total",
             "Requests whose client left before the whole body arrived (routine on mobile "

@@ -16,6 +16,11 @@ one send, and the worker POSTs it.
   job for a capped, jittered exponential backoff (``BROKER_WEBHOOK_BACKOFF_MS`` doubled per
   try up to ``BROKER_WEBHOOK_BACKOFF_MAX_MS``, each pause drawn from its upper half); after
   ``BROKER_WEBHOOK_MAX_TRIES`` it is given up, with a log line and a metric.
+* A per-turn URL is checked again before each send (:func:`pinned_target`): its host and port
+  against ``BROKER_WEBHOOK_HOSTS``, then every address its name resolves to; the send connects
+  to the address checked (the URL's name kept as Host and TLS server name), so a DNS answer that
+  changes between the check and the connection cannot send it elsewhere. A refused URL is given
+  up at once, logged and counted (``broker_webhook_refusals_total{reason}``).
 * A crash during a send leaves the job pending and held; once the hold runs out (the send
   timeout, and as long again up to 5 s) the next look sends it again. Receivers deduplicate by
   ``webhook-id``.
@@ -29,7 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
+import ipaddress
 import logging
 import os
 import random
@@ -51,7 +58,7 @@ from broker.keys import JOB_GROUP, unscoped
 from broker.offsets import from_entry_id
 from broker.scripts import WebhookTake
 from broker.vocabulary import FINAL_STATUSES, AttemptStatus, TurnStatus
-from broker.webhook_config import WebhookConfig, sign, webhook_id
+from broker.webhook_config import RefusalReason, WebhookConfig, sign, webhook_id
 
 log = logging.getLogger("broker.notifier")
 
@@ -81,6 +88,54 @@ def backoff_ms(failed: int, first_ms: int, max_ms: int) -> int:
     at once)."""
     ceiling = min(max_ms, first_ms << min(max(failed - 1, 0), 40))
     return max(1, round(ceiling * random.uniform(0.5, 1.0)))
+
+
+class WebhookRefused(Exception):
+    """A per-turn URL the rules refuse at send time; ``reason`` is the metric's label."""
+
+    def __init__(self, reason: RefusalReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+    """Where one send goes: the URL to connect to, and the Host header and TLS server name of
+    the URL it stands for (None: the URL's own)."""
+
+    url: str
+    host: str | None = None
+    sni_hostname: str | None = None
+
+
+async def pinned_target(url: str, config: WebhookConfig, timeout_s: float) -> Target:
+    """The target of a send to ``url``: an operator's URL as written; a per-turn one checked
+    (``WebhookRefused``), its name resolved (``OSError`` or ``TimeoutError`` when it does not),
+    every address checked, and the first one connected to, so that the connection goes where
+    the check looked."""
+    if url in config.operator_urls:
+        return Target(url)
+    parts = urllib.parse.urlsplit(url)
+    refusal = config.url_refusal(parts)
+    if refusal is not None:
+        raise WebhookRefused(*refusal)
+    host = (parts.hostname or "").lower()
+    port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout_s):
+        found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addresses = [ipaddress.ip_address(info[4][0]) for info in found]
+    if not addresses:
+        raise OSError(f"{host} has no address")
+    for address in addresses:
+        kind = config.address_refusal(address)
+        if kind is not None:
+            message = config.address_message(host, kind)
+            raise WebhookRefused("address", f"{message} (it resolved to {address})")
+    pinned = httpx.URL(url).copy_with(host=str(addresses[0]))
+    tls_name = host if parts.scheme.lower() == "https" else None
+    return Target(str(pinned), parts.netloc, tls_name)
 
 
 def hold_ms(timeout_s: float) -> int:
@@ -261,10 +316,16 @@ class Notifier:
     async def _send_taken(self, job: Job, take: WebhookTake) -> None:
         """Send a taken notification, then settle it, hold it for a retry, or give it up."""
         msg_id = webhook_id(str(orjson.loads(take.body)["data"]["stream_id"]), job.attempt)
-        async with self._sends:
-            failure = await self._send(take.url, msg_id, take.body.encode())
         host = urllib.parse.urlsplit(take.url).hostname or "?"
         tries = take.tries + 1
+        try:
+            async with self._sends:
+                failure = await self._send(take.url, msg_id, take.body.encode())
+        except WebhookRefused as refused:
+            # Nothing was sent: the URL names (or resolves to) what webhooks may not reach.
+            self._metrics.webhook_refusals.labels(refused.reason).inc()
+            await self._give_up(job, take.tries, f"refused: {refused.message}")
+            return
         if failure is None:
             await self._settle(job, sent=True)
             self._metrics.webhook_deliveries.labels("delivered").inc()
@@ -317,7 +378,13 @@ class Notifier:
         self._timers.add(handle)
 
     async def _send(self, url: str, msg_id: str, body: bytes) -> str | None:
-        """POST one signed notification; None on a 2xx, else what went wrong (for the log)."""
+        """POST one signed notification; None on a 2xx, else what went wrong (for the log).
+        Raises ``WebhookRefused`` when the URL may not be sent to."""
+        timeout = self._settings.webhook_timeout_s
+        try:
+            target = await pinned_target(url, self._config, timeout)
+        except (OSError, TimeoutError, UnicodeError) as exc:
+            return f"failed: cannot resolve its host ({type(exc).__name__})"
         timestamp = int(time.time())
         headers = {
             "content-type": "application/json",
@@ -326,11 +393,18 @@ class Notifier:
             "webhook-timestamp": str(timestamp),
             "webhook-signature": sign(self._key, msg_id, timestamp, body),
         }
-        timeout = self._settings.webhook_timeout_s
+        if target.host is not None:
+            headers["host"] = target.host
+        extensions = {} if target.sni_hostname is None else {"sni_hostname": target.sni_hostname}
         try:
             # Streamed and closed unread: a receiver's answer body is of no interest.
             async with self._http.stream(
-                "POST", url, content=body, headers=headers, timeout=timeout
+                "POST",
+                target.url,
+                content=body,
+                headers=headers,
+                timeout=timeout,
+                extensions=extensions,
             ) as response:
                 if 200 <= response.status_code < 300:
                     return None
@@ -404,11 +478,9 @@ class Notifier:
         return orjson.dumps(body).decode(), self._target(tenant, meta["notify"]), ended_ms
 
     def _target(self, tenant: str | None, notify: str | None) -> str:
-        """The turn's own URL if its host is still allowed, else its tenant's; "" for none."""
-        if notify:
-            host = urllib.parse.urlsplit(notify).hostname or ""
-            return notify if self._config.host_allowed(host) else ""
-        return self._config.tenant_url(tenant) or ""
+        """The turn's own URL (checked again when it is sent), else its tenant's; "" for
+        none."""
+        return notify or self._config.tenant_url(tenant) or ""
 
     async def _end_of(self, job: Job) -> str | None:
         """The entry id of the attempt's ``end`` event: the stream's last event when it ended

@@ -142,7 +142,8 @@ class Settings:
     webhook_secret: str | None = dataclasses.field(default=None, repr=False)  # whsec_<base64>
     webhook_url: str | None = None  # an open broker's, and the tenants' without their own
     webhook_urls: str | None = None  # tenant=url,tenant=url
-    webhook_hosts: str | None = None  # hosts a turn's notify.url may name; *.example.com, *
+    webhook_hosts: str | None = None  # hosts[:port] a turn's notify.url may name; *.example.com
+    webhook_allow_private: int = 0  # 1: per-turn URLs may reach loopback and private addresses
     webhook_max_tries: int = 12  # sends of one notification before it is given up
     webhook_backoff_ms: int = 1_000  # the pause after the first failed send, doubled after each
     webhook_backoff_max_ms: int = 600_000  # the longest pause
@@ -515,6 +516,8 @@ def _check_webhooks(settings: Settings) -> None:
             "BROKER_WEBHOOK_URL or BROKER_WEBHOOK_URLS is set but BROKER_WEBHOOK_SECRET is not: "
             "webhooks are signed (broker new-webhook-secret prints one)"
         )
+    if settings.webhook_allow_private not in (0, 1):
+        raise SettingsError("BROKER_WEBHOOK_ALLOW_PRIVATE must be 0 or 1")
     if settings.webhook_backoff_ms > settings.webhook_backoff_max_ms:
         raise SettingsError(
             "BROKER_WEBHOOK_BACKOFF_MS must not exceed BROKER_WEBHOOK_BACKOFF_MAX_MS"

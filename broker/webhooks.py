@@ -34,8 +34,9 @@ class NotifyRequest(BaseModel):
     url: str = Field(
         min_length=1,
         max_length=MAX_URL_CHARS,
-        description="an http:// or https:// URL (its host must be in BROKER_WEBHOOK_HOSTS "
-        "when the broker has credentials); receives a signed JSON POST (Standard Webhooks)",
+        description="an http:// or https:// URL whose host and port BROKER_WEBHOOK_HOSTS allows "
+        "(80 and 443 for an entry without a port) and whose addresses are public unless the "
+        "operator allows others; receives a signed JSON POST (Standard Webhooks)",
     )
 
 

@@ -10,6 +10,7 @@ import http.server
 import itertools
 import os
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from broker.webhook_config import (
     decode_secret,
     host_allowed,
     new_secret,
+    parse_hosts,
     sign,
     webhook_id,
 )
@@ -85,6 +87,8 @@ class Receiver:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/turns"
+        # The allow-list entry that lets per-turn URLs reach it: loopback, so named explicitly.
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def wait_for(self, count: int, timeout: float = 10.0) -> list[Delivery]:
@@ -139,7 +143,7 @@ def test_a_finished_turn_is_posted_signed_with_its_state(
     broker_factory: BrokerFactory, receivers: Callable[..., Receiver], raw_redis: redis.Redis
 ) -> None:
     receiver = receivers()
-    broker = broker_factory(**FAST)
+    broker = broker_factory(**FAST, webhook_hosts=receiver.host)
     response = post_turn(broker, "done-1", {"url": receiver.url})
     assert response.status_code == 201, response.text
     stream_id = response.json()["stream_id"]
@@ -185,7 +189,7 @@ def test_the_notification_is_in_redis_before_the_turn_can_end(
     broker_factory: BrokerFactory, receivers: Callable[..., Receiver], raw_redis: redis.Redis
 ) -> None:
     receiver = receivers()
-    broker = broker_factory(**FAST)
+    broker = broker_factory(**FAST, webhook_hosts=receiver.host)
     response = post_turn(broker, "slow-1", {"url": receiver.url}, tokens=400, tokens_per_s=20)
     assert response.status_code == 201, response.text
     assert webhook_jobs(raw_redis, broker) == 1  # queued with the turn, before its first delta
@@ -203,7 +207,7 @@ def test_a_500_is_retried_with_the_same_id_and_stops_after_the_2xx(
     broker_factory: BrokerFactory, receivers: Callable[..., Receiver], raw_redis: redis.Redis
 ) -> None:
     receiver = receivers(500)
-    broker = broker_factory(**FAST)
+    broker = broker_factory(**FAST, webhook_hosts=receiver.host)
     assert post_turn(broker, "retry-1", {"url": receiver.url}).status_code == 201
 
     first, second = receiver.wait_for(2)
@@ -220,7 +224,7 @@ def test_a_notification_is_given_up_after_the_last_try(
     broker_factory: BrokerFactory, receivers: Callable[..., Receiver], raw_redis: redis.Redis
 ) -> None:
     receiver = receivers(503, 503, 503, 503)
-    broker = broker_factory(**{**FAST, "webhook_max_tries": 3})
+    broker = broker_factory(**FAST, webhook_max_tries=3, webhook_hosts=receiver.host)
     assert post_turn(broker, "doomed-1", {"url": receiver.url}).status_code == 201
 
     wait_until(lambda: broker.metric(GAVE_UP) == 1)
@@ -235,7 +239,12 @@ def test_a_notification_the_broker_could_not_send_is_sent_by_the_next_broker(
 ) -> None:
     port = free_port()  # nothing listens yet: every send is refused
     url = f"http://127.0.0.1:{port}/hooks/turns"
-    settings = {**FAST, "webhook_max_tries": 1000, "webhook_timeout_s": 0.5}
+    settings = {
+        **FAST,
+        "webhook_max_tries": 1000,
+        "webhook_timeout_s": 0.5,
+        "webhook_hosts": f"127.0.0.1:{port}",
+    }
     first = broker_factory(**settings)
     response = post_turn(first, "restart-1", {"url": url})
     assert response.status_code == 201, response.text
@@ -258,7 +267,7 @@ def test_a_second_job_for_a_delivered_attempt_is_settled_unsent(
 ) -> None:
     """A rescue racing the creating request may queue an attempt's notification twice."""
     receiver = receivers()
-    broker = broker_factory(**FAST)
+    broker = broker_factory(**FAST, webhook_hosts=receiver.host)
     assert post_turn(broker, "twice-1", {"url": receiver.url}).status_code == 201
     receiver.wait_for(1)
     wait_until(lambda: webhook_jobs(raw_redis, broker) == 0)
@@ -314,7 +323,7 @@ def test_a_regenerate_notifies_again_with_a_new_id(
     broker_factory: BrokerFactory, receivers: Callable[..., Receiver]
 ) -> None:
     receiver = receivers()
-    broker = broker_factory(**FAST)
+    broker = broker_factory(**FAST, webhook_hosts=receiver.host)
     response = post_turn(broker, "again-1", {"url": receiver.url})
     stream_id = response.json()["stream_id"]
     receiver.wait_for(1)
@@ -406,9 +415,10 @@ def test_the_host_allow_list_refuses_other_hosts(
     broker_factory: BrokerFactory, receivers: Callable[..., Receiver]
 ) -> None:
     receiver = receivers()
-    broker = broker_factory(**FAST, webhook_hosts="127.0.0.1,*.hooks.example.com")
+    broker = broker_factory(**FAST, webhook_hosts=f"{receiver.host},*.hooks.example.com")
     for url in (
         receiver.url.replace("127.0.0.1", "localhost"),
+        receiver.url.replace(receiver.host, "127.0.0.1:6379"),  # the right host, not its port
         "https://hooks.example.com/x",
         "https://evil.example.com/x",
     ):
@@ -434,20 +444,23 @@ def test_a_secured_broker_takes_no_per_turn_url_without_an_allow_list(
 
 
 def test_host_allow_list_entries_match_names_wildcards_and_literals() -> None:
-    allowed = ("hooks.example.com", "*.push.example.net", "[::1]")
-    assert host_allowed("hooks.example.com", allowed)
-    assert host_allowed("eu.push.example.net", allowed)
-    assert host_allowed("::1", allowed)
-    assert not host_allowed("push.example.net", allowed)  # the wildcard is for names under it
-    assert not host_allowed("hooks.example.com.evil.org", allowed)
-    assert not host_allowed("xhooks.example.com", allowed)
-    assert host_allowed("anything.org", ("*",))
+    allowed = parse_hosts("hooks.example.com,*.push.example.net,[::1]")
+    assert host_allowed("hooks.example.com", 443, allowed)
+    assert host_allowed("eu.push.example.net", 443, allowed)
+    assert host_allowed("::1", 80, allowed)
+    assert not host_allowed("push.example.net", 443, allowed)  # the wildcard is for names under it
+    assert not host_allowed("hooks.example.com.evil.org", 443, allowed)
+    assert not host_allowed("xhooks.example.com", 443, allowed)
+    assert host_allowed("anything.org", 443, parse_hosts("*"))
 
 
-def test_an_open_broker_takes_any_host_without_an_allow_list() -> None:
+def test_an_open_broker_takes_any_public_host_without_an_allow_list() -> None:
     settings = Settings(webhook_secret=SECRET)
-    assert WebhookConfig.from_settings(settings, secured=False).host_allowed("a.example.org")
-    assert not WebhookConfig.from_settings(settings, secured=True).host_allowed("a.example.org")
+    url = urllib.parse.urlsplit("https://a.example.org/hook")
+    assert WebhookConfig.from_settings(settings, secured=False).url_refusal(url) is None
+    refusal = WebhookConfig.from_settings(settings, secured=True).url_refusal(url)
+    assert refusal is not None
+    assert refusal[0] == "host"
 
 
 def test_the_signature_is_the_reference_librarys() -> None:
@@ -516,6 +529,6 @@ def test_webhook_settings_are_read_from_the_environment() -> None:
     config = WebhookConfig.from_settings(settings, secured=True)
     assert config.tenant_url("globex") == "https://g.example.com/h"
     assert config.tenant_url("other") is None
-    assert config.host_allowed("x.example.com")
+    assert config.url_refusal(urllib.parse.urlsplit("https://x.example.com/h")) is None
     assert settings.webhook_max_tries == 5
     assert SECRET not in repr(settings)  # never printed
