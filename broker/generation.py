@@ -31,6 +31,7 @@ from broker.deps import Deps
 from broker.errors import FencedWrite, LeaseLost, StopRequested, StreamFull
 from broker.lease import TurnWriter
 from broker.ledger import Dispatcher
+from broker.metrics import error_code
 from broker.output import AttemptOutput
 from broker.providers import (
     Finished,
@@ -249,18 +250,23 @@ class Generation:
             log.info("turn %s: took over after a lost worker; interrupting", self._run.turn_id)
             await self._interrupt("worker_lost")
             return
-        reason = "worker_lost" if claim.previous_status == TurnStatus.STREAMING else None
+        # A call counted before this worker's first one was a lost worker's.
+        reason = "worker_lost"
         last_error: dict[str, Any] = {}
         retry_after: float | None = None
         while True:
             self._check_stop()
             calls = int(await self._redis.hincrby(self._turn_key, f"calls:{self._n}", 1))
             if calls > 1:  # this call is a retry: after a failure, or of a lost worker's call
-                verdict = await self._retry.permit(self._session, calls - 1, reason or "")
+                verdict = await self._retry.permit(
+                    self._session, calls - 1, reason, last_error.get("code")
+                )
                 if verdict is not None:
                     detail = last_error.get("message", "the previous worker was lost")
                     await self._fail(
-                        verdict, f"gave up after {calls - 1} upstream call(s): {detail}"
+                        verdict,
+                        f"gave up after {calls - 1} upstream call(s): {detail}",
+                        upstream_code=last_error.get("code"),
                     )
                     return
                 await asyncio.sleep(self._retry.backoff_s(retry_after))
@@ -424,12 +430,19 @@ class Generation:
         await self._output.usage(("usage", usage))
 
     async def _interrupt(self, reason: str, error: dict[str, Any] | None = None) -> None:
-        self._metrics.interruptions.labels(reason).inc()
+        code = error_code(error["code"] if error is not None else None)
+        self._metrics.interruptions.labels(reason, code).inc()
         await self._finish(TurnStatus.INTERRUPTED, reason, error=error)
 
-    async def _fail(self, code: str, message: str) -> None:
-        """End the attempt failed for a reason that retrying would not change."""
-        error = {"code": code, "retryable": False, "message": message}
+    async def _fail(self, code: str, message: str, *, upstream_code: str | None = None) -> None:
+        """End the attempt failed for a reason that retrying would not change.
+
+        ``upstream_code`` is the last upstream error's code when the retry limits ended it, so
+        that a client tells a rate limit from an outage without parsing the message.
+        """
+        error: dict[str, Any] = {"code": code, "retryable": False, "message": message}
+        if upstream_code is not None:
+            error["upstream_code"] = upstream_code
         await self._finish(TurnStatus.FAILED, code, error=error)
 
     async def _finish(

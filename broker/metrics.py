@@ -20,6 +20,31 @@ BUDGET_SCOPES = ("turn", "session")
 LEDGER_RESULTS = ("claimed", "completed", "failed", "in_flight", "args_mismatch", "reclaimed")
 TOOL_OUTCOMES = ("ok", "error", "replayed", "unknown_outcome", "not_run")
 INTERRUPTION_REASONS = ("upstream_error", "upstream_timeout", "worker_lost", "shutdown")
+# The ``code`` label of retries, exhausted attempts and interruptions: the upstream error
+# taxonomy's code (broker.providers.taxonomy), so that a dashboard tells rate limiting from an
+# outage. The set is fixed: any other code counts as upstream_other, and a cause without an
+# upstream error (a lost worker, a shutdown) as none.
+RETRYABLE_ERROR_CODES = (
+    "upstream_rate_limited",
+    "upstream_overloaded",
+    "upstream_unavailable",
+    "upstream_timeout",
+    "upstream_connection",
+    "upstream_incomplete",
+    "upstream_stream_error",
+    "upstream_bad_response",
+    "upstream_conflict",
+)
+ADMISSION_ERROR_CODES = (
+    "upstream_bad_request",
+    "upstream_unauthorized",
+    "upstream_forbidden",
+    "upstream_not_found",
+    "upstream_unprocessable",
+)
+OTHER_ERROR_CODE = "upstream_other"
+NO_ERROR_CODE = "none"
+ERROR_CODES = (*RETRYABLE_ERROR_CODES, *ADMISSION_ERROR_CODES, OTHER_ERROR_CODE, NO_ERROR_CODE)
 RESUME_RESULTS = ("ok", "expired", "not_found")
 STREAM_MODES = ("sse", "json")
 STRATEGIES = ("initial", "continue", "regenerate")
@@ -170,12 +195,13 @@ class Metrics:
         )
         self.retries = Counter(
             "broker_retries_total",
-            "Silent retries of an upstream call before its first delta, by reason.",
-            ["reason"],
+            "Silent retries of an upstream call before its first delta, by reason and by the "
+            "upstream error's code (none for a lost worker).",
+            ["reason", "code"],
             registry=r,
         )
-        for reason in RETRY_REASONS:
-            self.retries.labels(reason)
+        for reason, code in _causes(RETRY_REASONS, (*RETRYABLE_ERROR_CODES, OTHER_ERROR_CODE)):
+            self.retries.labels(reason, code)
         self.retry_budget_exhausted = Counter(
             "broker_retry_budget_exhausted_total",
             "Retries refused by a limit: the per-turn cap (turn) or the session budget (session).",
@@ -186,17 +212,21 @@ class Metrics:
             self.retry_budget_exhausted.labels(scope)
         self.attempts_exhausted = Counter(
             "broker_attempts_exhausted_total",
-            "Attempts failed because every upstream call allowed for them failed.",
+            "Attempts failed because every upstream call allowed for them failed, by the last "
+            "upstream error's code (none for a lost worker).",
+            ["code"],
             registry=r,
         )
+        _at_zero(self.attempts_exhausted, (*RETRYABLE_ERROR_CODES, OTHER_ERROR_CODE, NO_ERROR_CODE))
         self.interruptions = Counter(
             "broker_interruptions_total",
-            "Attempts that ended interrupted after text was delivered, by reason.",
-            ["reason"],
+            "Attempts that ended interrupted after text was delivered, by reason and by the "
+            "upstream error's code (none for a lost worker or a shutdown).",
+            ["reason", "code"],
             registry=r,
         )
-        for reason in INTERRUPTION_REASONS:
-            self.interruptions.labels(reason)
+        for reason, code in _causes(INTERRUPTION_REASONS, ERROR_CODES[:-1]):
+            self.interruptions.labels(reason, code)
         self.cancels = Counter(
             "broker_cancels_total", "Stop requests, by what they found.", ["result"], registry=r
         )
@@ -287,6 +317,27 @@ class Metrics:
             "networks; nothing was done for them).",
             registry=r,
         )
+
+
+def error_code(code: str | None) -> str:
+    """The ``code`` label for an upstream error's code: itself when the set knows it,
+    upstream_other when not, none when there was no upstream error."""
+    if code is None:
+        return NO_ERROR_CODE
+    return code if code in ERROR_CODES and code != NO_ERROR_CODE else OTHER_ERROR_CODE
+
+
+def _reason_of(code: str) -> str:
+    """The ``reason`` label of an upstream failure: a timeout, or any other upstream error."""
+    return "upstream_timeout" if code == "upstream_timeout" else "upstream_error"
+
+
+def _causes(reasons: tuple[str, ...], codes: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The (reason, code) pairs that can occur: upstream reasons with the codes they cover,
+    the others (worker_lost, shutdown) with none."""
+    pairs = [(reason, NO_ERROR_CODE) for reason in reasons if not reason.startswith("upstream_")]
+    pairs += [(_reason_of(code), code) for code in codes]
+    return pairs
 
 
 def _at_zero(counter: Counter, values: tuple[str, ...]) -> None:

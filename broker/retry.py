@@ -13,6 +13,7 @@ import random
 import secrets
 
 from broker.deps import Deps
+from broker.metrics import error_code
 
 ATTEMPTS_EXHAUSTED = "attempts_exhausted"
 BUDGET_EXHAUSTED = "retry_budget_exhausted"
@@ -36,11 +37,18 @@ class RetryPolicy:
             return min(max(retry_after_s * 1000, low), high) / 1000
         return self._random.uniform(low, high) / 1000
 
-    async def permit(self, session: str, calls_made: int, reason: str) -> str | None:
-        """None when one more call may be made; otherwise which limit stopped it."""
+    async def permit(
+        self, session: str, calls_made: int, reason: str, code: str | None
+    ) -> str | None:
+        """None when one more call may be made; otherwise which limit stopped it.
+
+        ``reason`` and ``code`` say why the last call failed (``code``: the upstream error's,
+        None for a lost worker); they label the retry or the exhausted attempt.
+        """
+        label = error_code(code)
         if calls_made >= self._settings.max_attempts_per_turn:
             self._metrics.retry_budget_exhausted.labels("turn").inc()
-            self._metrics.attempts_exhausted.inc()
+            self._metrics.attempts_exhausted.labels(label).inc()
             return ATTEMPTS_EXHAUSTED
         allowed = await self._scripts.take_retry_budget(
             budget_key=self._keys.retry_budget(session),
@@ -51,5 +59,5 @@ class RetryPolicy:
         if not allowed:
             self._metrics.retry_budget_exhausted.labels("session").inc()
             return BUDGET_EXHAUSTED
-        self._metrics.retries.labels(reason).inc()
+        self._metrics.retries.labels(reason, label).inc()
         return None

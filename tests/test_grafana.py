@@ -204,6 +204,30 @@ def test_a_dashboard_loads_with_its_fixed_uid_and_unique_panel_ids(uid: str) -> 
             assert target["datasource"] == PANEL_DATASOURCE, where
 
 
+# Panels that show why calls failed: each splits by the upstream error's code.
+BY_CODE = {
+    "broker_retries_total": "Retries by upstream error",
+    "broker_attempts_exhausted_total": "Attempts exhausted by upstream error",
+    "broker_interruptions_total": "Interruptions by upstream error",
+}
+
+
+def test_retries_exhaustions_and_interruptions_are_split_by_upstream_error_code() -> None:
+    """Issue 34, finding 11: a dashboard must tell rate limiting (upstream_rate_limited) from
+    an outage (upstream_unavailable), so these panels group by ``code``."""
+    panels = {panel["title"]: panel for panel in graph_panels(load_dashboard("broker-retries"))}
+    for metric, title in BY_CODE.items():
+        assert title in panels, f"broker-retries has no panel {title!r}"
+        (target,) = panels[title]["targets"]
+        expr = target["expr"]
+        grouped = re.match(r"^sum by \((?P<labels>[^)]*)\) \((?:rate|increase)\(", expr)
+        assert grouped, f"{title}: {expr}"
+        assert "code" in [label.strip() for label in grouped["labels"].split(",")], title
+        assert metric in expr, title
+        assert "{{code}}" in target["legendFormat"], title
+        assert "upstream_rate_limited" in panels[title]["description"], title
+
+
 def test_the_dashboards_link_to_each_other() -> None:
     for uid in UIDS:
         links = load_dashboard(uid)["links"]
@@ -389,6 +413,8 @@ def test_promtool_accepts_the_live_metrics(promtool: str, broker: RunningBroker)
 UPSTREAM = 'broker_upstream_requests_total{model="simulated",outcome="%s",provider="simulated"}'
 ATTEMPTS = 'broker_attempts_total{outcome="%s",strategy="initial"}'
 STARTED = "broker_turns_started_total"
+# The simulated provider's retryable failure is a 503.
+RETRIES = 'broker_retries_total{code="upstream_unavailable",reason="upstream_error"}'
 
 
 def run_turn(broker: RunningBroker, turn_id: str, session: str, fail_before_first: int) -> str:
@@ -440,7 +466,7 @@ def test_forced_retries_and_exhaustions_move_exactly_their_counters(
             STARTED: 1,
             UPSTREAM % "retryable_error": 1,
             UPSTREAM % "ok": 1,
-            'broker_retries_total{reason="upstream_error"}': 1,
+            RETRIES: 1,
             'broker_turns_finished_total{status="complete"}': 1,
             ATTEMPTS % "complete": 1,
         },
@@ -455,9 +481,9 @@ def test_forced_retries_and_exhaustions_move_exactly_their_counters(
         {
             STARTED: 1,
             UPSTREAM % "retryable_error": 2,
-            'broker_retries_total{reason="upstream_error"}': 1,
+            RETRIES: 1,
             'broker_retry_budget_exhausted_total{scope="turn"}': 1,
-            "broker_attempts_exhausted_total": 1,
+            'broker_attempts_exhausted_total{code="upstream_unavailable"}': 1,
             'broker_turns_finished_total{status="failed"}': 1,
             ATTEMPTS % "failed": 1,
         },

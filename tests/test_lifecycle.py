@@ -54,7 +54,10 @@ def test_a_failure_before_the_first_delta_is_retried_silently(fast: RunningBroke
     assert kinds.count("attempt") == 1
     assert events[-1].data == {"attempt": 1, "status": "complete", "reason": None}
     assert text_of(events) == reference_text(fast, seed=4, tokens=12)
-    assert fast.metric("broker_retries_total", '{reason="upstream_error"}') == 1
+    assert (
+        fast.metric("broker_retries_total", '{code="upstream_unavailable",reason="upstream_error"}')
+        == 1
+    )
     assert get_turn(fast.base_url, "r1")["attempts"][0]["status"] == "complete"
 
 
@@ -78,8 +81,13 @@ def test_retries_stop_at_the_per_turn_cap(broker_factory: BrokerFactory) -> None
     assert events[1].data["code"] == "attempts_exhausted"
     assert "3 upstream call(s)" in events[1].data["message"]
     assert events[2].data == {"attempt": 1, "status": "failed", "reason": "attempts_exhausted"}
-    assert broker.metric("broker_retries_total", '{reason="upstream_error"}') == 2
-    assert broker.metric("broker_attempts_exhausted_total") == 1
+    assert (
+        broker.metric(
+            "broker_retries_total", '{code="upstream_unavailable",reason="upstream_error"}'
+        )
+        == 2
+    )
+    assert broker.metric("broker_attempts_exhausted_total", '{code="upstream_unavailable"}') == 1
     assert broker.metric("broker_retry_budget_exhausted_total", '{scope="turn"}') == 1
     calls = broker.metric(
         "broker_upstream_requests_total",
@@ -116,7 +124,10 @@ def test_a_fatal_failure_is_not_retried(fast: RunningBroker) -> None:
     events = read_sse(fast.base_url, turn["stream_id"]).events
     assert events[-1].data["status"] == "failed"
     assert events[-1].data["reason"] == "upstream_bad_request"
-    assert fast.metric("broker_retries_total", '{reason="upstream_error"}') == 0
+    assert (
+        fast.metric("broker_retries_total", '{code="upstream_unavailable",reason="upstream_error"}')
+        == 0
+    )
 
 
 # --- after the first delta -----------------------------------------------------------------
@@ -133,7 +144,12 @@ def test_a_silent_upstream_after_deltas_is_an_interruption(
     assert [e.event for e in events].count("delta") == 3
     assert events[-1].data == {"attempt": 1, "status": "interrupted", "reason": "upstream_timeout"}
     assert get_turn(broker.base_url, "stall")["canonical"]["text"] == text_of(events)
-    assert broker.metric("broker_interruptions_total", '{reason="upstream_timeout"}') == 1
+    assert (
+        broker.metric(
+            "broker_interruptions_total", '{code="upstream_timeout",reason="upstream_timeout"}'
+        )
+        == 1
+    )
 
 
 def test_continue_carries_on_from_the_delivered_text(fast: RunningBroker) -> None:

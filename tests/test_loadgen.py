@@ -30,8 +30,14 @@ def counters(broker: RunningBroker) -> dict[str, float]:
         "interrupted": ("broker_turns_finished_total", '{status="interrupted"}'),
         "cancelled": ("broker_turns_finished_total", '{status="cancelled"}'),
         "failed": ("broker_turns_finished_total", '{status="failed"}'),
-        "retries": ("broker_retries_total", '{reason="upstream_error"}'),
-        "interruptions": ("broker_interruptions_total", '{reason="upstream_error"}'),
+        "retries": (
+            "broker_retries_total",
+            '{code="upstream_unavailable",reason="upstream_error"}',
+        ),
+        "interruptions": (
+            "broker_interruptions_total",
+            '{code="upstream_unavailable",reason="upstream_error"}',
+        ),
         "cancel_signalled": ("broker_cancels_total", '{result="signalled"}'),
         "cancel_queued": ("broker_cancels_total", '{result="cancelled"}'),
     }

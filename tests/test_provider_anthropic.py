@@ -291,7 +291,12 @@ def test_a_429_is_retried_silently(claude: RunningBroker, fake: FakeAnthropic) -
     assert text_of(events) == "After the wait."
     assert [call.status for call in fake.calls] == [429, 200]
     assert fake.calls[1].body == fake.calls[0].body
-    assert claude.metric("broker_retries_total", '{reason="upstream_error"}') == 1
+    assert (
+        claude.metric(
+            "broker_retries_total", '{code="upstream_rate_limited",reason="upstream_error"}'
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize("where", ["status", "event", "truncated"])

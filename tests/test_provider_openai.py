@@ -258,7 +258,55 @@ def test_a_rate_limit_before_the_first_delta_is_retried_silently(
     assert text_of(events) == "After the wait"
     assert end_of(events) == {"attempt": 1, "status": "complete", "reason": None}
     assert len(fake.requests) == 2
-    assert broker.metric("broker_retries_total", '{reason="upstream_error"}') == 1
+    assert (
+        broker.metric(
+            "broker_retries_total", '{code="upstream_rate_limited",reason="upstream_error"}'
+        )
+        == 1
+    )
+
+
+def retries(broker: RunningBroker, code: str) -> float:
+    return broker.metric("broker_retries_total", f'{{code="{code}",reason="upstream_error"}}')
+
+
+def test_a_rate_limit_and_an_outage_count_as_retries_of_their_own_codes(
+    broker_factory: BrokerFactory, fake: FakeOpenAI
+) -> None:
+    """Issue 34, finding 11: a 429 and a 500 were both counted as reason="upstream_error",
+    so a retry dashboard could not tell rate limiting from an outage."""
+    broker = openai_broker(broker_factory, fake, max_attempts_per_turn=3)
+    fake.fail_status(429)
+    fake.fail_status(500)
+    fake.respond_text(["Third", " time"])
+    events = run_turn(broker, "limited-then-down")
+    assert end_of(events) == {"attempt": 1, "status": "complete", "reason": None}
+    assert [
+        retries(broker, code) for code in ("upstream_rate_limited", "upstream_unavailable")
+    ] == [
+        1,
+        1,
+    ]
+    assert (
+        broker.metric("broker_retries_total", '{code="upstream_other",reason="upstream_error"}')
+        == 0
+    )
+
+    # Every allowed call rate limited: the exhausted attempt carries the last call's code.
+    fake.fail_status(429)
+    fake.fail_status(429)
+    fake.fail_status(429)
+    events = run_turn(broker, "limited-throughout")
+    assert end_of(events) == {"attempt": 1, "status": "failed", "reason": "attempts_exhausted"}
+    error = error_of(events)
+    assert (error["code"], error["upstream_code"]) == (
+        "attempts_exhausted",
+        "upstream_rate_limited",
+    )
+    assert retries(broker, "upstream_rate_limited") == 3
+    exhausted = "broker_attempts_exhausted_total"
+    assert broker.metric(exhausted, '{code="upstream_rate_limited"}') == 1
+    assert broker.metric(exhausted, '{code="upstream_unavailable"}') == 0
 
 
 def test_unauthorized_fails_at_once_and_the_key_stays_secret(
@@ -309,6 +357,8 @@ def test_an_error_event_after_deltas_interrupts_the_turn(
     assert "the model crashed" in error["message"]
     assert end_of(events) == {"attempt": 1, "status": "interrupted", "reason": "upstream_error"}
     assert len(fake.requests) == 1, "nothing is retried after the first delta"
+    interruptions = '{code="upstream_stream_error",reason="upstream_error"}'
+    assert broker.metric("broker_interruptions_total", interruptions) == 1
     assert get_turn(broker.base_url, "broken")["canonical"]["text"] == scripted_text(100)
 
 

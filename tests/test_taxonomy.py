@@ -9,8 +9,15 @@ import sys
 import pytest
 
 from broker.deps import Deps
-from broker.metrics import Metrics
-from broker.providers.taxonomy import classify_status, retry_after, status_error
+from broker.metrics import ERROR_CODES, Metrics, error_code
+from broker.providers.taxonomy import (
+    ADMISSION,
+    RETRYABLE,
+    classify_status,
+    retry_after,
+    status_error,
+    transport_error,
+)
 from broker.retry import RetryPolicy
 from broker.settings import Settings
 
@@ -34,6 +41,37 @@ from broker.settings import Settings
 )
 def test_every_status_has_one_class(status: int, code: str, retryable: bool) -> None:
     assert classify_status(status) == (code, retryable)
+
+
+@pytest.mark.parametrize(
+    ("code", "label"),
+    [
+        ("upstream_rate_limited", "upstream_rate_limited"),
+        ("upstream_unavailable", "upstream_unavailable"),
+        ("upstream_overloaded", "upstream_overloaded"),
+        ("upstream_timeout", "upstream_timeout"),
+        ("upstream_connection", "upstream_connection"),
+        ("upstream_incomplete", "upstream_incomplete"),
+        ("upstream_stream_error", "upstream_stream_error"),
+        ("upstream_unauthorized", "upstream_unauthorized"),
+        ("upstream_http_418", "upstream_other"),
+        ("upstream_http_302", "upstream_other"),
+        ("upstream_client_error", "upstream_other"),
+        ("none", "upstream_other"),  # only a cause without an upstream error is none
+        ("", "upstream_other"),
+        (None, "none"),
+    ],
+)
+def test_an_error_code_labels_metrics_from_a_fixed_set(code: str | None, label: str) -> None:
+    """Issue 34, finding 11: retries, exhausted attempts and interruptions carry the code."""
+    assert error_code(code) == label
+    assert label in ERROR_CODES
+
+
+def test_every_code_of_the_taxonomy_tables_is_its_own_label() -> None:
+    codes = {*ADMISSION.values(), *RETRYABLE.values(), classify_status(503)[0]}
+    codes |= {transport_error(kind, "x").code for kind in ("timeout", "connection")}
+    assert {code: error_code(code) for code in codes} == {code: code for code in codes}
 
 
 def test_retry_after_is_read_as_seconds_or_a_date() -> None:

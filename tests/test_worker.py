@@ -46,7 +46,7 @@ def test_a_dead_workers_job_is_reclaimed_and_run_when_nothing_was_delivered(
     assert [e.event for e in events].count("attempt") == 1
     assert raw_redis.xpending(partition, JOB_GROUP)["pending"] == 0
     worker_metrics = workers[0]
-    assert worker_metrics.metric("broker_retries_total", '{reason="worker_lost"}') == 1
+    assert worker_metrics.metric("broker_retries_total", '{code="none",reason="worker_lost"}') == 1
     assert worker_metrics.metric("broker_lease_takeovers_total") == 1
 
 

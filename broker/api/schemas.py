@@ -318,6 +318,11 @@ class ErrorEvent(BaseModel):
     code: str
     message: str
     retryable: bool
+    upstream_code: str | None = Field(
+        default=None,
+        description="With attempts_exhausted or retry_budget_exhausted: the last upstream "
+        "error's code (upstream_rate_limited, upstream_unavailable, ...).",
+    )
 
 
 class EndEvent(BaseModel):
