@@ -28,6 +28,7 @@ GROUND = {
     "broker.logs",
     "broker.memory",
     "broker.metrics",
+    "broker.numbers",
     "broker.offsets",
     "broker.periodic",
     "broker.redis_calls",

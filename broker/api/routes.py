@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import math
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -34,6 +35,7 @@ from broker.api.schemas import (
 from broker.auth import Principal, require_actor
 from broker.errors import BadRequest, Forbidden, Unauthorized
 from broker.metrics import AUTH_FAILURES
+from broker.numbers import whole_number
 from broker.reader import StartPoint
 from broker.turns import WHOLE, AttemptRequest, CanonicalRequest, TurnRequest
 from broker.viewer import event_stream
@@ -381,12 +383,13 @@ def heartbeat_period(raw: str | None, settings: Settings, *, sse: bool) -> float
     if not sse:
         raise BadRequest("heartbeat applies to SSE reads only", code="bad_heartbeat")
     low, high = settings.sse_heartbeat_s, settings.sse_heartbeat_max_s
-    if not raw.isascii() or not raw.isdigit() or not low <= int(raw) <= high:
+    seconds = whole_number(raw, math.ceil(low), math.floor(high))
+    if seconds is None:
         raise BadRequest(
             f"heartbeat must be a whole number of seconds from {low:g} to {high:g}",
             code="bad_heartbeat",
         )
-    return float(raw)
+    return float(seconds)
 
 
 def batch_period(raw: str | None, max_ms: int, *, sse: bool) -> float:
@@ -396,12 +399,13 @@ def batch_period(raw: str | None, max_ms: int, *, sse: bool) -> float:
         return 0.0
     if not sse:
         raise BadRequest("batch_ms applies to SSE reads only", code="bad_batch")
-    if not raw.isascii() or not raw.isdigit() or int(raw) > max_ms:
+    millis = whole_number(raw, 0, max_ms)
+    if millis is None:
         raise BadRequest(
             f"batch_ms must be a whole number of milliseconds from 0 to {max_ms}",
             code="bad_batch",
         )
-    return int(raw) / 1000
+    return millis / 1000
 
 
 def long_poll_wait(raw: str | None, max_s: float, *, json: bool) -> float:
@@ -411,11 +415,12 @@ def long_poll_wait(raw: str | None, max_s: float, *, json: bool) -> float:
         return 0.0
     if not json:
         raise BadRequest("wait applies to format=json only (SSE waits by itself)", code="bad_wait")
-    if not raw.isascii() or not raw.isdigit() or int(raw) > max_s:
+    seconds = whole_number(raw, 0, math.floor(max_s))
+    if seconds is None:
         raise BadRequest(
             f"wait must be a whole number of seconds from 0 to {max_s:g}", code="bad_wait"
         )
-    return float(raw)
+    return float(seconds)
 
 
 class Hangup(enum.Enum):

@@ -52,6 +52,7 @@ import openai
 from openai.types.chat import ChatCompletionChunk
 
 from broker.errors import BadRequest
+from broker.numbers import whole_number
 from broker.providers import taxonomy
 from broker.providers.base import (
     Finished,
@@ -358,8 +359,8 @@ def _status_of(body: object) -> int | None:
         return None
     for key in ("status_code", "status", "code"):
         value = body.get(key)
-        if isinstance(value, str) and value.isdigit():
-            value = int(value)
+        if isinstance(value, str):
+            value = whole_number(value, 400, 599)
         if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
             return value
     return None

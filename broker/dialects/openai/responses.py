@@ -50,6 +50,7 @@ from broker.dialects.openai.requests import (
 from broker.errors import BadRequest, BrokerError
 from broker.frames import ORIGIN, Cursor, Heartbeat
 from broker.keys import ID_PATTERN, scoped, unscoped
+from broker.numbers import whole_number
 from broker.reader import Location
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.turns import TurnRequest
@@ -473,8 +474,8 @@ def _int_param(value: str | None, name: str) -> int | None:
         return None
     if INTEGER.fullmatch(value) is None:  # int() also takes "+5", " 5", "5_0" and other digits
         raise ParamError(f"{name} must be an integer", name)
-    number = int(value)
-    if number < -1 or number > 2**53:
+    number = whole_number(value, -1, 2**53)
+    if number is None:
         raise ParamError(f"{name} must be from -1 to 2**53", name)
     return number
 
