@@ -1,5 +1,11 @@
-"""A viewer: one SSE connection reading a stream's native frames, and the lock a one-viewer
-attach token holds while its connection lasts.
+"""A viewer: one SSE connection reading a generation, through any door, and the rules of the
+attach token it reads with.
+
+Every door's read of a generation goes through here, so that no door can forget a rule:
+:func:`admit` checks the token against the read (its one stream; a one-viewer token reads over
+SSE only: a JSON page, a catch-up or a long poll takes no lock, so it could read beside the one
+viewer), and :func:`as_viewer` wraps the door's SSE frame source: the viewers gauge, and the
+one-viewer lock below. Each door ends a replaced connection with a last frame of its own.
 
 A one-viewer token admits one SSE connection at a time: the connection takes a lock in Redis
 named after the token (``SET PX``) and renews it while it lasts. The newest connection wins: a
@@ -18,16 +24,20 @@ one that lands while it awaits a reply.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import NoReturn
 
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
 from broker.auth import Principal
 from broker.deps import Deps
+from broker.errors import Forbidden
 from broker.frames import Heartbeat
+from broker.metrics import Metrics
 from broker.periodic import Periodic
 from broker.reader import Location, Opening, StartPoint, Streams
 from broker.scripts import Scripts
@@ -35,9 +45,13 @@ from broker.sse import PING, EventStreamResponse, Sink, opening_frame
 
 log = logging.getLogger("broker.viewer")
 
+# A door's SSE frames of one read, given the response they go to.
+FrameSource = Callable[[Sink], AsyncIterator[bytes]]
+
 # One-viewer attach tokens hold a lock for their connection, renewed while it lasts.
 VIEWER_LEASE_MS = 10_000
-# The last frame of a one-viewer connection whose lock a newer connection took.
+# The last frame of a native (and Durable Streams) one-viewer connection whose lock a newer
+# connection took.
 REPLACED = (
     b"event: replaced\n"
     b'data: {"code":"viewer_replaced","message":"a newer connection of this one-viewer token '
@@ -89,6 +103,71 @@ class _ViewerSink:
         return not self._viewer.lost and self._sink.write_now(chunk)
 
 
+def check_stream(metrics: Metrics, principal: Principal, stream_id: str) -> None:
+    """403 ``wrong_stream`` when ``principal`` is an attach token of another stream."""
+    if principal.stream_id is not None and principal.stream_id != stream_id:
+        refuse_other_stream(metrics)
+
+
+def refuse_other_stream(metrics: Metrics) -> NoReturn:
+    """403 ``wrong_stream``: an attach token asked for what is not its stream's."""
+    metrics.auth_failures.labels("forbidden").inc()
+    raise Forbidden("the attach token is for another stream", code="wrong_stream")
+
+
+def admit(metrics: Metrics, principal: Principal, stream_id: str, *, sse: bool) -> None:
+    """The token rules of a read of generation ``stream_id``, whatever its door: 403
+    ``wrong_stream`` for an attach token of another stream, 403 ``sse_only`` for a one-viewer
+    token's read that is not SSE (a JSON page, a catch-up, a long poll)."""
+    check_stream(metrics, principal, stream_id)
+    if principal.one_viewer and not sse:
+        raise Forbidden("a one-viewer attach token reads over SSE only", code="sse_only")
+
+
+async def as_viewer(
+    deps: Deps, principal: Principal, location: Location, source: FrameSource, *, replaced: bytes
+) -> FrameSource:
+    """``source``, a door's SSE frames of ``location``, as ``principal``'s viewer: admitted,
+    counted in the viewers gauge while it lasts, and for a one-viewer token holding the token's
+    lock, taken over from any older connection of any door. Once a newer connection takes the
+    lock, the read ends at its next frame with ``replaced``, the door's own last frame."""
+    admit(deps.metrics, principal, location.stream_id, sse=True)
+    viewer = await hold_viewer(deps, principal, location) if principal.one_viewer else None
+    return functools.partial(_viewed, deps.metrics, source, viewer, replaced)
+
+
+async def _viewed(
+    metrics: Metrics,
+    source: FrameSource,
+    viewer: ViewerLock | None,
+    replaced: bytes,
+    sink: Sink,
+) -> AsyncIterator[bytes]:
+    viewers = metrics.viewers.labels("sse")
+    viewers.inc()
+    if viewer is not None:
+        viewer.keep()
+        sink = _ViewerSink(sink, viewer)
+    frames = source(sink)
+    try:
+        async for chunk in frames:
+            if viewer is not None and viewer.lost:
+                break
+            yield chunk
+        if viewer is not None and viewer.lost:
+            yield replaced
+    finally:
+        # Closed on every way out, so that the source leaves its feed at once, not when it is
+        # collected.
+        try:
+            if isinstance(frames, AsyncGenerator):
+                await frames.aclose()
+        finally:
+            viewers.dec()
+            if viewer is not None:
+                await viewer.release()
+
+
 async def hold_viewer(deps: Deps, principal: Principal, location: Location) -> ViewerLock:
     """Take the one-viewer lock of ``principal``'s attach token, from whoever held it."""
     assert principal.token_id is not None
@@ -130,9 +209,9 @@ async def event_stream(
     # A client that named its start already holds it: a second event with that id would only
     # look like a duplicate to it.
     announce = cursor.offset if start.kind == "now" else None
-    viewer = await hold_viewer(deps, principal, location) if principal.one_viewer else None
+    source = functools.partial(_frames, streams, location, opening, heartbeat_s)
     return EventStreamResponse(
-        lambda sink: _frames(deps, streams, location, opening, viewer, sink, heartbeat_s),
+        await as_viewer(deps, principal, location, source, replaced=REPLACED),
         send_timeout_s=deps.settings.sse_send_timeout_s,
         batch_s=batch_s,
         preamble=opening_frame(deps.settings.sse_retry_ms, announce),
@@ -140,34 +219,18 @@ async def event_stream(
 
 
 async def _frames(
-    deps: Deps,
     streams: Streams,
     location: Location,
     opening: Opening,
-    viewer: ViewerLock | None,
-    sink: Sink,
     heartbeat_s: float | None,
+    sink: Sink,
 ) -> AsyncIterator[bytes]:
-    viewers = deps.metrics.viewers.labels("sse")
-    viewers.inc()
-    if viewer is not None:
-        viewer.keep()
-        sink = _ViewerSink(sink, viewer)
-    try:
-        # (The opening frame is the response's preamble: it goes with the response's head.)
-        # Closed on every way out, so that the reader leaves its feed at once, not when the
-        # generator is collected.
-        follow = streams.follow_chunks(
-            location, opening.cursor, sink, heartbeat_s=heartbeat_s, opening=opening
-        )
-        async with contextlib.aclosing(follow) as items:
-            async for item in items:
-                if viewer is not None and viewer.lost:
-                    break
-                yield PING if isinstance(item, Heartbeat) else item.data
-        if viewer is not None and viewer.lost:
-            yield REPLACED
-    finally:
-        viewers.dec()
-        if viewer is not None:
-            await viewer.release()
+    # (The opening frame is the response's preamble: it goes with the response's head.)
+    # Closed on every way out, so that the reader leaves its feed at once, not when the
+    # generator is collected.
+    follow = streams.follow_chunks(
+        location, opening.cursor, sink, heartbeat_s=heartbeat_s, opening=opening
+    )
+    async with contextlib.aclosing(follow) as items:
+        async for item in items:
+            yield PING if isinstance(item, Heartbeat) else item.data

@@ -38,7 +38,7 @@ from broker.metrics import AUTH_FAILURES
 from broker.numbers import whole_number
 from broker.reader import StartPoint
 from broker.turns import WHOLE, AttemptRequest, CanonicalRequest, TurnRequest
-from broker.viewer import event_stream
+from broker.viewer import admit, event_stream
 
 if TYPE_CHECKING:
     from broker.app import Runtime
@@ -352,11 +352,7 @@ def checked_read(
     wait_s = long_poll_wait(wait, rt.settings.long_poll_max_s, json=json)
     heartbeat_s = heartbeat_period(heartbeat, rt.settings, sse=not json)
     batch_s = batch_period(batch_ms, rt.settings.sse_batch_max_ms, sse=not json)
-    if principal.stream_id is not None and principal.stream_id != stream_id:
-        rt.metrics.auth_failures.labels("forbidden").inc()
-        raise Forbidden("the attach token is for another stream", code="wrong_stream")
-    if principal.one_viewer and json:
-        raise Forbidden("a one-viewer attach token reads over SSE only", code="sse_only")
+    admit(rt.metrics, principal, stream_id, sse=not json)
     # 400 for a malformed offset before anything else. Last-Event-ID wins over ?offset=, but a
     # malformed ?offset= is refused even then: it is bad input all the same.
     start = StartPoint.parse(offset)

@@ -31,6 +31,9 @@ from broker.frames import Entry
 from broker.vocabulary import TurnStatus
 
 DONE: Final = b"data: [DONE]\n\n"
+# The last frame of a one-viewer read whose token a newer connection took over: an ``error``
+# chunk (no id: it is no event of the stream), after which the client does not resume.
+REPLACED: Final = b'data: {"type":"error","errorText":"viewer_replaced"}\n\n'
 # The ``errorText`` of a turn that did not complete: stable codes a client may switch on.
 INTERRUPTED: Final = "turn_interrupted"
 FAILED: Final = "turn_failed"

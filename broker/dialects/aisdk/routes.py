@@ -13,9 +13,10 @@ from fastapi import APIRouter, Header, Request
 from starlette.responses import Response
 
 from broker import redis_calls as rc
-from broker.api.routes import Actor, body_schema, json_response, parse_body, runtime
+from broker.api.routes import Actor, Caller, body_schema, json_response, parse_body, runtime
 from broker.api.schemas import ID_PARAMETER, errors, resume_parameters, ui_stream_event
-from broker.dialects.aisdk.chunks import DONE, Renderer, encode
+from broker.auth import Principal
+from broker.dialects.aisdk.chunks import DONE, REPLACED, Renderer, encode
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.errors import NotFound
 from broker.frames import ORIGIN, Cursor, Heartbeat
@@ -23,6 +24,7 @@ from broker.keys import ID_PATTERN, scoped
 from broker.reader import FROM_NOW, FROM_START, Location, StartPoint
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.turns import AttemptRequest
+from broker.viewer import FrameSource, as_viewer, refuse_other_stream
 from broker.vocabulary import FINAL_STATUSES
 
 if TYPE_CHECKING:
@@ -46,12 +48,19 @@ UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
 class UIMessageStreamResponse(EventStreamResponse):
     """An event stream with the headers the AI SDK's transport expects."""
 
-    def __init__(self, rt: Runtime, frames: _Frames) -> None:
+    def __init__(self, rt: Runtime, source: FrameSource) -> None:
         super().__init__(
-            frames.run,
+            source,
             send_timeout_s=rt.settings.sse_send_timeout_s,
             extra_headers=UI_STREAM_HEADERS,
         )
+
+
+async def _stream(rt: Runtime, principal: Principal, frames: _Frames) -> Response:
+    """The UI message stream of ``frames``, read by ``principal`` (see
+    :func:`broker.viewer.as_viewer`)."""
+    viewed = await as_viewer(rt.deps, principal, frames.location, frames.run, replaced=REPLACED)
+    return UIMessageStreamResponse(rt, viewed)
 
 
 class _Frames:
@@ -113,12 +122,12 @@ async def _latest_turn(rt: Runtime, chat_id: str, tenant: str | None) -> str | N
     return str(newest[0]) if newest else None
 
 
-async def _replay(rt: Runtime, stream_id: str, tenant: str | None) -> Response:
+async def _replay(rt: Runtime, stream_id: str, principal: Principal) -> Response:
     """The whole answer of a turn, from its ``start``."""
-    location = await rt.streams.locate(stream_id, tenant)
-    state = await rt.turns.get(location.turn_id, tenant)
+    location = await rt.streams.locate(stream_id, principal.tenant)
+    state = await rt.turns.get(location.turn_id, principal.tenant)
     after = await _chain_start(rt, location) if state["attempt"] > 1 else ORIGIN
-    return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))
+    return await _stream(rt, principal, _Frames(rt, location, after, after))
 
 
 @router.post(
@@ -144,9 +153,9 @@ async def post_chat(request: Request, principal: Actor) -> Response:
             await rt.turns.start_attempt(
                 chat.turn_id, AttemptRequest(strategy="regenerate"), tenant
             )
-            return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))
+            return await _stream(rt, principal, _Frames(rt, location, after, after))
     _, turn = await rt.turns.create(turn_request, tenant)
-    return await _replay(rt, turn["stream_id"], tenant)
+    return await _replay(rt, turn["stream_id"], principal)
 
 
 @router.get(
@@ -159,17 +168,23 @@ async def post_chat(request: Request, principal: Actor) -> Response:
 async def resume_chat(
     request: Request,
     chat_id: str,
-    principal: Actor,
+    principal: Caller,
     offset: str | None = None,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> Response:
     """Resume the chat's running answer: a full replay from ``start``, or with ``Last-Event-ID``
-    (``?offset=``) the frames after it; 204 when no answer runs (or nothing follows)."""
+    (``?offset=``) the frames after it; 204 when no answer runs (or nothing follows). An attach
+    token resumes its own turn's chat, while that turn is the chat's newest."""
     rt = runtime(request)
     # 400 for a malformed one, first; Last-Event-ID wins, but a malformed ?offset= is refused.
     emit_after = Cursor.after_offset(offset) if offset else None
     if last_event_id:
         emit_after = Cursor.after_offset(last_event_id)
+    if principal.stream_id is not None:
+        # Nothing of another chat is looked at: not even whether it runs an answer.
+        own = await rt.streams.locate(principal.stream_id, principal.tenant)
+        if own.conversation_id != scoped(principal.tenant, chat_id):
+            refuse_other_stream(rt.metrics)
     turn_id = await _latest_turn(rt, chat_id, principal.tenant)
     no_content = Response(status_code=204, headers={"Cache-Control": "no-store"})
     if turn_id is None:
@@ -182,10 +197,10 @@ async def resume_chat(
     if emit_after is None:
         if state["status"] in FINAL_STATUSES:
             return no_content
-        return await _replay(rt, state["stream_id"], principal.tenant)
+        return await _replay(rt, state["stream_id"], principal)
     if await rt.streams.finished_before(location, emit_after):
         return no_content
-    return UIMessageStreamResponse(rt, _Frames(rt, location, ORIGIN, emit_after))
+    return await _stream(rt, principal, _Frames(rt, location, ORIGIN, emit_after))
 
 
 @router.post("/v1/ui/chat/{chat_id}/stop", responses=errors(410))
@@ -210,4 +225,4 @@ async def continue_chat(request: Request, chat_id: str, principal: Actor) -> Res
     location = await rt.streams.locate(state["stream_id"], tenant)
     after = await rt.streams.resolve(location, FROM_NOW)
     await rt.turns.start_attempt(turn_id, AttemptRequest(strategy="continue"), tenant)
-    return UIMessageStreamResponse(rt, _Frames(rt, location, after, after))
+    return await _stream(rt, principal, _Frames(rt, location, after, after))

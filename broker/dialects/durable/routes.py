@@ -39,6 +39,7 @@ from broker.frames import ORIGIN, Cursor
 from broker.keys import STREAM_ID_PATTERN, scoped
 from broker.reader import FROM_NOW, Location, StartPoint
 from broker.sse import PING, EventStreamResponse, Sink
+from broker.viewer import REPLACED, FrameSource, admit, as_viewer, check_stream
 
 if TYPE_CHECKING:
     from broker.app import Runtime
@@ -553,13 +554,15 @@ def _sse(
     cursor: str | None,
     content_type: str,
 ) -> Response:
+    return _sse_response(rt, functools.partial(_frames, rt, look, cursor), content_type)
+
+
+def _sse_response(rt: Runtime, source: FrameSource, content_type: str) -> Response:
     extra = list(SSE_HEADERS)
     if not wire.is_text(content_type):
         extra.append((b"stream-sse-data-encoding", b"base64"))
     return EventStreamResponse(
-        functools.partial(_frames, rt, look, cursor),
-        send_timeout_s=rt.settings.sse_send_timeout_s,
-        extra_headers=extra,
+        source, send_timeout_s=rt.settings.sse_send_timeout_s, extra_headers=extra
     )
 
 
@@ -654,9 +657,7 @@ class _OwnLooks:
 
 
 async def _locate(rt: Runtime, stream_id: str, principal: Principal) -> Location:
-    if principal.stream_id is not None and principal.stream_id != stream_id:
-        rt.metrics.auth_failures.labels("forbidden").inc()
-        raise Forbidden("the attach token is for another stream", code="wrong_stream")
+    check_stream(rt.metrics, principal, stream_id)
     return await rt.streams.locate(stream_id, principal.tenant)
 
 
@@ -668,12 +669,18 @@ async def _read_generation(
     offset: str,
     live: str | None,
 ) -> Response:
-    location = await _locate(rt, stream_id, principal)
+    # A one-viewer token's catch-up or long poll is refused (the token rules of every door).
+    admit(rt.metrics, principal, stream_id, sse=live == "sse")
+    location = await rt.streams.locate(stream_id, principal.tenant)
     start = StartPoint.parse(offset)
     if live == "sse":
         cursor = await rt.streams.resolve(location, start)
         generation = _GenerationLooks(rt, location, cursor)
-        return _sse(rt, generation.look, request.query_params.get("cursor"), GENERATION_TYPE)
+        source = functools.partial(_frames, rt, generation.look, request.query_params.get("cursor"))
+        # A replaced one-viewer read ends with the native ``replaced`` event (no id, unknown to
+        # the protocol's clients): the protocol has no word for it.
+        viewed = await as_viewer(rt.deps, principal, location, source, replaced=REPLACED)
+        return _sse_response(rt, viewed, GENERATION_TYPE)
     page = await rt.streams.page(location, start)
     if live == "long-poll" and not page["events"] and not page["closed"]:
         after = await rt.streams.resolve(location, start)

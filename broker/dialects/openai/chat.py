@@ -15,6 +15,7 @@ that failed ends with an error event in OpenAI's shape instead (the SDKs raise i
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Final
 
@@ -42,6 +43,7 @@ from broker.dialects.openai.responses import (
 from broker.frames import ORIGIN, Cursor, Heartbeat
 from broker.offsets import START
 from broker.sse import PING, EventStreamResponse, Sink
+from broker.viewer import as_viewer
 
 if TYPE_CHECKING:
     from broker.app import Runtime
@@ -80,6 +82,14 @@ def _failure(reason: str) -> bytes:
         "code": reason,
     }
     return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+
+
+# The last frame of a read a newer one-viewer connection took over, in the SDKs' error shape.
+# (Attach tokens may not create, so none reads here; the door's reads are viewers all the same.)
+REPLACED: Final = (
+    b'data: {"error":{"message":"a newer connection of this one-viewer token took over; do not '
+    b'reconnect","type":"invalid_request_error","param":null,"code":"viewer_replaced"}}\n\n'
+)
 
 
 class _Chunks:
@@ -236,8 +246,10 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
             await settle(rt, stored.location)
             return _completion(await load(rt, turn_id, principal.tenant))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        source = functools.partial(_frames, rt, stored, after, include_usage)
+        viewed = await as_viewer(rt.deps, principal, stored.location, source, replaced=REPLACED)
         return EventStreamResponse(
-            lambda sink: _frames(rt, stored, after, include_usage, sink),
+            viewed,
             send_timeout_s=rt.settings.sse_send_timeout_s,
             extra_headers=[(k.encode(), v.encode()) for k, v in _headers(stored).items()],
         )

@@ -155,6 +155,18 @@ def frame(event: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
+# The last frame of a one-viewer read whose token a newer connection took over: an ``error``
+# event without a sequence number (it is no event of the response, and no resume point).
+REPLACED: Final = frame(
+    {
+        "type": "error",
+        "code": "viewer_replaced",
+        "message": "a newer connection of this one-viewer token took over; do not reconnect",
+        "param": None,
+    }
+)
+
+
 def opening(head: Head) -> list[dict[str, Any]]:
     """Events 0 and 1."""
     return [

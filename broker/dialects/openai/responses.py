@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import secrets
 import time
@@ -30,6 +31,7 @@ from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response, from_broker_error
 from broker.dialects.openai.events import (
     OPENING,
+    REPLACED,
     STATUS,
     AttemptEnd,
     Head,
@@ -54,6 +56,7 @@ from broker.numbers import whole_number
 from broker.reader import Location
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.turns import TurnRequest
+from broker.viewer import admit, as_viewer
 from broker.vocabulary import ACTIVE_STATUSES, TurnStatus
 
 if TYPE_CHECKING:
@@ -84,10 +87,15 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(orjson.dumps(data), status, headers=headers, media_type="application/json")
 
 
-async def answer(request: Request, work: Callable[[Principal], Awaitable[Response]]) -> Response:
-    """Authenticate, run ``work``, and answer any error in OpenAI's shape (never a 500)."""
+async def answer(
+    request: Request, work: Callable[[Principal], Awaitable[Response]], *, reading: bool = False
+) -> Response:
+    """Authenticate, run ``work``, and answer any error in OpenAI's shape (never a 500). Only a
+    ``reading`` work admits an attach token (it then checks the token's rules itself)."""
     try:
-        principal = await actor(request, await caller(request, None))
+        principal = await caller(request, None)
+        if not reading:
+            principal = await actor(request, principal)
         return await work(principal)
     except BrokerError as exc:
         return from_broker_error(exc)
@@ -389,11 +397,14 @@ async def events(
                 yield b"".join(frames)
 
 
-def stream_response(rt: Runtime, stored: Stored, starting_after: int) -> Response:
-    return EventStreamResponse(
-        lambda sink: events(rt, stored, starting_after, sink),
-        send_timeout_s=rt.settings.sse_send_timeout_s,
-    )
+async def stream_response(
+    rt: Runtime, stored: Stored, starting_after: int, principal: Principal
+) -> Response:
+    """The response's events after ``starting_after``, read by ``principal`` (see
+    :func:`broker.viewer.as_viewer`)."""
+    source = functools.partial(events, rt, stored, starting_after)
+    viewed = await as_viewer(rt.deps, principal, stored.location, source, replaced=REPLACED)
+    return EventStreamResponse(viewed, send_timeout_s=rt.settings.sse_send_timeout_s)
 
 
 async def settle(rt: Runtime, location: Location, within_s: float | None = None) -> None:
@@ -460,7 +471,7 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
         await create_turn(rt, turn, principal.tenant, "input")
         stored = await load(rt, turn_id, principal.tenant)
         if body.stream:
-            return stream_response(rt, stored, -1)
+            return await stream_response(rt, stored, -1, principal)
         if not body.background:
             await settle(rt, stored.location)
             stored = await load(rt, turn_id, principal.tenant)
@@ -526,14 +537,15 @@ async def retrieve_response(
         after = _int_param(starting_after, "starting_after")
         if streaming:
             stored = await load_for_reading(rt, response_id, principal.tenant)
-            return stream_response(rt, stored, -1 if after is None else after)
+            return await stream_response(rt, stored, -1 if after is None else after, principal)
         if after is not None:
             raise BadRequest("starting_after needs stream=true", code="bad_request")
-        return json_response(
-            await response_object(rt, await load(rt, response_id, principal.tenant))
-        )
+        stored = await load(rt, response_id, principal.tenant)
+        # An attach token reads its own response only; a one-viewer token over SSE only.
+        admit(rt.metrics, principal, stored.location.stream_id, sse=False)
+        return json_response(await response_object(rt, stored))
 
-    return await answer(request, work)
+    return await answer(request, work, reading=True)
 
 
 @router.post(
