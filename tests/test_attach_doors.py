@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 
@@ -284,3 +285,30 @@ def test_every_door_that_streams_reads_through_the_viewer() -> None:
     # Native (viewer.py), OpenAI Responses and Chat Completions, AI SDK, Durable Streams.
     assert len(doors) >= 5, doors
     assert [p for p in doors if "as_viewer(" not in p.read_text("utf-8")] == []
+
+
+def test_the_openai_sdk_sees_a_replaced_read_as_an_error_event(
+    broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The OpenAI door's replaced frame, as the official SDK hands it to its caller."""
+    monkeypatch.setattr("broker.viewer.VIEWER_LEASE_MS", 900)  # renewed every 0.3 s
+    broker = _secured(broker_factory)
+    turn = _long_turn(broker, "c1")
+    token = _mint(broker, turn["turn_id"], one_viewer=True)
+    client = openai.OpenAI(
+        base_url=f"{broker.base_url}/v1", api_key=token, max_retries=0, timeout=20
+    )
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        client.responses.retrieve(turn["turn_id"])
+    assert refused.value.code == "sse_only"
+    first = client.responses.retrieve(turn["turn_id"], stream=True)
+    types = [next(first).type]
+    while types[-1] != "response.output_text.delta":
+        types.append(next(first).type)
+    second = client.responses.retrieve(turn["turn_id"], stream=True)
+    later = iter(second)  # held: a dropped iterator would close the connection
+    assert next(event for event in later if event.type == "response.output_text.delta")
+    last = list(first)[-1]  # the first read ends, with its door's signal
+    assert (last.type, getattr(last, "code", None)) == ("error", "viewer_replaced")
+    second.close()
+    _cancel(broker, turn)
