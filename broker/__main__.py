@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="serve the API and run workers (with an embedded Redis by default)"
     )
     serve.add_argument("--host", help="address to bind (BROKER_HOST, default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port to bind, 0 = any free (BROKER_PORT, 8000)")
+    serve.add_argument("--port", help="port to bind, 0 = any free (BROKER_PORT, 8000)")
     serve.add_argument("--role", choices=ROLES, help="all (default), api or worker (BROKER_ROLE)")
     commands.add_parser("providers", help="list the configured providers and their models")
     commands.add_parser("new-key", help="print a new random API key (for BROKER_API_KEYS)")
@@ -140,11 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "new-webhook-secret":
         print(new_secret())
         return 0
+    # A flag is the variable it names, read by the same parser: one check, one message.
+    flags = {"BROKER_HOST": args.host, "BROKER_PORT": args.port, "BROKER_ROLE": args.role}
+    given = {name: value for name, value in flags.items() if value is not None}
     try:
-        settings = Settings.from_env(host=args.host, port=args.port, role=args.role)
+        settings = Settings.from_env({**os.environ, **given})
         Authenticator(settings, b"")  # a bad key file or JWT key fails here, in one line
     except SettingsError as exc:
-        print(f"broker: {exc}", file=sys.stderr)
+        flag = next((n for n in given if str(exc).startswith(f"{n} ")), None)
+        origin = f" (given as --{flag[len('BROKER_') :].lower()})" if flag else ""
+        print(f"broker: {exc}{origin}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
     try:

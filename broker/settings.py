@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -25,12 +26,15 @@ ROLES = ("all", "api", "worker")
 # The providers a broker can serve (BROKER_PROVIDERS names some of them).
 PROVIDER_NAMES = ("simulated", "openai", "anthropic")
 SIMULATE_SCRIPTING = ("auto", "on", "off")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # A cluster URL names one or more of its nodes: redis+cluster://[user:password@]host:port,host:port
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
 
 # Settings with a range: (lowest, highest).
 BOUNDED = {
+    "port": (0, 65_535),  # 0: any free port
+    "openai_continue_final_message": (0, 1),
     "job_partitions": (1, 1024),
     "replica_acks": (0, 16),  # 0: writes do not wait for replicas
     "replica_wait_ms": (1, 60_000),
@@ -156,6 +160,11 @@ class Settings:
     uncapped_addresses: str = "loopback"  # not capped per address: loopback, none, IPs, networks
 
     def __post_init__(self) -> None:
+        if self.log_level.upper() not in LOG_LEVELS:
+            levels = ", ".join(LOG_LEVELS)
+            raise SettingsError(
+                f"BROKER_LOG_LEVEL must be one of {levels}, not {_shown(self.log_level)}"
+            )
         if self.log_format not in ("text", "json"):
             raise SettingsError(f"BROKER_LOG_FORMAT must be text or json, not {self.log_format!r}")
         if self.compression not in ("on", "off"):
@@ -372,24 +381,44 @@ def parse_duration(raw: str) -> float:
 
 
 def _parse(name: str, type_name: str, raw: str) -> Any:
+    """A variable's text as its field's type: a number must be finite, an integer whole."""
     try:
         if name in DURATIONS:
-            return parse_duration(raw)
-        if type_name == "int":
+            value: float = parse_duration(raw)
+        elif type_name == "int":
             return int(raw)
-        if type_name == "float":
-            return float(raw)
+        elif type_name == "float":
+            value = float(raw)
+        else:
+            return raw
     except ValueError:
         kind = "a duration (like 90, 30s, 24h)" if name in DURATIONS else "a number"
-        raise SettingsError(f"BROKER_{name.upper()} must be {kind}, not {raw!r}") from None
-    return raw
+        if type_name == "int":
+            kind = "a whole number"
+        raise SettingsError(f"BROKER_{name.upper()} must be {kind}, not {_shown(raw)}") from None
+    if not math.isfinite(value):
+        raise SettingsError(f"BROKER_{name.upper()} must be a finite number, not {_shown(raw)}")
+    return value
+
+
+def _shown(raw: object) -> str:
+    """A bad value as an error message quotes it: short enough for one line."""
+    text = repr(raw)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _check_numbers(settings: Settings) -> None:
-    """The settings with a range are in it, the positive ones positive."""
+    """Every number is finite, the settings with a range are in it, the positive ones positive."""
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SettingsError(f"BROKER_{field.name.upper()} must be a finite number")
     for name, (low, high) in BOUNDED.items():
-        if not low <= getattr(settings, name) <= high:
-            raise SettingsError(f"BROKER_{name.upper()} must be from {low} to {high}")
+        value = getattr(settings, name)
+        if not low <= value <= high:
+            raise SettingsError(
+                f"BROKER_{name.upper()} must be from {low} to {high}, not {_shown(value)}"
+            )
     positive = (
         "stream_ttl",
         "tombstone_ttl",
