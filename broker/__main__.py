@@ -157,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RedisConnectError, EmbeddedRedisError, ToolConfigError) as exc:
         print(f"broker: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before the server took the signals, or after
+        print("broker: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,12 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 import httpx
 import uvicorn
@@ -457,6 +461,12 @@ class Server(uvicorn.Server):
             for sig, handler in original.items():
                 signal.signal(sig, handler)
 
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """The first SIGINT or SIGTERM drains; a second SIGINT (Ctrl-C again) exits at once."""
+        if self.should_exit and sig == signal.SIGINT:
+            exit_now(_find_runtime(self.config.loaded_app))
+        super().handle_exit(sig, frame)
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started and self.servers:
@@ -477,6 +487,17 @@ class Server(uvicorn.Server):
             except TimeoutError:
                 log.warning("drain did not finish in time; closing connections anyway")
         await super().shutdown(sockets)
+
+
+def exit_now(rt: Runtime | None) -> NoReturn:
+    """Leave without the drain: to Redis, a crash (running generations keep their leases until
+    they run out, then another worker takes them over, as after a SIGKILL). Only the embedded
+    server is stopped first, so that neither it nor its directory outlives the broker."""
+    print("broker: interrupted again: exiting without the drain", file=sys.stderr, flush=True)
+    if rt is not None and rt.embedded is not None:
+        rt.embedded.stop()
+    sys.stdout.flush()
+    os._exit(130)  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 
 def _find_runtime(app: object) -> Runtime | None:

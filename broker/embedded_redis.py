@@ -128,6 +128,9 @@ class EmbeddedRedis:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            # A session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group)
+            # reaches the broker only, which drains on this server and stops it afterwards.
+            start_new_session=True,
             preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + self.startup_timeout_s

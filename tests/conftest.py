@@ -264,8 +264,14 @@ class BrokerProcess:
         return self.process.wait(timeout=timeout)
 
 
-def spawn_broker(env: dict[str, str], timeout: float = 30) -> BrokerProcess:
-    """Run ``python -m broker serve --port 0`` and wait for the URL it prints."""
+def spawn_broker(
+    env: dict[str, str], timeout: float = 30, *, own_group: bool = False
+) -> BrokerProcess:
+    """Run ``python -m broker serve --port 0`` and wait for the URL it prints.
+
+    ``own_group`` starts it in a process group of its own, as a shell starts a foreground job,
+    so that a test can signal the whole group as a terminal's Ctrl-C does.
+    """
     full_env = {**os.environ, "BROKER_LOG_LEVEL": "INFO", **env}
     process = subprocess.Popen(
         [sys.executable, "-m", "broker", "serve", "--port", "0"],
@@ -274,6 +280,7 @@ def spawn_broker(env: dict[str, str], timeout: float = 30) -> BrokerProcess:
         text=True,
         env=full_env,
         cwd=Path(__file__).resolve().parent.parent,
+        start_new_session=own_group,
     )
     lines: list[str] = []
     assert process.stdout is not None

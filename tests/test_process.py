@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from broker.embedded_redis import EmbeddedRedis
-from tests.conftest import BrokerProcess
+from tests.conftest import BrokerProcess, spawn_broker
 from tests.helpers import get_turn, read_sse, start_turn, text_of, wait_until
 
 Spawn = Callable[[dict[str, str]], BrokerProcess]
@@ -101,6 +103,92 @@ def test_embedded_server_logs_its_binary_and_version(broker_processes: Spawn) ->
     started = next(line for line in proc.lines if "embedded redis started" in line)
     assert re.search(r"binary=\S+server", started)
     assert re.search(r"version=(Valkey|Redis) \d+\.\d+", started)
+
+
+@pytest.fixture
+def terminal_broker() -> Iterator[BrokerProcess]:
+    """``broker serve`` on its embedded server, a foreground job of a terminal of its own."""
+    proc = spawn_broker(no_redis_env(), own_group=True)
+    try:
+        yield proc
+    finally:
+        if proc.process.poll() is None:
+            os.killpg(proc.process.pid, signal.SIGKILL)  # the group this test started
+            proc.process.wait(timeout=10)
+
+
+class Follower:
+    """An SSE reader following a stream in a thread, keeping every line it got."""
+
+    def __init__(self, base_url: str, stream_id: str) -> None:
+        self.lines: list[str] = []
+        url = f"{base_url}/v1/streams/{stream_id}"
+        self.thread = threading.Thread(target=self._follow, args=(url,), daemon=True)
+        self.thread.start()
+
+    def _follow(self, url: str) -> None:
+        with (
+            contextlib.suppress(httpx.HTTPError),
+            httpx.stream("GET", url, timeout=httpx.Timeout(60)) as response,
+        ):
+            self.lines.extend(response.iter_lines())
+
+    def events(self) -> list[str]:
+        return [line.removeprefix("event: ") for line in self.lines if line.startswith("event: ")]
+
+
+def ctrl_c(proc: BrokerProcess) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to every process of the foreground group."""
+    os.killpg(proc.process.pid, signal.SIGINT)
+
+
+@pytest.mark.single_node("the embedded server is one server by design")
+def test_ctrl_c_drains_on_the_embedded_server_then_stops_it(
+    terminal_broker: BrokerProcess,
+) -> None:
+    # Regression (issue 34, finding 9): the embedded server shared the broker's process group,
+    # so a terminal's Ctrl-C stopped it first: the drain met a dead Redis for 8.7 s of
+    # warnings, and a live reader's stream ended without its `end`.
+    proc = terminal_broker
+    pid, socket_path = embedded_pid(proc)
+    turn = start_turn(proc.base_url, tokens=30, tokens_per_s=15)  # ends inside the drain
+    follower = Follower(proc.base_url, turn["stream_id"])
+    wait_until(lambda: "delta" in follower.events(), 10)
+    signalled = len(proc.lines)
+    ctrl_c(proc)
+    assert proc.process.wait(timeout=30) == 0
+    follower.thread.join(10)
+    assert follower.events()[-1] == "end"
+    end = follower.lines.index("event: end")
+    assert follower.lines[end + 1] == 'data: {"attempt":1,"status":"complete","reason":null}'
+    after = proc.lines[signalled:]
+    assert not [line for line in after if "WARNING" in line or "Traceback" in line], after
+    ended = next(i for i, line in enumerate(after) if "ended complete" in line)
+    stopped = next(i for i, line in enumerate(after) if "embedded redis stopped" in line)
+    assert ended < stopped, "the embedded server stopped before the drain was over"
+    wait_until(lambda: not alive(pid), 10)
+    assert not socket_path.parent.exists(), "the private directory is removed"
+
+
+@pytest.mark.single_node("the embedded server is one server by design")
+def test_a_second_ctrl_c_exits_at_once_without_a_traceback(
+    terminal_broker: BrokerProcess,
+) -> None:
+    # Regression (issue 34, finding 9): a second Ctrl-C during the drain printed a traceback.
+    proc = terminal_broker
+    pid, socket_path = embedded_pid(proc)
+    turn = start_turn(proc.base_url, tokens=500, tokens_per_s=10)  # outlasts the drain's 10 s
+    follower = Follower(proc.base_url, turn["stream_id"])
+    wait_until(lambda: "delta" in follower.events(), 10)
+    ctrl_c(proc)
+    wait_until(lambda: any("draining:" in line for line in proc.lines), 10)
+    ctrl_c(proc)
+    assert proc.process.wait(timeout=5) == 130  # the drain would take 10 s
+    output = "".join(proc.lines)
+    assert "Traceback" not in output
+    assert "broker: interrupted again: exiting without the drain" in output
+    wait_until(lambda: not alive(pid), 10)
+    assert not socket_path.parent.exists(), "the private directory is removed"
 
 
 def test_unreachable_redis_url_fails_with_one_clear_line() -> None:
