@@ -365,9 +365,14 @@ class Turns:
         if started.result == "missing":
             raise Gone(f"turn {turn_id!r} expired", code="expired")
         attempt = started.attempt
+        # The answer is the turn as this request left it, its new attempt queued (as a new
+        # turn's answer is): read once the job is on the queue, it said `queued` or `streaming`
+        # as a worker's timing fell. Until the job is queued no worker can change it, and a
+        # turn left queued but not enqueued is rescued by the next read of its state.
+        meta = await rc.hgetall(self._redis, keys.turn(conversation_id, turn_id))
         await self._enqueue(conversation_id, turn_id, attempt)
         log.info("turn %s: attempt %d (%s) queued", turn_id, attempt, request.strategy)
-        return await self.get(turn_id, tenant)
+        return _state(turn_id, conversation_id, meta)
 
     async def cancel(self, turn_id: str, tenant: str | None = None) -> dict[str, Any]:
         """The stop button: idempotent; a finished turn just reports its state."""

@@ -381,3 +381,19 @@ def test_history_has_one_canonical_answer_per_turn(fast: RunningBroker) -> None:
     assert third["status"] == "complete"
     missing = httpx.get(f"{fast.base_url}/v1/conversations/nobody/messages", timeout=5)
     assert missing.status_code == 404
+
+
+def test_a_new_attempt_is_answered_queued_whatever_the_worker_does(fast: RunningBroker) -> None:
+    # Regression (issue 34, finding 12): the answer was read after the job was queued, so it
+    # said `queued` or `streaming` as the worker's timing fell (the README showed `queued`).
+    for n in range(4):
+        turn_id = f"queued-{n}"
+        start_turn(fast.base_url, turn_id=turn_id, tokens=6, tokens_per_s=0, fail_after_deltas=2)
+        assert wait_final(fast.base_url, turn_id)["status"] == "interrupted"
+        strategy = ("continue", "regenerate")[n % 2]
+        response = post(fast, f"/v1/turns/{turn_id}/attempts", {"strategy": strategy})
+        assert response.status_code == 201
+        answer = response.json()
+        assert (answer["status"], answer["attempt"]) == ("queued", 2)
+        assert [a["status"] for a in answer["attempts"]] == ["partial", "queued"]
+        assert wait_final(fast.base_url, turn_id)["status"] == "complete"

@@ -304,7 +304,7 @@ def test_the_readme_examples_run_verbatim_in_order(
 
     broke, retried = outputs(ok(shell.run(stop[1])))
     assert statuses(broke) == [("end", "interrupted")]
-    assert (retried["turn_id"], retried["attempt"]) == ("turn-3", 2)
+    assert (retried["turn_id"], retried["status"], retried["attempt"]) == ("turn-3", "queued", 2)
 
     [both] = outputs(ok(shell.run(stop[2])))  # returns once the continue has ended
     assert statuses(both) == [

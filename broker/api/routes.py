@@ -177,7 +177,10 @@ async def create_turn(request: Request, principal: Actor) -> Response:
     responses=errors(409, 410, 422, 429),
 )
 async def start_attempt(request: Request, turn_id: str, principal: Actor) -> Response:
-    """Continue or regenerate a turn at rest: 409 while a generation runs, 422 not allowed."""
+    """Continue or regenerate a turn at rest: 409 while a generation runs, 422 not allowed.
+
+    Answers the turn as the request left it: ``queued``, the new attempt last.
+    """
     attempt_request = await parse_body(request, AttemptRequest)
     turns = runtime(request).turns
     return json_response(await turns.start_attempt(turn_id, attempt_request, principal.tenant), 201)
