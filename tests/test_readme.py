@@ -13,6 +13,7 @@ tool-call example, a Python example reusing ``turn-2``, which the stop example h
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -28,7 +29,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import BrokerProcess, _prefixes
+from tests.conftest import BrokerFactory, BrokerProcess, _prefixes
+from tests.helpers import missing_tool, read_sse, start_turn
+from tests.tcp_proxy import CutProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -400,3 +403,40 @@ def test_payments_example_counts_each_payment_and_binds_loopback(tmp_path: Path)
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_the_durable_streams_python_example_ends_at_the_close(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
+    """The README's Durable Streams Python example, run verbatim on a live generation.
+
+    Regression (issue 34, finding 12): the example never ended: durable-streams 0.1.0 predates
+    closure and polled the closed stream on (1,904 requests in 3 s). Every request it makes
+    goes through a proxy that counts them: one per batch of events, a few more at most.
+    """
+    if importlib.util.find_spec("durable_streams") is None:
+        missing_tool("the durable-streams package is not installed (see constraints.txt)")
+    [example] = blocks(section("Durable Streams"), "python")
+    broker = broker_factory()
+    turn = start_turn(broker.base_url, turn_id="ds-readme", tokens=20, tokens_per_s=10)
+    with CutProxy(broker.base_url) as proxy:
+        prelude = f"DS = {proxy.url + '/ds/v1/stream'!r}\nstream_id = {turn['stream_id']!r}\n"
+        script = f"{prelude}saved = None\n{example}\nprint(saved)\n"
+        try:
+            ran = subprocess.run(
+                [sys.executable, "-c", script],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=20,  # the answer takes 2 s
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the example did not end: {len(proxy.requests())} requests in 20 s")
+        requests = proxy.requests()
+    assert ran.returncode == 0, ran.stderr
+    events = read_sse(broker.base_url, turn["stream_id"]).events
+    assert events[-1].event == "end"
+    assert ran.stdout.strip() == events[-1].id  # it read to the end, and stopped there
+    assert all(line.startswith(f"GET /ds/v1/stream/{turn['stream_id']}") for line in requests)
+    assert 1 <= len(requests) <= len(events) + 2, requests
