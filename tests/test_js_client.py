@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tarfile
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import missing_tool
 
@@ -118,7 +121,13 @@ def test_the_packed_tarball_installs_into_a_clean_folder_and_imports(tmp_path: P
 
 
 def test_every_package_json_has_its_lock_beside_it() -> None:
-    manifests = [p for p in ROOT.rglob("package.json") if "node_modules" not in p.parts]
+    # Hidden folders are not the project's (a virtualenv in the checkout has package.json files).
+    manifests = [
+        p
+        for p in ROOT.rglob("package.json")
+        if "node_modules" not in p.parts
+        and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+    ]
     assert manifests
     for manifest in manifests:
         lock_file = manifest.with_name("package-lock.json")
@@ -129,3 +138,40 @@ def test_every_package_json_has_its_lock_beside_it() -> None:
         root = lock["packages"][""]
         for field in ("dependencies", "devDependencies"):
             assert root.get(field, {}) == package.get(field, {}), f"{lock_file}: {field}"
+
+
+def lowest_node(engines: str) -> tuple[int, int]:
+    """The oldest Node an ``engines.node`` range admits: ``^20.19.0 || >=22.12.0`` -> (20, 19)."""
+    found = [re.search(r"(\d+)(?:\.(\d+))?", part) for part in engines.split("||")]
+    return min((int(m.group(1)), int(m.group(2) or 0)) for m in found if m is not None)
+
+
+@pytest.mark.parametrize(
+    ("engines", "lowest"),
+    [(">=20", (20, 0)), (">= 22.0.0", (22, 0)), ("^20.19.0 || >=22.12.0", (20, 19))],
+)
+def test_lowest_node_reads_an_engines_range(engines: str, lowest: tuple[int, int]) -> None:
+    assert lowest_node(engines) == lowest
+
+
+def test_the_readme_names_every_locked_package_that_needs_a_newer_node() -> None:
+    # Regression (issue 34, finding 12): the README said Node >= 20 while the locked `openai`
+    # package declares Node >= 22.
+    readme = (ROOT / "README.md").read_text()
+    client = json.loads((ROOT / "clients/js/package.json").read_text())
+    floor = lowest_node(client["engines"]["node"])
+    assert f"the JS client needs Node ≥ {floor[0]}" in readme
+    newer: dict[str, tuple[int, int]] = {}
+    for lock_file in sorted((ROOT / "tests/node").glob("*/package-lock.json")):
+        for path, package in json.loads(lock_file.read_text())["packages"].items():
+            engines = package.get("engines")
+            if path and isinstance(engines, dict) and "node" in engines:
+                needed = lowest_node(engines["node"])
+                if needed[0] > floor[0]:
+                    newer[path.rpartition("node_modules/")[2]] = needed
+    assert "openai" in newer
+    named = {"openai": "`openai`", "ai": "`ai` 7", "@ai-sdk/": "`@ai-sdk/*`"}
+    for name, needed in newer.items():
+        shown = next((text for prefix, text in named.items() if name.startswith(prefix)), name)
+        assert shown in readme, f"{name} needs Node {needed}: the README does not say so"
+        assert f"declare Node ≥ {needed[0]}" in readme
