@@ -2,7 +2,8 @@
 
 With no ``BROKER_REDIS_URL`` the broker starts one itself on a Unix socket in a private temporary
 directory: no TCP port is taken, no data is written to disk, and the child gets a parent-death
-signal so it also stops when the broker is killed with SIGKILL.
+signal so it also stops when the broker is killed with SIGKILL. It runs in a session of its own,
+so a terminal's Ctrl-C reaches the broker only: the broker drains on it, then stops it.
 """
 
 from __future__ import annotations
