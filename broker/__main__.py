@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 from broker import __version__, logs
@@ -96,6 +96,23 @@ def audit_tools(path: str | None) -> int:
     return 0
 
 
+def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+    """What ``broker serve`` runs with: ``environ``, and its flags over it.
+
+    A flag is read as the variable it names, by the same parser: one check, one message, which
+    names the flag when the flag's value is the bad one.
+    """
+    flags = {"BROKER_HOST": args.host, "BROKER_PORT": args.port, "BROKER_ROLE": args.role}
+    given = {name: value for name, value in flags.items() if value is not None}
+    try:
+        return Settings.from_env({**environ, **given})
+    except SettingsError as exc:
+        flag = next((name for name in given if str(exc).startswith(f"{name} ")), None)
+        if flag is None:
+            raise
+        raise SettingsError(f"{exc} (given as --{flag.removeprefix('BROKER_').lower()})") from None
+
+
 def serve(settings: Settings) -> int:
     """Run the broker until SIGINT/SIGTERM; returns the exit code.
 
@@ -140,16 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "new-webhook-secret":
         print(new_secret())
         return 0
-    # A flag is the variable it names, read by the same parser: one check, one message.
-    flags = {"BROKER_HOST": args.host, "BROKER_PORT": args.port, "BROKER_ROLE": args.role}
-    given = {name: value for name, value in flags.items() if value is not None}
     try:
-        settings = Settings.from_env({**os.environ, **given})
+        settings = serve_settings(args, os.environ)
         Authenticator(settings, b"")  # a bad key file or JWT key fails here, in one line
     except SettingsError as exc:
-        flag = next((n for n in given if str(exc).startswith(f"{n} ")), None)
-        origin = f" (given as --{flag[len('BROKER_') :].lower()})" if flag else ""
-        print(f"broker: {exc}{origin}", file=sys.stderr)
+        print(f"broker: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
     try:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from broker.__main__ import _parser
+from broker.__main__ import _parser, serve_settings
 from broker.settings import ROLES, Settings
 from tests.helpers import missing_tool
 
@@ -203,8 +203,9 @@ def test_the_command_parses_and_every_port_is_the_settings_port() -> None:
     port = container_port()
     args = _parser().parse_args(exec_form(only("CMD")))
     assert args.command == "serve"
-    assert args.host == "0.0.0.0"  # reachable from outside the container
-    assert args.port == port == Settings().port
+    settings = serve_settings(args, {})
+    assert settings.host == "0.0.0.0"  # reachable from outside the container
+    assert settings.port == port == Settings().port
     healthcheck = only("HEALTHCHECK")
     command = healthcheck[healthcheck.index("CMD ") + 4 :]
     probe = exec_form(command)

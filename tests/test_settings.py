@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from broker.__main__ import _parser, serve_settings
 from broker.settings import Settings, SettingsError
 
 
@@ -158,3 +159,18 @@ def test_the_command_line_refuses_bad_settings_in_one_line(
 ) -> None:
     result = serve(*flags, **env)
     assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")
+
+
+def test_a_flag_is_read_as_its_variable_and_wins_over_it() -> None:
+    args = _parser().parse_args(["serve", "--port", "9001", "--host", "0.0.0.0"])
+    settings = serve_settings(args, {"BROKER_PORT": "9000", "BROKER_ROLE": "api"})
+    assert (settings.host, settings.port, settings.role) == ("0.0.0.0", 9001, "api")
+    bad = _parser().parse_args(["serve", "--port", "99999"])
+    with pytest.raises(SettingsError) as refused:
+        serve_settings(bad, {"BROKER_PORT": "9000"})
+    assert str(refused.value) == (
+        "BROKER_PORT must be from 0 to 65535, not 99999 (given as --port)"
+    )
+    with pytest.raises(SettingsError) as refused:  # the variable's own value: no flag named
+        serve_settings(_parser().parse_args(["serve"]), {"BROKER_PORT": "-1"})
+    assert str(refused.value) == "BROKER_PORT must be from 0 to 65535, not -1"
