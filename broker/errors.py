@@ -16,6 +16,7 @@ r"""The broker's exceptions: one root, stable codes, one table of HTTP statuses.
     ├── AppendsFull             stream_full     413   (dialects.durable) too many appends
     ├── NotAllowed              not_allowed     422   valid request, wrong state
     ├── TooManyRequests         rate_limited    429   a tenant's rate or stream limit
+    ├── QuotaExceeded           quota_exceeded  429   (dialects.durable) a tenant's DS quota
     ├── NotSupported            not_supported   501   (dialects.durable) a generation forked
     ├── FencedWrite             fenced          —     a writer's lease was taken over
     ├── LeaseLost               lease_lost      —     an attempt's lease was taken over

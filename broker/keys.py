@@ -17,8 +17,12 @@ and no key is global by accident:
   once delivered);
 * the two index keys map ids a client holds (turn id, stream id) to their conversation; they live
   in their own slots and are only read and written with single-key commands;
-* a Durable Streams stream's keys (its metadata, data and producers) carry ``{ds:<digest>}``, a
-  digest of its tenant-scoped path (paths may hold any character, braces included);
+* a tenant's Durable Streams streams (each its metadata, data, producers and forks) and their
+  accounting (the tenant's live streams, their sizes, its bytes and append rate) all carry the
+  tenant's ``{ds:t:<tenant>}`` (an open broker's: ``{ds:open}``), so that one script creates,
+  forks, appends and charges the tenant's quota in one slot; a stream is named within it by a
+  digest of its path (paths may hold any character, braces and ``/`` included: no path can
+  name another tenant's stream, nor an open broker's a tenant's);
 * on a single server, stop notifications go on one classic Pub/Sub channel, ``<prefix>:stops``
   (a channel, not a key).
 """
@@ -50,6 +54,12 @@ def unscoped(scoped_id: str) -> tuple[str | None, str]:
     """``(tenant, id)`` from :func:`scoped`'s form (tenant ``None`` for an open broker's ids)."""
     tenant, slash, ident = scoped_id.partition("/")
     return (tenant, ident) if slash else (None, scoped_id)
+
+
+def ds_digest(path: str) -> str:
+    """A Durable Streams path's name in keys and in its tenant's accounting: any path makes a
+    safe one."""
+    return hashlib.blake2b(path.encode(), digest_size=16).hexdigest()
 
 
 JOB_GROUP = "workers"
@@ -170,27 +180,47 @@ class Keys:
         """String: stream id → ``<conversation_id> <turn_id>`` (a tombstone outliving the data)."""
         return f"{self.prefix}:stream-index:{stream_id}"
 
-    def ds_tag(self, scoped_path: str) -> str:
-        """The hash tag of a Durable Streams stream: a digest of its scoped path (the path is
-        kept in its metadata), so that any path makes a safe key and all its keys one slot."""
-        digest = hashlib.blake2b(scoped_path.encode(), digest_size=16).hexdigest()
-        return f"{self.prefix}:{{ds:{digest}}}"
+    def ds_space(self, tenant: str | None) -> str:
+        """The hash tag of a tenant's Durable Streams streams: ``{ds:t:<tenant>}``, or
+        ``{ds:open}`` for an open broker's, whose callers have no tenant. Tenant names hold no
+        brace, and a path only ever goes into a digest, so these spaces never meet."""
+        mark = "open" if tenant is None else f"t:{tenant}"
+        return f"{self.prefix}:{{ds:{mark}}}"
 
-    def ds_meta(self, scoped_path: str) -> str:
+    def ds_stream(self, tenant: str | None, path: str) -> str:
+        """The common part of a Durable Streams stream's keys: its tenant's space and a digest
+        of its path (any path makes a safe key)."""
+        return f"{self.ds_space(tenant)}:s:{ds_digest(path)}"
+
+    def ds_meta(self, tenant: str | None, path: str) -> str:
         """Hash: a Durable Streams stream's path, content type, TTL or expiry, closure, tail and
         the producer that closed it (its existence is the stream's)."""
-        return f"{self.ds_tag(scoped_path)}:meta"
+        return f"{self.ds_stream(tenant, path)}:meta"
 
-    def ds_data(self, scoped_path: str) -> str:
+    def ds_data(self, tenant: str | None, path: str) -> str:
         """Redis Stream: a Durable Streams stream's appends, one entry each (entry ids are its
         offsets), and a last ``close`` entry once it is closed (that wakes its live readers)."""
-        return f"{self.ds_tag(scoped_path)}:data"
+        return f"{self.ds_stream(tenant, path)}:data"
 
-    def ds_producers(self, scoped_path: str) -> str:
+    def ds_producers(self, tenant: str | None, path: str) -> str:
         """Hash: producer id -> ``<epoch> <last seq>`` of a Durable Streams stream's idempotent
         producers."""
-        return f"{self.ds_tag(scoped_path)}:producers"
+        return f"{self.ds_stream(tenant, path)}:producers"
 
-    def ds_forks(self, scoped_path: str) -> str:
-        """Set: the scoped paths of a Durable Streams stream's forks (their references on it)."""
-        return f"{self.ds_tag(scoped_path)}:forks"
+    def ds_forks(self, tenant: str | None, path: str) -> str:
+        """Set: the paths of a Durable Streams stream's forks (their references on it)."""
+        return f"{self.ds_stream(tenant, path)}:forks"
+
+    def ds_streams(self, tenant: str | None) -> str:
+        """Sorted set: the tenant's Durable Streams streams that count against its quota (each
+        its path's digest), scored by when they expire (ms; ``inf`` for never)."""
+        return f"{self.ds_space(tenant)}:streams"
+
+    def ds_sizes(self, tenant: str | None) -> str:
+        """Hash: path digest -> the bytes each of the tenant's counted streams holds."""
+        return f"{self.ds_space(tenant)}:sizes"
+
+    def ds_usage(self, tenant: str | None) -> str:
+        """Hash: the tenant's Durable Streams bytes in all (``bytes``) and its append rate's
+        token bucket (``tokens``, ``ts`` = last refill in ms)."""
+        return f"{self.ds_space(tenant)}:usage"

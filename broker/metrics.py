@@ -59,6 +59,8 @@ WEBHOOK_REFUSALS = ("host", "port", "address")
 WEBHOOK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600)
 
 
+# Which Durable Streams quota refused a write (broker.dialects.durable).
+DS_LIMITS = ("streams", "bytes", "rate")
 AUTH_FAILURES = ("missing", "bad_credentials", "bad_token", "token_expired", "forbidden")
 # Why the server ended a connection itself (see broker.api.connections).
 CONNECTION_CLOSE_REASONS = (
@@ -240,6 +242,13 @@ class Metrics:
         )
         for reason in ("rate", "streams"):
             self.turns_refused.labels(reason)
+        self.ds_refusals = Counter(
+            "broker_ds_refusals_total",
+            "Durable Streams writes refused by a tenant quota: streams, bytes or append rate.",
+            ["limit"],
+            registry=r,
+        )
+        list(map(self.ds_refusals.labels, DS_LIMITS))  # each at zero from the first scrape
         self.auth_failures = Counter(
             "broker_auth_failures_total",
             "Requests refused for their credentials (401) or an attach token's scope (403).",

@@ -54,6 +54,7 @@ NAMES = (
     "ds_append",
     "ds_delete",
     "ds_fork_ref",
+    "ds_touch",
 )
 
 
@@ -143,6 +144,22 @@ class DsReply:
 
     def value(self, index: int) -> str:
         return self.values[index] if index < len(self.values) else ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DsQuota:
+    """A tenant's Durable Streams limits, as ``ds_create`` and ``ds_append`` take them (0: no
+    limit)."""
+
+    max_streams: int
+    max_bytes: int
+    appends_per_s: float
+    append_burst: int
+
+    @property
+    def args(self) -> tuple[int, int, str, int]:
+        """ARGV: max streams, max bytes, rate, burst (``ds_append`` takes the last three)."""
+        return (self.max_streams, self.max_bytes, repr(self.appends_per_s), self.append_burst)
 
 
 def _text(reply: Sequence[Any], index: int) -> str:
@@ -486,17 +503,17 @@ class Scripts:
         body: str,
         incarnation: str,
         raw_content_type: str,
+        member: str,
+        quota: DsQuota,
         fork: tuple[str, str, str, str] = ("", "", "", ""),
-        inherited: Sequence[tuple[str, str]] = (),
+        part: str = "",
+        source_member: str = "",
     ) -> DsReply:
         """``fork``: the source, the offset as given, the offset resolved and the sub-offset;
-        ``inherited``: a fork's copied entries (entry id, payload)."""
+        ``part``: the sub-offset's part of the source's next append."""
         args = [path, content_type, ttl_s, expires_ms, expires_at, "1" if closed else "", body]
-        copied = [part for entry in inherited for part in entry]
-        reply = await self(
-            "ds_create", list(keys), [*args, incarnation, raw_content_type, *fork, *copied]
-        )
-        return _ds_reply(reply)
+        more = [incarnation, raw_content_type, *fork, part, member, source_member, *quota.args]
+        return _ds_reply(await self("ds_create", list(keys), [*args, *more]))
 
     async def ds_append(
         self,
@@ -508,16 +525,23 @@ class Scripts:
         producer: tuple[str, int, int] | None,
         stream_seq: str,
         max_entries: int,
+        member: str,
+        quota: DsQuota,
     ) -> DsReply:
         ident, epoch, seq = producer if producer is not None else ("", 0, 0)
         args = [content_type, body, "1" if close else "", ident, epoch, seq, stream_seq]
-        return _ds_reply(await self("ds_append", list(keys), [*args, max_entries]))
+        more = [max_entries, member, *quota.args[1:]]
+        return _ds_reply(await self("ds_append", list(keys), [*args, *more]))
 
-    async def ds_delete(self, *, keys: Sequence[str]) -> DsReply:
-        return _ds_reply(await self("ds_delete", list(keys), []))
+    async def ds_delete(self, *, keys: Sequence[str], member: str) -> DsReply:
+        return _ds_reply(await self("ds_delete", list(keys), [member]))
 
-    async def ds_fork_ref(self, *, keys: Sequence[str], take: bool, fork: str) -> DsReply:
-        return _ds_reply(await self("ds_fork_ref", list(keys), ["take" if take else "give", fork]))
+    async def ds_fork_ref(self, *, keys: Sequence[str], fork: str) -> DsReply:
+        return _ds_reply(await self("ds_fork_ref", list(keys), [fork]))
+
+    async def ds_touch(self, *, keys: Sequence[str], ttl_ms: int, member: str) -> bool:
+        """Whether the stream's sliding TTL started again (False: it is gone or deleted)."""
+        return bool(await self("ds_touch", list(keys), [ttl_ms, member]))
 
 
 def _ds_reply(reply: Sequence[Any]) -> DsReply:

@@ -158,6 +158,11 @@ class Settings:
     max_connections_per_address: int = 0  # 0: a quarter of BROKER_MAX_CONNECTIONS
     max_connections_per_tenant: int = 0  # requests in flight; 0: half of BROKER_MAX_CONNECTIONS
     uncapped_addresses: str = "loopback"  # not capped per address: loopback, none, IPs, networks
+    # Durable Streams quotas, per tenant (an open broker's callers share one); 0 = no limit.
+    ds_tenant_max_streams: int = 1_000  # streams a tenant keeps at once (forks included)
+    ds_tenant_max_bytes: int = 67_108_864  # bytes a tenant's streams hold (forks' copies included)
+    ds_tenant_appends_per_s: float = 200.0  # appends (and creations) per second
+    ds_tenant_append_burst: int = 2_000  # the bucket: appends a quiet tenant may make at once
 
     def __post_init__(self) -> None:
         if self.log_level.upper() not in LOG_LEVELS:
@@ -182,6 +187,7 @@ class Settings:
         _check_webhooks(self)
         _check_connections(self)
         _check_providers(self)
+        _check_durable_quotas(self)
         if self.sse_heartbeat_max_s < self.sse_heartbeat_s:
             raise SettingsError(
                 "BROKER_SSE_HEARTBEAT_MAX_S must be at least BROKER_SSE_HEARTBEAT_S"
@@ -553,3 +559,17 @@ def _check_webhooks(settings: Settings) -> None:
         )
     if settings.webhook_timeout_s <= 0:
         raise SettingsError("BROKER_WEBHOOK_TIMEOUT_S must be positive")
+
+
+def _check_durable_quotas(settings: Settings) -> None:
+    """The Durable Streams quotas are 0 (off) or more, and a rate has a bucket to take from."""
+    for name in (
+        "ds_tenant_max_streams",
+        "ds_tenant_max_bytes",
+        "ds_tenant_appends_per_s",
+        "ds_tenant_append_burst",
+    ):
+        if getattr(settings, name) < 0:
+            raise SettingsError(f"BROKER_{name.upper()} must be 0 (no limit) or more")
+    if settings.ds_tenant_appends_per_s > 0 and settings.ds_tenant_append_burst < 1:
+        raise SettingsError("BROKER_DS_TENANT_APPEND_BURST must be at least 1")

@@ -6,9 +6,18 @@
 -- request that closed it, retried), then the content type, then the producer, then Stream-Seq.
 -- Closing writes a last "close" entry after the data, so that live readers wake up.
 --
--- KEYS[1]  metadata      <prefix>:{ds:<digest>}:meta
--- KEYS[2]  data          <prefix>:{ds:<digest>}:data
--- KEYS[3]  producers     <prefix>:{ds:<digest>}:producers
+-- The tenant's quota: every call takes a token of the tenant's append rate (before anything
+-- else: a refused call does nothing), and an append needs room for its bytes; streams whose
+-- expiry passed (by more than two seconds: their keys are surely gone) give their share back
+-- first. A sliding TTL moves the stream's expiry in the tenant's accounting too.
+--
+-- KEYS[1]  metadata      <space>:s:<digest>:meta
+-- KEYS[2]  data          <space>:s:<digest>:data
+-- KEYS[3]  producers     <space>:s:<digest>:producers
+-- KEYS[4]  streams       <space>:streams  (sorted set: counted stream digest -> expiry ms)
+-- KEYS[5]  sizes         <space>:sizes    (hash: counted stream digest -> bytes)
+-- KEYS[6]  usage         <space>:usage    (hash: bytes; tokens, ts: the append rate's bucket)
+--          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
 -- ARGV[1]  content type  the request's, normalized; "" for a close without a body
 -- ARGV[2]  body          the entry's payload; "" to close without appending
 -- ARGV[3]  close         "1" to close the stream after the append, else ""
@@ -17,6 +26,10 @@
 -- ARGV[6]  seq           the producer's sequence number, when ARGV[4] is set
 -- ARGV[7]  stream seq    the Stream-Seq header, or "" for none
 -- ARGV[8]  max entries   the most appends a stream may hold (BROKER_DS_MAX_APPENDS)
+-- ARGV[9]  member        the stream's digest (its name in the tenant's accounting)
+-- ARGV[10] max bytes     the tenant's most bytes (BROKER_DS_TENANT_MAX_BYTES); 0: no limit
+-- ARGV[11] rate          the tenant's appends per second (BROKER_DS_TENANT_APPENDS_PER_S); 0: none
+-- ARGV[12] burst         the rate's bucket (BROKER_DS_TENANT_APPEND_BURST)
 --
 -- Returns  {"ok", tail, closed}             appended (and/or closed); tail: the last entry id
 --          {"missing"}                      no such stream
@@ -31,8 +44,31 @@
 --          {"gap", expected, received}      the producer skipped sequence numbers
 --          {"stream_seq", last}             Stream-Seq is not past the last one
 --          {"full", max}                    the stream holds BROKER_DS_MAX_APPENDS appends
+--          {"rate", retry_after_ms}         the tenant appends faster than its rate
+--          {"quota", "bytes", max}          the tenant's bytes would pass its quota
 -- Errors   none of its own.
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
+local streams, sizes, usage, member = KEYS[4], KEYS[5], KEYS[6], ARGV[9]
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+
+-- Expired streams give their share back (their scores are never before their keys' expiry).
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', streams, '-inf', now_ms - 2000)) do
+  local held = tonumber(redis.call('HGET', sizes, gone)) or 0
+  if redis.call('HINCRBY', usage, 'bytes', -held) < 0 then redis.call('HSET', usage, 'bytes', 0) end
+  redis.call('HDEL', sizes, gone)
+  redis.call('ZREM', streams, gone)
+end
+
+local rate, burst = tonumber(ARGV[11]), tonumber(ARGV[12])
+if rate > 0 then
+  local state = redis.call('HMGET', usage, 'tokens', 'ts')
+  local tokens = tonumber(state[1]) or burst
+  local ts = tonumber(state[2]) or now_ms
+  if now_ms > ts then tokens = math.min(burst, tokens + (now_ms - ts) * rate / 1000) end
+  if tokens < 1 then return {'rate', tostring(math.ceil((1 - tokens) * 1000 / rate))} end
+  redis.call('HSET', usage, 'tokens', tostring(tokens - 1), 'ts', now_ms)
+end
 
 -- Whether a sorts at or before b, byte by byte (Lua's own comparison follows the locale).
 local function at_or_before(a, b)
@@ -56,6 +92,7 @@ local function keep_alive()
     redis.call('PEXPIRE', meta, keep)
     if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, keep) end
     if redis.call('EXISTS', producers) == 1 then redis.call('PEXPIRE', producers, keep) end
+    if v[6] then redis.call('ZADD', streams, 'XX', now_ms + keep, member) end
   end
 end
 if v[6] then keep_alive() end
@@ -92,8 +129,14 @@ if ARGV[7] ~= '' then
 end
 if ARGV[2] ~= '' then
   if redis.call('XLEN', data) >= tonumber(ARGV[8]) then return {'full', ARGV[8]} end
+  local max_bytes = tonumber(ARGV[10])
+  if max_bytes > 0 and (tonumber(redis.call('HGET', usage, 'bytes')) or 0) + #ARGV[2] > max_bytes then
+    return {'quota', 'bytes', ARGV[10]}
+  end
   tail = redis.call('XADD', data, '*', 'e', 'm', 'd', ARGV[2])
   redis.call('HSET', meta, 'tail', tail)
+  redis.call('HINCRBY', sizes, member, #ARGV[2])
+  redis.call('HINCRBY', usage, 'bytes', #ARGV[2])
 end
 if state then redis.call('HSET', producers, producer, state) end
 if ARGV[7] ~= '' then redis.call('HSET', meta, 'sseq', ARGV[7]) end

@@ -1,15 +1,30 @@
--- ds_create: create a Durable Streams stream, or find the same one (idempotent PUT).
+-- ds_create: create a Durable Streams stream (a fork of another included), or find the same one
+-- (idempotent PUT), under its tenant's quota.
 --
 -- A stream that exists is "the same" when its content type, TTL, expiry and closure all match
 -- the request; its data is never touched then. A new stream keeps its configuration in its
--- metadata hash, its initial body (if any) as its first entry, and, with a TTL or an expiry,
--- the same expiry on all its keys.
+-- metadata hash, its initial body (if any) as its last entry, and, with a TTL or an expiry,
+-- the same expiry on all its keys. A fork copies its source's appends up to the fork point, ids
+-- and all, here in Redis (nothing passes through the broker), then the first part of the next
+-- append (a sub-offset, cut by the caller), and counts itself in its source's forks set; every
+-- byte it copies is charged to the tenant like an append's.
 --
--- KEYS[1]  metadata      <prefix>:{ds:<digest>}:meta       (hash; its existence is the stream's)
--- KEYS[2]  data          <prefix>:{ds:<digest>}:data       (Redis Stream of appends)
--- KEYS[3]  producers     <prefix>:{ds:<digest>}:producers  (hash: producer id -> "epoch seq")
--- KEYS[4]  forks         <prefix>:{ds:<digest>}:forks      (set: its forks' scoped paths)
--- ARGV[1]  path          the stream's scoped path, kept for the record
+-- The tenant's quota: every call takes a token of the tenant's append rate; a new stream needs
+-- room for one more stream and for its bytes. Streams whose expiry passed (by more than two
+-- seconds, so that the keys are surely gone) give their share back first.
+--
+-- KEYS[1]  metadata      <space>:s:<digest>:meta       (hash; its existence is the stream's)
+-- KEYS[2]  data          <space>:s:<digest>:data       (Redis Stream of appends)
+-- KEYS[3]  producers     <space>:s:<digest>:producers  (hash: producer id -> "epoch seq")
+-- KEYS[4]  forks         <space>:s:<digest>:forks      (set: its forks' paths)
+-- KEYS[5]  source meta   a fork's source's metadata (the stream's own KEYS[1] for no fork)
+-- KEYS[6]  source data   a fork's source's data (KEYS[2] for no fork)
+-- KEYS[7]  source forks  a fork's source's forks set (KEYS[4] for no fork)
+-- KEYS[8]  streams       <space>:streams  (sorted set: counted stream digest -> expiry ms)
+-- KEYS[9]  sizes         <space>:sizes    (hash: counted stream digest -> bytes)
+-- KEYS[10] usage         <space>:usage    (hash: bytes; tokens, ts: the append rate's bucket)
+--          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
+-- ARGV[1]  path          the stream's path, kept for the record
 -- ARGV[2]  content type  normalized (lower case, no parameters)
 -- ARGV[3]  ttl_s         sliding time to live in seconds, or "" for none
 -- ARGV[4]  expires_ms    absolute expiry (Unix ms), or "" for none
@@ -18,13 +33,18 @@
 -- ARGV[7]  body          the initial entry's payload, or "" for none
 -- ARGV[8]  incarnation   a random id of this stream's life (a re-created stream differs)
 -- ARGV[9]  raw type      the content type as the client wrote it (echoed on reads)
--- ARGV[10] source        a fork's source (its scoped path), or "" for a stream of its own
+-- ARGV[10] source        a fork's source (its path), or "" for a stream of its own
 -- ARGV[11] fork offset   the fork's divergence point as the client gave it (an entry id), or
 --                        "" (the source's tail, resolved by the caller: ARGV[12])
--- ARGV[12] resolved      the divergence point the fork was made at (an entry id), or ""
+-- ARGV[12] resolved      the divergence point the fork is made at (an entry id), or ""
 -- ARGV[13] sub-offset    a fork's sub-offset ("" for none or 0)
--- ARGV[14..]             a fork's inherited entries, copied: entry id, payload, entry id, ...
---                        (ids in order, each past the last), before its initial body
+-- ARGV[14] part          the sub-offset's part of the source's next append, or ""
+-- ARGV[15] member        this stream's digest (its name in the tenant's accounting)
+-- ARGV[16] source member the source's digest, or ""
+-- ARGV[17] max streams   the tenant's most streams (BROKER_DS_TENANT_MAX_STREAMS); 0: no limit
+-- ARGV[18] max bytes     the tenant's most bytes (BROKER_DS_TENANT_MAX_BYTES); 0: no limit
+-- ARGV[19] rate          the tenant's appends per second (BROKER_DS_TENANT_APPENDS_PER_S); 0: none
+-- ARGV[20] burst         the rate's bucket (BROKER_DS_TENANT_APPEND_BURST)
 --
 -- Returns  {"created", tail, closed, type}   tail: the last entry id ("0-0": none); closed "1"
 --                                            or ""; type: the content type as the stream keeps
@@ -33,8 +53,40 @@
 --          {"conflict", what}          a stream is there with another configuration
 --                                      (what: content_type, ttl, expiry, closed or fork), or a
 --                                      deleted stream's forks still hold its path (deleted)
+--          {"rate", retry_after_ms}    the tenant appends faster than its rate: nothing done
+--          {"quota", which, limit}     no room: which is "streams" or "bytes"; nothing done
+--          {"source_missing"}          a fork's source does not exist
+--          {"source_deleted"}          a fork's source is deleted (its forks still live)
+--          {"past_tail"}               the fork point is past the source's tail
 -- Errors   none of its own.
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
+local streams, sizes, usage = KEYS[8], KEYS[9], KEYS[10]
+local member = ARGV[15]
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+
+-- A stream gone gives its share back.
+local function release(gone)
+  local held = tonumber(redis.call('HGET', sizes, gone)) or 0
+  if redis.call('HINCRBY', usage, 'bytes', -held) < 0 then redis.call('HSET', usage, 'bytes', 0) end
+  redis.call('HDEL', sizes, gone)
+  redis.call('ZREM', streams, gone)
+end
+-- Expired streams first (their scores are never before their keys' expiry).
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', streams, '-inf', now_ms - 2000)) do
+  release(gone)
+end
+
+local rate, burst = tonumber(ARGV[19]), tonumber(ARGV[20])
+if rate > 0 then
+  local state = redis.call('HMGET', usage, 'tokens', 'ts')
+  local tokens = tonumber(state[1]) or burst
+  local ts = tonumber(state[2]) or now_ms
+  if now_ms > ts then tokens = math.min(burst, tokens + (now_ms - ts) * rate / 1000) end
+  if tokens < 1 then return {'rate', tostring(math.ceil((1 - tokens) * 1000 / rate))} end
+  redis.call('HSET', usage, 'tokens', tostring(tokens - 1), 'ts', now_ms)
+end
+
 if redis.call('EXISTS', meta) == 1 then
   local v = redis.call('HMGET', meta, 'ct', 'ttl', 'exp', 'closed', 'tail', 'deleted', 'ff',
     'fo', 'fs', 'ctr')
@@ -47,25 +99,94 @@ if redis.call('EXISTS', meta) == 1 then
   if (v[4] or '') ~= ARGV[6] then return {'conflict', 'closed'} end
   return {'exists', v[5] or '0-0', v[4] or '', v[10] or ''}
 end
+
+-- Whether entry id a is after entry id b.
+local function after(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am > bm or (am == bm and as > bs)
+end
+
+-- A fork's source, and the bytes it inherits: the source's appends up to the fork point.
+local PAGE = 512
+local inherited = 0
+local fork = ARGV[10] ~= ''
+if fork then
+  local s = redis.call('HMGET', KEYS[5], 'ct', 'deleted', 'tail')
+  if not s[1] then return {'source_missing'} end
+  if s[2] == '1' then return {'source_deleted'} end
+  local tail = s[3] or '0-0'
+  if after(ARGV[12], tail) then return {'past_tail'} end
+  local whole = ARGV[16] ~= '' and ARGV[12] == tail and redis.call('HGET', sizes, ARGV[16])
+  if whole then
+    inherited = tonumber(whole)
+  elseif ARGV[12] ~= '0-0' then
+    local start = '-'
+    while true do
+      local page = redis.call('XRANGE', KEYS[6], start, ARGV[12], 'COUNT', PAGE)
+      for _, entry in ipairs(page) do
+        local f = entry[2]
+        if f[2] ~= 'close' then inherited = inherited + #(f[4] or '') end
+      end
+      if #page < PAGE then break end
+      start = '(' .. page[#page][1]
+    end
+  end
+end
+
+-- This path's last stream expired moments ago (its score not yet passed): its share is free.
+if redis.call('ZSCORE', streams, member) then release(member) end
+local bytes = inherited + #ARGV[14] + #ARGV[7]
+local max_streams, max_bytes = tonumber(ARGV[17]), tonumber(ARGV[18])
+if max_streams > 0 and redis.call('ZCARD', streams) >= max_streams then
+  return {'quota', 'streams', ARGV[17]}
+end
+if max_bytes > 0 and (tonumber(redis.call('HGET', usage, 'bytes')) or 0) + bytes > max_bytes then
+  return {'quota', 'bytes', ARGV[18]}
+end
+
 -- A stream deleted and made again starts empty: nothing of the old one is kept.
 redis.call('DEL', data, producers, KEYS[4])
 local tail = '0-0'
-for i = 14, #ARGV, 2 do
-  tail = redis.call('XADD', data, ARGV[i], 'e', 'm', 'd', ARGV[i + 1])
+if fork and ARGV[12] ~= '0-0' then
+  local start = '-'
+  while true do
+    local page = redis.call('XRANGE', KEYS[6], start, ARGV[12], 'COUNT', PAGE)
+    for _, entry in ipairs(page) do
+      local f = entry[2]
+      if f[2] ~= 'close' then tail = redis.call('XADD', data, entry[1], 'e', 'm', 'd', f[4] or '') end
+    end
+    if #page < PAGE then break end
+    start = '(' .. page[#page][1]
+  end
+end
+if ARGV[14] ~= '' then
+  local ms, seq = string.match(ARGV[12], '^(%d+)-(%d+)$')
+  tail = redis.call('XADD', data, ms .. '-' .. string.format('%d', tonumber(seq) + 1), 'e', 'm',
+    'd', ARGV[14])
 end
 if ARGV[7] ~= '' then
   tail = redis.call('XADD', data, '*', 'e', 'm', 'd', ARGV[7])
 end
 redis.call('HSET', meta, 'path', ARGV[1], 'ct', ARGV[2], 'ctr', ARGV[9], 'tail', tail,
   'inc', ARGV[8])
-if ARGV[10] ~= '' then
+if fork then
   redis.call('HSET', meta, 'ff', ARGV[10], 'fo', ARGV[12], 'fs', ARGV[13])
+  redis.call('SADD', KEYS[7], ARGV[1])
 end
 if ARGV[3] ~= '' then redis.call('HSET', meta, 'ttl', ARGV[3]) end
 if ARGV[4] ~= '' then redis.call('HSET', meta, 'exp', ARGV[4], 'exp_text', ARGV[5]) end
 if ARGV[6] == '1' then
   redis.call('HSET', meta, 'closed', '1')
   redis.call('XADD', data, '*', 'e', 'close', 'd', '')
+end
+-- Its score is never before its keys' expiry: the expiry is counted from this script's start.
+local expires = 'inf'
+if ARGV[3] ~= '' then
+  expires = now_ms + tonumber(ARGV[3]) * 1000
+elseif ARGV[4] ~= '' then
+  expires = ARGV[4]
 end
 for _, key in ipairs({meta, data}) do
   if ARGV[3] ~= '' then
@@ -74,4 +195,7 @@ for _, key in ipairs({meta, data}) do
     redis.call('PEXPIREAT', key, ARGV[4])
   end
 end
+redis.call('ZADD', streams, expires, member)
+redis.call('HSET', sizes, member, bytes)
+redis.call('HINCRBY', usage, 'bytes', bytes)
 return {'created', tail, ARGV[6], ARGV[9]}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -32,11 +33,18 @@ from broker.dialects.durable.store import (
     Read,
     StreamKeys,
     to_bytes,
-    to_text,
 )
-from broker.errors import BadRequest, BrokerError, Conflict, Forbidden, Gone, NotFound
+from broker.errors import (
+    BadRequest,
+    BrokerError,
+    Conflict,
+    Forbidden,
+    Gone,
+    NotFound,
+    TooManyRequests,
+)
 from broker.frames import ORIGIN, Cursor
-from broker.keys import STREAM_ID_PATTERN, scoped
+from broker.keys import STREAM_ID_PATTERN
 from broker.reader import FROM_NOW, Location, StartPoint
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.viewer import REPLACED, FrameSource, admit, as_viewer, check_stream
@@ -103,14 +111,16 @@ def _writer(request: Request, principal: Principal) -> Principal:
 
 def _writable(
     request: Request, path: str, principal: Principal, refusal: str
-) -> tuple[DurableStore, str]:
-    """The store and the scoped path a write (create, append, delete) goes to: 404 for a path
-    no stream can have, 403 for an attach token, 405 (``refusal``) for a generation's stream."""
+) -> tuple[DurableStore, StreamKeys]:
+    """The store and the keys of the stream a write (create, append, delete) goes to: 404 for
+    a path no stream can have, 403 for an attach token, 405 (``refusal``) for a generation's
+    stream."""
     path = _checked_path(path)
     principal = _writer(request, principal)
     if _generation(path):
         raise MethodNotAllowed(refusal)
-    return _store(runtime(request)), scoped(principal.tenant, path)
+    store = _store(runtime(request))
+    return store, store.keys(principal.tenant, path)
 
 
 def _headers(**values: str | None) -> dict[str, str]:
@@ -142,24 +152,24 @@ def _generation(path: str) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Fork:
-    """What a fork is made of: its source's metadata, what it copies, and its signature (the
-    source, the offset as given, as resolved, and the sub-offset) for an idempotent PUT."""
+    """What a fork is made of: its source's metadata, its signature (the source, the offset as
+    given, as resolved, and the sub-offset) for an idempotent PUT, and the part of the source's
+    next append that a sub-offset takes."""
 
     source: Meta
     signature: tuple[str, str, str, str]
-    inherited: list[tuple[str, str]]
+    part: bytes
 
 
-async def _fork(
-    store: DurableStore, principal: Principal, me: str, headers: Headers
-) -> _Fork | None:
+async def _fork(store: DurableStore, me: StreamKeys, headers: Headers) -> _Fork | None:
     """The fork a PUT asks for (``Stream-Forked-From``), or None; 400, 404 or 409 when it
     cannot be made.
 
-    A fork copies its source's appends up to the divergence point, with their offsets, and,
-    with a sub-offset, the first bytes (or JSON values) of the next append, as an entry right
-    after that point: it is then a stream of its own, which its source's later appends, closing
-    or deletion never touch.
+    A fork has its source's appends up to the divergence point, with their offsets, and, with a
+    sub-offset, the first bytes (or JSON values) of the next append, as an entry right after
+    that point: it is then a stream of its own, which its source's later appends, closing or
+    deletion never touch. The appends are copied by ``ds_create`` inside Redis; only the one
+    append a sub-offset cuts is read here.
     """
     origin = headers.get("stream-forked-from")
     offset = headers.get("stream-fork-offset")
@@ -173,19 +183,18 @@ async def _fork(
     path = _checked_path(wire.source_path(origin))
     if _generation(path):
         raise NotSupported("a generation's stream cannot be forked")
-    source = scoped(principal.tenant, path)
-    if source == me:
+    if path == me.path:
         raise BadRequest("a stream cannot fork itself", code="bad_fork")
-    keys = store.keys(source)
+    keys = store.keys(me.tenant, path)
     meta = await store.meta(keys)
     if meta is None:
         raise NotFound("the fork's source does not exist")
     if meta.deleted:
-        raise Conflict("the fork's source is deleted", code="source_deleted")
+        raise _source_deleted()
     at = meta.tail if offset is None else wire.cursor_of(offset)
     if at.key > meta.tail.key:
-        raise BadRequest("Stream-Fork-Offset is past the source's tail", code="bad_fork")
-    inherited = await store.inherited(keys, at)
+        raise _past_tail()
+    part = b""
     if sub:
         following = await store.next_append(keys, at)
         if following is None:
@@ -193,10 +202,16 @@ async def _fork(
                 "nothing follows the fork offset to take a sub-offset of", code="bad_fork"
             )
         part = wire.prefix(to_bytes(following[1]), sub, json=wire.is_json(meta.content_type))
-        ms, _, seq = at.entry_id.partition("-")
-        inherited.append((f"{ms}-{int(seq) + 1}", to_text(part)))
     given = "" if offset is None else at.entry_id
-    return _Fork(meta, (source, given, at.entry_id, str(sub) if sub else ""), inherited)
+    return _Fork(meta, (path, given, at.entry_id, str(sub) if sub else ""), part)
+
+
+def _source_deleted() -> Conflict:
+    return Conflict("the fork's source is deleted", code="source_deleted")
+
+
+def _past_tail() -> BadRequest:
+    return BadRequest("Stream-Fork-Offset is past the source's tail", code="bad_fork")
 
 
 # --- writes ----------------------------------------------------------------------------------
@@ -205,9 +220,10 @@ async def _fork(
 @router.put(PREFIX + "/{path:path}", status_code=201, responses={200: {}, 409: {}})
 async def create_stream(request: Request, path: str, principal: Caller) -> Response:
     """Create a stream (201), or find the same one (200); 409 for another configuration."""
-    store, me = _writable(
+    store, keys = _writable(
         request, path, principal, "a generation's stream is written by its worker only"
     )
+    location = _location(request, keys.path)
     headers = request.headers
     ttl_s = wire.ttl_seconds(headers.get("stream-ttl"))
     expires_at = headers.get("stream-expires-at")
@@ -217,8 +233,7 @@ async def create_stream(request: Request, path: str, principal: Caller) -> Respo
     raw_type = (headers.get("content-type") or "").strip()
     if not wire.media_type(raw_type):
         raw_type = ""
-    keys = store.keys(me)
-    fork = await _fork(store, principal, me, headers)
+    fork = await _fork(store, keys, headers)
     if fork is not None:
         source = fork.source
         if raw_type and wire.media_type(raw_type) != wire.media_type(source.content_type):
@@ -235,37 +250,31 @@ async def create_stream(request: Request, path: str, principal: Caller) -> Respo
     if body and content_type == wire.JSON_TYPE:
         body = wire.json_messages(body, allow_empty=True)
     closed = wire.flag(headers.get("stream-closed"))
-    if fork is not None:
-        taken = await store.take_ref(fork.signature[0], me)
-        if taken.result == "missing":
-            raise NotFound("the fork's source does not exist")
-        if taken.result == "gone":
-            raise Conflict("the fork's source is deleted", code="source_deleted")
-    try:
-        reply = await store.create(
-            keys,
-            me,
-            content_type=content_type,
-            raw_content_type=raw_type,
-            ttl_s=ttl_s,
-            expires_ms=expires_ms,
-            expires_at=expires_at.strip() if expires_at else None,
-            closed=closed,
-            body=body,
-            fork=fork.signature if fork is not None else ("", "", "", ""),
-            inherited=fork.inherited if fork is not None else None,
-        )
-    except BaseException:
-        if fork is not None and taken.value(0) == "1":
-            await store.give_back(fork.signature[0], me)
-        raise
-    if fork is not None and reply.result != "created" and taken.value(0) == "1":
-        await store.give_back(fork.signature[0], me)  # a refused fork holds no reference
+    reply = await store.create(
+        keys,
+        content_type=content_type,
+        raw_content_type=raw_type,
+        ttl_s=ttl_s,
+        expires_ms=expires_ms,
+        expires_at=expires_at.strip() if expires_at else None,
+        closed=closed,
+        body=body,
+        fork=fork.signature if fork is not None else ("", "", "", ""),
+        part=fork.part if fork is not None else b"",
+    )
     if reply.result == "conflict":
         raise Conflict(
             f"the stream exists with another configuration ({reply.value(0)})",
             code="stream_exists",
         )
+    if reply.result == "source_missing":
+        raise NotFound("the fork's source does not exist")
+    if reply.result == "source_deleted":
+        raise _source_deleted()
+    if reply.result == "past_tail":
+        raise _past_tail()
+    if reply.result not in ("created", "exists"):
+        raise _refusal(request, reply.result, reply.values)
     tail = wire.offset_of(Cursor.after(reply.value(0)))
     status = 201 if reply.result == "created" else 200
     response = Response(
@@ -278,14 +287,63 @@ async def create_stream(request: Request, path: str, principal: Caller) -> Respo
         ),
     )
     if status == 201:
-        response.headers["location"] = str(request.url.replace(query=""))
+        response.headers["location"] = location
     return response
+
+
+def _location(request: Request, path: str) -> str:
+    """The URL of the stream at ``path``, its path percent-encoded (RFC 3986): a header is
+    Latin-1 at most, and a path may hold any character, ``?``, ``#`` and ``%`` included."""
+    quoted = wire.quote_path(path)
+    base = request.url.replace(path="", query="", fragment="")
+    root = request.scope.get("root_path", "")
+    return f"{str(base).rstrip('/')}{root}{PREFIX}/{quoted}"
+
+
+class QuotaExceeded(BrokerError):
+    """A tenant holds as many Durable Streams streams, or bytes, as its quota allows."""
+
+    code = "quota_exceeded"
+    status = 429
+
+
+def _refusal(request: Request, result: str, values: tuple[str, ...]) -> BrokerError:
+    """What a tenant's quota refused (``rate`` or ``quota``), counted; any other reply is the
+    broker's own error."""
+    settings = runtime(request).settings
+    metrics = runtime(request).metrics
+    if result == "rate":
+        metrics.ds_refusals.labels("rate").inc()
+        retry_after_s = math.ceil(int(values[0]) / 1000)
+        return TooManyRequests(
+            "this tenant appends to its Durable Streams faster than "
+            f"BROKER_DS_TENANT_APPENDS_PER_S={settings.ds_tenant_appends_per_s:g} (burst "
+            f"{settings.ds_tenant_append_burst}); retry in {max(1, retry_after_s)} s",
+            retry_after_s=retry_after_s,
+            code="rate_limited",
+        )
+    if result == "quota" and values and values[0] in ("streams", "bytes"):
+        which = values[0]
+        metrics.ds_refusals.labels(which).inc()
+        if which == "streams":
+            return QuotaExceeded(
+                f"this tenant holds BROKER_DS_TENANT_MAX_STREAMS={values[1]} Durable Streams "
+                "streams: delete one (or let one expire) first",
+                code="stream_quota",
+            )
+        return QuotaExceeded(
+            f"this would take this tenant's Durable Streams past "
+            f"BROKER_DS_TENANT_MAX_BYTES={values[1]} bytes: delete a stream (or let one "
+            "expire) first",
+            code="byte_quota",
+        )
+    return BrokerError(f"unexpected reply {result!r}")
 
 
 @router.post(PREFIX + "/{path:path}", status_code=204, responses={200: {}, 409: {}})
 async def append_stream(request: Request, path: str, principal: Caller) -> Response:
     """Append (204; 200 for a producer's new batch), close (``Stream-Closed: true``), or both."""
-    store, me = _writable(
+    store, keys = _writable(
         request, path, principal, "a generation's stream is written by its worker only"
     )
     headers = request.headers
@@ -295,7 +353,6 @@ async def append_stream(request: Request, path: str, principal: Caller) -> Respo
     close = wire.flag(headers.get("stream-closed"))
     body = await request.body()
     content_type = ""
-    keys = store.keys(me)
     if not body and not close:
         raise BadRequest("an append needs a body (or Stream-Closed: true)", code="empty_append")
     if body:
@@ -336,6 +393,8 @@ async def append_stream(request: Request, path: str, principal: Caller) -> Respo
         )
     if result == "closed_again":
         return Response(status_code=204, headers=_headers(next_offset=tail, closed="true"))
+    if result in ("rate", "quota"):
+        raise _refusal(request, result, reply.values)
     raise _append_error(reply.result, reply.values, tail)
 
 
@@ -387,10 +446,10 @@ def _append_error(result: str, values: tuple[str, ...], tail: str | None) -> Bro
 @router.delete(PREFIX + "/{path:path}", status_code=204)
 async def delete_stream(request: Request, path: str, principal: Caller) -> Response:
     """Delete a stream and everything in it."""
-    store, me = _writable(
+    store, keys = _writable(
         request, path, principal, "a generation's stream is deleted by its retention only"
     )
-    result = await store.delete(store.keys(me), me)
+    result = await store.delete(keys)
     if result == "missing":
         raise NotFound("no such stream")
     if result == "gone":
@@ -420,7 +479,7 @@ async def stream_metadata(request: Request, path: str, principal: Caller) -> Res
         )
     principal = _writer(request, principal)
     store = _store(rt)
-    meta = await store.meta(store.keys(scoped(principal.tenant, path)))
+    meta = await store.meta(store.keys(principal.tenant, path))
     if meta is None:
         raise NotFound("no such stream")
     if meta.deleted:
@@ -454,7 +513,7 @@ async def read_stream(request: Request, path: str, principal: Caller) -> Respons
         return await _read_generation(rt, request, path, principal, offset, live)
     principal = _writer(request, principal)
     store = _store(rt)
-    keys = store.keys(scoped(principal.tenant, path))
+    keys = store.keys(principal.tenant, path)
     after = None if offset == "now" else ORIGIN if offset == "-1" else wire.cursor_of(offset)
     read = await store.read(keys, after)
     if read is None:

@@ -1,15 +1,18 @@
-"""Durable Streams streams kept in Redis: three keys per stream in one slot, written only by
-the ``ds_*`` scripts, read with plain commands, and waited on through the process's feeds.
+"""Durable Streams streams kept in Redis: four keys per stream, in its tenant's slot, written
+only by the ``ds_*`` scripts, read with plain commands, and waited on through the process's feeds.
 
 A stream is a metadata hash (its existence is the stream's), a Redis Stream with one entry per
 append (the entry ids are the offsets, spelled ``<ms:016>_<seq:016>`` on the wire, which sort
-as strings), a hash of its idempotent producers, and the set of its forks. A fork copies the
-entries it inherits, ids and all, into a stream of its own (in its own slot); its source counts
-it in its forks set (in the source's slot), so that a source deleted while forks of it live
-stays as a marked path (410) until its last fork goes. Closing adds a last ``close`` entry after the
-data: the stream's live readers wake on it as on an append, and a read that meets it knows the
-stream has ended. A payload is kept as the text whose code points are its bytes (Latin-1), so
-that any bytes go through the Redis client's text replies unchanged.
+as strings), a hash of its idempotent producers, and the set of its forks. All of a tenant's
+streams share its slot (``{ds:t:<tenant>}``; an open broker's, ``{ds:open}``) with the
+tenant's accounting: the streams it holds, their bytes, and its append rate, which the scripts
+check and charge atomically with each write. A fork copies the entries it inherits, ids and all,
+into a stream of its own, inside Redis (no byte of it passes through the broker), charged to
+the tenant; its source counts it in its forks set, so that a source deleted while forks of it
+live stays as a marked path (410) until its last fork goes. Closing adds a last ``close`` entry
+after the data: the stream's live readers wake on it as on an append, and a read that meets it
+knows the stream has ended. A payload is kept as the text whose code points are its bytes
+(Latin-1), so that any bytes go through the Redis client's text replies unchanged.
 
 Reads and writes go to the primary (a Durable Streams client reads its own writes); a live read
 waits on the stream's feed like an SSE reader of a generation (:mod:`broker.fanout`): waiting
@@ -29,7 +32,8 @@ from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.fanout import Hub, HubClosed
 from broker.frames import ORIGIN, Cursor
-from broker.scripts import DsReply
+from broker.keys import ds_digest
+from broker.scripts import DsQuota, DsReply
 
 CLOSE: Final = "close"  # the kind of the entry that closes a stream
 MESSAGE: Final = "m"  # the kind of an append's entry
@@ -48,12 +52,18 @@ def to_bytes(text: str) -> bytes:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StreamKeys:
-    """The three keys of one stream, in the order the scripts take them."""
+    """One stream's keys and its tenant's accounting keys, all in the tenant's slot."""
 
+    tenant: str | None
+    path: str  # within its tenant
+    member: str  # its name in the tenant's accounting (a digest of its path)
     meta: str
     data: str
     producers: str
     forks: str
+    streams: str
+    sizes: str
+    usage: str
 
     @property
     def all(self) -> tuple[str, str, str]:
@@ -62,6 +72,10 @@ class StreamKeys:
     @property
     def with_forks(self) -> tuple[str, str, str, str]:
         return (self.meta, self.data, self.producers, self.forks)
+
+    @property
+    def accounts(self) -> tuple[str, str, str]:
+        return (self.streams, self.sizes, self.usage)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,19 +133,35 @@ class DurableStore:
         self._settings = deps.settings
         self._hub = hub
 
-    def keys(self, scoped_path: str) -> StreamKeys:
+    def keys(self, tenant: str | None, path: str) -> StreamKeys:
+        """The keys of the stream at ``path`` of ``tenant`` (None: an open broker's)."""
         keys = self._keys
         return StreamKeys(
-            keys.ds_meta(scoped_path),
-            keys.ds_data(scoped_path),
-            keys.ds_producers(scoped_path),
-            keys.ds_forks(scoped_path),
+            tenant,
+            path,
+            ds_digest(path),
+            keys.ds_meta(tenant, path),
+            keys.ds_data(tenant, path),
+            keys.ds_producers(tenant, path),
+            keys.ds_forks(tenant, path),
+            keys.ds_streams(tenant),
+            keys.ds_sizes(tenant),
+            keys.ds_usage(tenant),
+        )
+
+    @property
+    def quota(self) -> DsQuota:
+        settings = self._settings
+        return DsQuota(
+            settings.ds_tenant_max_streams,
+            settings.ds_tenant_max_bytes,
+            settings.ds_tenant_appends_per_s,
+            settings.ds_tenant_append_burst,
         )
 
     async def create(
         self,
         keys: StreamKeys,
-        scoped_path: str,
         *,
         content_type: str,
         raw_content_type: str,
@@ -141,13 +171,15 @@ class DurableStore:
         closed: bool,
         body: bytes,
         fork: tuple[str, str, str, str] = ("", "", "", ""),
-        inherited: list[tuple[str, str]] | None = None,
+        part: bytes = b"",
     ) -> DsReply:
+        """Create the stream (or find the same one), a fork of ``fork``'s source if it names
+        one (see ``ds_create``): its inherited appends are copied inside Redis."""
+        source = self.keys(keys.tenant, fork[0] or keys.path)
+        refs = (source.meta, source.data, source.forks)
         return await self._scripts.ds_create(
-            keys=keys.with_forks,
-            fork=fork,
-            inherited=inherited or [],
-            path=scoped_path,
+            keys=(*keys.with_forks, *refs, *keys.accounts),
+            path=keys.path,
             content_type=content_type,
             ttl_s="" if ttl_s is None else str(ttl_s),
             expires_ms="" if expires_ms is None else str(expires_ms),
@@ -156,6 +188,11 @@ class DurableStore:
             body=to_text(body),
             incarnation=secrets.token_hex(8),
             raw_content_type=raw_content_type,
+            member=keys.member,
+            quota=self.quota,
+            fork=fork,
+            part=to_text(part),
+            source_member=source.member if fork[0] else "",
         )
 
     async def append(
@@ -169,59 +206,41 @@ class DurableStore:
         stream_seq: str | None,
     ) -> DsReply:
         return await self._scripts.ds_append(
-            keys=keys.all,
+            keys=(*keys.all, *keys.accounts),
             content_type=content_type,
             body=to_text(body),
             close=close,
             producer=producer,
             stream_seq=stream_seq or "",
             max_entries=self._settings.ds_max_appends,
+            member=keys.member,
+            quota=self.quota,
         )
 
-    async def delete(self, keys: StreamKeys, scoped_path: str) -> str:
+    async def delete(self, keys: StreamKeys) -> str:
         """Delete a stream (``deleted``), or mark it so while forks of it live (``soft``);
         ``missing`` or ``gone`` (marked already). A fork deleted gives its source's reference
         back, and a source deleted before it goes with its last fork, up the chain."""
         for fork in await rc.smembers(self._redis, keys.forks):
-            if not await self._redis.exists(self.keys(fork).meta):
+            if not await self._redis.exists(self.keys(keys.tenant, fork).meta):
                 await self._redis.srem(keys.forks, fork)  # expired: its reference with it
-        reply = await self._scripts.ds_delete(keys=keys.with_forks)
+        reply = await self._scripts.ds_delete(
+            keys=(*keys.with_forks, *keys.accounts), member=keys.member
+        )
         if reply.result == "deleted" and reply.value(0):
-            await self.give_back(reply.value(0), scoped_path)
+            await self.give_back(keys.tenant, reply.value(0), keys.path)
         return reply.result
 
-    async def take_ref(self, source: str, fork: str) -> DsReply:
-        """Count ``fork`` among ``source``'s forks: ``taken`` (value 1: it was not yet),
-        ``missing`` or ``gone``."""
-        keys = self.keys(source)
-        refs = (keys.meta, keys.forks, keys.data, keys.producers)
-        return await self._scripts.ds_fork_ref(keys=refs, take=True, fork=fork)
-
-    async def give_back(self, source: str, fork: str) -> None:
+    async def give_back(self, tenant: str | None, source: str, fork: str) -> None:
         """Give ``fork``'s reference on ``source`` back; a deleted source goes with its last
         fork, and gives its own source's reference back in turn."""
         while source:
-            keys = self.keys(source)
+            keys = self.keys(tenant, source)
             refs = (keys.meta, keys.forks, keys.data, keys.producers)
-            reply = await self._scripts.ds_fork_ref(keys=refs, take=False, fork=fork)
+            reply = await self._scripts.ds_fork_ref(keys=refs, fork=fork)
             if reply.result != "deleted":
                 return
             source, fork = reply.value(0), source
-
-    async def inherited(self, keys: StreamKeys, upto: Cursor) -> list[tuple[str, str]]:
-        """A source's appends up to ``upto`` (entry id, payload), for a fork to copy."""
-        entries: list[tuple[str, str]] = []
-        start = "-"
-        while not upto.at_origin:
-            page = await rc.xrange_raw(self._redis, keys.data, start, upto.entry_id, READ_COUNT)
-            for entry_id, raw in page:
-                fields = rc.fields_dict(raw)
-                if fields.get("e") != CLOSE:
-                    entries.append((entry_id, fields.get("d", "")))
-            if len(page) < READ_COUNT:
-                break
-            start = "(" + page[-1][0]
-        return entries
 
     async def next_append(self, keys: StreamKeys, after: Cursor) -> tuple[str, str] | None:
         """The first append past ``after`` (entry id, payload), if any."""
@@ -279,10 +298,9 @@ class DurableStore:
             )
 
     async def _touch(self, keys: StreamKeys, ttl_s: int) -> None:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for key in keys.all:
-                pipe.pexpire(key, ttl_s * 1000)
-            await pipe.execute()
+        await self._scripts.ds_touch(
+            keys=(*keys.all, keys.streams), ttl_ms=ttl_s * 1000, member=keys.member
+        )
 
     async def wait(self, keys: StreamKeys, after: Cursor, timeout_s: float) -> None:
         """Return once something may be stored past ``after`` (an append, a close), or after

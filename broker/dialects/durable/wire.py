@@ -29,6 +29,11 @@ TTL: Final = re.compile(r"0|[1-9][0-9]{0,11}")
 WHOLE: Final = re.compile(r"[0-9]{1,16}")
 MAX_SAFE: Final = 2**53 - 1  # the protocol's bound on producer epochs and sequence numbers
 JSON_TYPE: Final = "application/json"
+# How deep a JSON body may nest arrays and objects (its outer array included): deep enough for
+# any document a person writes, and far from the parsers' and encoders' own recursion limits.
+MAX_JSON_DEPTH: Final = 128
+_STRINGS: Final = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKETS: Final = re.compile(rb"[\[\]{}]")
 DEFAULT_TYPE: Final = "application/octet-stream"
 CURSOR_EPOCH_MS: Final = int(datetime.datetime(2024, 10, 9, tzinfo=datetime.UTC).timestamp() * 1000)
 CURSOR_INTERVAL_MS: Final = 20_000
@@ -120,11 +125,19 @@ def source_path(value: str) -> str:
     raise BadRequest("Stream-Forked-From must be a stream's path (/v1/stream/...)", code="bad_fork")
 
 
+def quote_path(path: str) -> str:
+    """A stream's path as a URL's path (RFC 3986): every character but the unreserved ones, the
+    sub-delimiters, ``:``, ``@`` and ``/`` percent-encoded as UTF-8 (``%``, ``?`` and ``#``
+    included), so that any path makes an ASCII ``Location``."""
+    return urllib.parse.quote(path, safe="/!$&'()*+,;=:@-._~")
+
+
 def prefix(payload: bytes, count: int, *, json: bool) -> bytes:
     """The first ``count`` bytes of an append (its first ``count`` values, in JSON mode); 400
     when it has fewer."""
     if json:
-        values = orjson.loads(b"[" + payload + b"]") if payload else []
+        # Messages kept passed MAX_JSON_DEPTH: the array around them is one level more.
+        values = _loads(b"[" + payload + b"]", MAX_JSON_DEPTH + 1) if payload else []
         if count > len(values):
             raise BadRequest(
                 f"the sub-offset {count} passes the append's {len(values)} values",
@@ -211,19 +224,46 @@ def _strict_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def json_messages(body: bytes, *, allow_empty: bool) -> bytes:
-    """A JSON append's messages as they are kept: each value compact, joined by commas (an
-    array's elements are the messages: one level flattened). 400 for what is not JSON, or for
-    ``[]`` where a message is needed."""
+def json_depth(body: bytes, limit: int) -> bool:
+    """Whether the JSON text ``body`` nests at most ``limit`` arrays and objects deep (brackets
+    inside strings do not count). Cheap when the body has few brackets at all."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return True
+    depth = 0
+    for bracket in _BRACKETS.finditer(_STRINGS.sub(b"", body)):
+        if bracket.group() in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return False
+        else:
+            depth -= 1
+    return True
+
+
+def _loads(body: bytes, depth: int = MAX_JSON_DEPTH) -> Any:
+    """A JSON document; 400 when it is not one, or nests deeper than ``depth``."""
+    if not json_depth(body, depth):
+        raise BadRequest(
+            f"the JSON body nests deeper than {MAX_JSON_DEPTH} arrays and objects",
+            code="json_too_deep",
+        )
     try:
-        value = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError:
         # orjson refuses integers past 64 bits, which JSON allows: the standard parser takes
         # them (but neither takes NaN or Infinity).
         try:
-            value = json.loads(body, parse_constant=_strict_constant)
+            return json.loads(body, parse_constant=_strict_constant)
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("the body is not valid JSON", code="bad_json") from None
+
+
+def json_messages(body: bytes, *, allow_empty: bool) -> bytes:
+    """A JSON append's messages as they are kept: each value compact, joined by commas (an
+    array's elements are the messages: one level flattened). 400 for what is not JSON, nests
+    deeper than ``MAX_JSON_DEPTH`` (the outer array included), or for ``[]`` where a message is
+    needed."""
+    value = _loads(body)
     values = value if isinstance(value, list) else [value]
     if not values and not allow_empty:
         raise BadRequest("an empty JSON array appends nothing", code="empty_append")

@@ -1,0 +1,311 @@
+"""Durable Streams' own streams: each tenant's key space, its quotas (streams, bytes, append
+rate), forks copied inside Redis, and the bad input that once gave a 500 (issue 34, findings 2,
+4 and 6)."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+
+import httpx
+import pytest
+import redis
+
+from broker.dialects.durable import wire
+from broker.keys import Keys
+from broker.settings import Settings, SettingsError
+from tests.conftest import BrokerFactory
+from tests.helpers import bearer, wait_until
+
+TEXT = {"content-type": "text/plain"}
+KEY_A = "key-acme-0123456789abcdef"
+_prefixes = itertools.count()
+
+
+def _stream(base_url: str, path: str) -> str:
+    return f"{base_url}/ds/v1/stream/{path}"
+
+
+# --- finding 2: a tenant's paths and an open broker's never meet ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("tenant", "path", "other_tenant", "other_path"),
+    [
+        ("a", "notes", None, "a/notes"),  # the open broker's path that once was a's stream
+        (None, "notes", "a", "notes"),
+        ("a", "b/notes", "a/b", "notes"),  # (no tenant holds "/", but no path may forge one)
+        ("a", "}:s:x", "a}:s:x", ""),
+        ("a", "x", "b", "x"),
+    ],
+)
+def test_no_path_names_another_tenants_stream(
+    tenant: str | None, path: str, other_tenant: str | None, other_path: str
+) -> None:
+    keys = Keys("broker")
+    mine = {keys.ds_meta(tenant, path), keys.ds_data(tenant, path), keys.ds_streams(tenant)}
+    theirs = {
+        keys.ds_meta(other_tenant, other_path),
+        keys.ds_data(other_tenant, other_path),
+        keys.ds_streams(other_tenant),
+    }
+    assert not mine & theirs
+    # Every key of a tenant's streams is in its space (its slot), whatever the path holds.
+    assert keys.ds_meta(tenant, path).startswith(keys.ds_space(tenant) + ":")
+    assert keys.ds_space(tenant) != keys.ds_space(other_tenant)
+
+
+def test_an_open_broker_on_the_same_redis_cannot_reach_a_tenants_streams(
+    broker_factory: BrokerFactory,
+) -> None:
+    """Regression (issue 34, finding 2): an open broker's path ``a/notes`` was tenant a's
+    ``notes``: it read, appended to and forked it."""
+    prefix = f"shared{os.getpid()}-{next(_prefixes)}"
+    secured = broker_factory(key_prefix=prefix, api_keys=f"a={KEY_A}")
+    open_ = broker_factory(key_prefix=prefix)
+    made = httpx.put(
+        _stream(secured.base_url, "notes"), content=b"a's", headers=TEXT | bearer(KEY_A)
+    )
+    assert made.status_code == 201
+    theirs = _stream(open_.base_url, "a/notes")
+    assert httpx.get(theirs).status_code == 404
+    assert httpx.head(theirs).status_code == 404
+    assert httpx.post(theirs, content=b"!", headers=TEXT).status_code == 404
+    fork = httpx.put(
+        _stream(open_.base_url, "copy"),
+        headers={"stream-forked-from": "/ds/v1/stream/a/notes"},
+    )
+    assert fork.status_code == 404
+    # The open broker's own a/notes is a stream of its own: a's is untouched.
+    assert httpx.put(theirs, content=b"open's", headers=TEXT).status_code == 201
+    mine = httpx.get(_stream(secured.base_url, "notes"), headers=bearer(KEY_A))
+    assert mine.text == "a's"
+    assert httpx.get(theirs).text == "open's"
+
+
+# --- finding 4: quotas ---------------------------------------------------------------------
+
+
+def _refusal(response: httpx.Response, code: str) -> None:
+    assert response.status_code == 429, response.text
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert error["message"]
+
+
+def test_a_tenant_holds_at_most_its_streams_and_deleting_or_expiry_gives_them_back(
+    broker_factory: BrokerFactory,
+) -> None:
+    """Regression (issue 34, finding 4): 3,000 streams were created with no 429."""
+    broker = broker_factory(ds_tenant_max_streams=2)
+    base = broker.base_url
+    assert httpx.put(_stream(base, "one"), headers=TEXT).status_code == 201
+    assert httpx.put(_stream(base, "two"), headers=TEXT).status_code == 201
+    refused = httpx.put(_stream(base, "three"), headers=TEXT)
+    _refusal(refused, "stream_quota")
+    assert "retry-after" not in refused.headers  # waiting does not help: deleting does
+    assert httpx.get(_stream(base, "three")).status_code == 404  # nothing half-made
+    assert httpx.put(_stream(base, "one"), headers=TEXT).status_code == 200  # the same one
+    assert broker.metric("broker_ds_refusals_total", '{limit="streams"}') == 1
+    assert httpx.delete(_stream(base, "one")).status_code == 204
+    assert httpx.put(_stream(base, "three"), headers=TEXT).status_code == 201
+    # A stream whose expiry passed gives its place back (the time is Redis's: already past).
+    past = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)).isoformat()
+    assert httpx.delete(_stream(base, "two")).status_code == 204
+    expired = httpx.put(_stream(base, "old"), headers=TEXT | {"stream-expires-at": past})
+    assert expired.status_code == 201
+    assert httpx.get(_stream(base, "old")).status_code == 404
+    assert httpx.put(_stream(base, "four"), headers=TEXT).status_code == 201
+
+
+def test_a_sliding_ttl_gives_its_stream_back_once_it_lapses(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory(ds_tenant_max_streams=1)
+    base = broker.base_url
+    assert httpx.put(_stream(base, "brief"), headers=TEXT | {"stream-ttl": "1"}).status_code == 201
+    _refusal(httpx.put(_stream(base, "next"), headers=TEXT), "stream_quota")
+    # Once its TTL lapsed (and the two seconds the accounting leaves the keys to go), the
+    # tenant's place is free again, without any delete.
+    made = wait_until(
+        lambda: httpx.put(_stream(base, "next"), headers=TEXT).status_code == 201, timeout=15
+    )
+    assert made
+
+
+def test_a_tenants_bytes_are_bounded_and_a_fork_is_charged_for_its_copy(
+    broker_factory: BrokerFactory,
+) -> None:
+    """Regression (issue 34, finding 4): a ~200-byte fork of an 8 MiB stream added 8.3 MiB."""
+    broker = broker_factory(ds_tenant_max_bytes=1_000)
+    base = broker.base_url
+    source = _stream(base, "source")
+    assert httpx.put(source, content=b"x" * 600, headers=TEXT).status_code == 201
+    _refusal(httpx.post(source, content=b"y" * 500, headers=TEXT), "byte_quota")
+    assert httpx.post(source, content=b"y" * 400, headers=TEXT).status_code == 204
+    fork = httpx.put(_stream(base, "fork"), headers={"stream-forked-from": "/ds/v1/stream/source"})
+    _refusal(fork, "byte_quota")
+    assert httpx.get(_stream(base, "fork")).status_code == 404  # nothing half-made
+    assert broker.metric("broker_ds_refusals_total", '{limit="bytes"}') == 2
+    # The refused fork took no reference: its source deletes for good (not kept for forks).
+    assert httpx.delete(source).status_code == 204
+    assert httpx.get(source).status_code == 404
+    assert httpx.put(_stream(base, "again"), content=b"z" * 1_000, headers=TEXT).status_code == 201
+    # A fork at an offset is charged what it copies (300 of its source's 600 bytes: it fits,
+    # where a fork of all 600 would not).
+    half = _stream(base, "half")
+    assert httpx.delete(_stream(base, "again")).status_code == 204
+    first = httpx.put(half, content=b"a" * 300, headers=TEXT)
+    httpx.post(half, content=b"b" * 300, headers=TEXT).raise_for_status()
+    whole = httpx.put(_stream(base, "whole"), headers={"stream-forked-from": "/ds/v1/stream/half"})
+    _refusal(whole, "byte_quota")
+    fork = httpx.put(
+        _stream(base, "half-fork"),
+        headers={
+            "stream-forked-from": "/ds/v1/stream/half",
+            "stream-fork-offset": first.headers["stream-next-offset"],
+        },
+    )
+    assert fork.status_code == 201, fork.text
+    assert httpx.get(_stream(base, "half-fork")).text == "a" * 300
+    assert httpx.post(half, content=b"c" * 100, headers=TEXT).status_code == 204
+    _refusal(httpx.post(half, content=b"c", headers=TEXT), "byte_quota")
+
+
+def test_a_tenant_appending_faster_than_its_rate_gets_429_with_retry_after(
+    broker_factory: BrokerFactory,
+) -> None:
+    broker = broker_factory(ds_tenant_appends_per_s=0.5, ds_tenant_append_burst=3)
+    url = _stream(broker.base_url, "fast")
+    assert httpx.put(url, headers=TEXT).status_code == 201
+    assert httpx.post(url, content=b"1", headers=TEXT).status_code == 204
+    assert httpx.post(url, content=b"2", headers=TEXT).status_code == 204
+    refused = httpx.post(url, content=b"3", headers=TEXT)
+    _refusal(refused, "rate_limited")
+    assert 1 <= int(refused.headers["retry-after"]) <= 2
+    assert httpx.get(url).text == "12"  # the refused append did nothing
+    assert broker.metric("broker_ds_refusals_total", '{limit="rate"}') == 1
+
+
+def _net_out(client: redis.Redis) -> int:
+    if isinstance(client, redis.RedisCluster):
+        per_node = client.info("stats", target_nodes=redis.RedisCluster.PRIMARIES)
+        return sum(int(stats["total_net_output_bytes"]) for stats in per_node.values())
+    return int(client.info("stats")["total_net_output_bytes"])
+
+
+def test_a_fork_is_copied_inside_redis_not_through_the_broker(
+    broker_factory: BrokerFactory, raw_redis: redis.Redis
+) -> None:
+    """Regression (issue 34, finding 4): a fork of a 48 MiB stream read it all into the broker
+    (RSS from 106 to 199 MiB)."""
+    broker = broker_factory()
+    source = _stream(broker.base_url, "big")
+    chunk = b"z" * 262_144
+    assert httpx.put(source, content=chunk, headers=TEXT).status_code == 201
+    for _ in range(15):
+        assert httpx.post(source, content=chunk, headers=TEXT).status_code == 204
+    before = _net_out(raw_redis)
+    fork = httpx.put(
+        _stream(broker.base_url, "big-fork"), headers={"stream-forked-from": "/ds/v1/stream/big"}
+    )
+    assert fork.status_code == 201
+    sent = _net_out(raw_redis) - before
+    assert sent < 262_144, f"Redis sent {sent} bytes for a fork of 4 MiB"
+    assert fork.headers["stream-next-offset"] == httpx.head(source).headers["stream-next-offset"]
+    assert len(httpx.get(_stream(broker.base_url, "big-fork"), timeout=30).content) == 16 * 262_144
+
+
+# --- finding 6: bad input is a 400, never a 500, and nothing is half-done --------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "limit", "within"),
+    [
+        (b"[]", 1, True),
+        (b"[[]]", 1, False),
+        (b'["[[[["]', 1, True),  # brackets in strings do not count
+        (b'["\\"[[", {}]', 1, False),  # an escaped quote does not end the string
+        (b'{"a": {"b": [1, 2]}}', 3, True),
+        (b'{"a": {"b": [1, 2]}}', 2, False),
+        (b"[" * 128 + b"]" * 128, 128, True),
+        (b"[" * 129 + b"]" * 129, 128, False),
+    ],
+)
+def test_json_depth(body: bytes, limit: int, within: bool) -> None:
+    assert wire.json_depth(body, limit) is within
+
+
+@pytest.mark.parametrize("depth", [129, 1_000, 1_100])
+def test_a_json_body_nested_too_deep_is_a_400(broker_factory: BrokerFactory, depth: int) -> None:
+    """Regression (issue 34, finding 6): JSON nested 1,000 deep gave a 500 (the fallback
+    encoder recursed)."""
+    broker = broker_factory()
+    url = _stream(broker.base_url, f"deep-{depth}")
+    json_type = {"content-type": "application/json"}
+    deep = b"[" * depth + b"]" * depth
+    made = httpx.put(url, content=deep, headers=json_type)
+    assert made.status_code == 400
+    assert made.json()["error"]["code"] == "json_too_deep"
+    assert httpx.get(url).status_code == 404  # nothing made
+    assert httpx.put(url, headers=json_type).status_code == 201
+    for body in (deep, b"[" * depth + b"1" + b"0" * 30 + b"]" * depth):  # big ints: other parser
+        appended = httpx.post(url, content=body, headers=json_type)
+        assert appended.status_code == 400
+        assert appended.json()["error"]["code"] == "json_too_deep"
+    assert httpx.get(url).json() == []
+    fine = b"[" * 128 + b"]" * 128
+    assert httpx.post(url, content=fine, headers=json_type).status_code == 204
+
+
+@pytest.mark.parametrize(
+    ("path", "quoted"),
+    [
+        ("notes", "notes"),
+        ("a/b", "a/b"),
+        ("café/✓", "caf%C3%A9/%E2%9C%93"),
+        ("what?#%", "what%3F%23%25"),
+        ("sp ace", "sp%20ace"),
+        ("k=v;x:y@z~-._!$&'()*+,", "k=v;x:y@z~-._!$&'()*+,"),
+    ],
+)
+def test_a_path_is_quoted_as_rfc_3986_says(path: str, quoted: str) -> None:
+    assert wire.quote_path(path) == quoted
+
+
+def test_a_path_outside_latin_1_is_created_once_with_its_location(
+    broker_factory: BrokerFactory,
+) -> None:
+    """Regression (issue 34, finding 6): the stream was made, then its Location could not be
+    encoded: the first PUT was a 500, its retry a 200."""
+    broker = broker_factory()
+    url = f"{broker.base_url}/ds/v1/stream/caf%C3%A9/%E2%9C%93%3F"
+    made = httpx.put(url, content=b"hi", headers=TEXT)
+    assert made.status_code == 201
+    location = made.headers["location"]
+    assert location == url
+    assert httpx.get(location).text == "hi"
+    assert httpx.put(url, content=b"hi", headers=TEXT).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"BROKER_DS_TENANT_MAX_STREAMS": "-1"}, "BROKER_DS_TENANT_MAX_STREAMS must be 0"),
+        ({"BROKER_DS_TENANT_MAX_BYTES": "lots"}, "BROKER_DS_TENANT_MAX_BYTES must be a number"),
+        ({"BROKER_DS_TENANT_APPENDS_PER_S": "-5"}, "BROKER_DS_TENANT_APPENDS_PER_S must be 0"),
+        ({"BROKER_DS_TENANT_APPEND_BURST": "0"}, "BROKER_DS_TENANT_APPEND_BURST must be at least"),
+    ],
+)
+def test_bad_quota_settings_stop_the_broker_naming_the_variable(
+    env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env(env)
+
+
+def test_the_quotas_are_on_by_default() -> None:
+    settings = Settings.from_env({})
+    assert settings.ds_tenant_max_streams > 0
+    assert settings.ds_tenant_max_bytes > 0
+    assert settings.ds_tenant_appends_per_s > 0
+    assert Settings.from_env({"BROKER_DS_TENANT_APPENDS_PER_S": "0"}).ds_tenant_appends_per_s == 0
