@@ -247,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     redis = RedisServer()
     redis.start()
-    broker = Broker(redis.url, concurrency=8, env={"BROKER_MAX_CONNECTIONS": "10000"})
+    # The measure is the protocol's own pace: the per-tenant quotas (every client here is one
+    # tenant, an open broker's) are off, as an operator sets them for a trusted writer.
+    quotas_off = {f"BROKER_DS_TENANT_{name}": "0" for name in ("APPENDS_PER_S", "MAX_BYTES")}
+    broker = Broker(redis.url, concurrency=8, env={"BROKER_MAX_CONNECTIONS": "10000", **quotas_off})
     broker.start()
     servers = [Server("broker (Redis)", f"{broker.base_url}/ds/v1/stream", broker.pid)]
     reference = _start_reference()

@@ -294,10 +294,10 @@ async def create_stream(request: Request, path: str, principal: Caller) -> Respo
 def _location(request: Request, path: str) -> str:
     """The URL of the stream at ``path``, its path percent-encoded (RFC 3986): a header is
     Latin-1 at most, and a path may hold any character, ``?``, ``#`` and ``%`` included."""
-    quoted = wire.quote_path(path)
-    base = request.url.replace(path="", query="", fragment="")
-    root = request.scope.get("root_path", "")
-    return f"{str(base).rstrip('/')}{root}{PREFIX}/{quoted}"
+    url = request.url
+    # The request's own path ends with the stream's (decoded): what comes before is the mount.
+    mount = url.path[: -len(path)] if url.path.endswith(path) else f"{PREFIX}/"
+    return str(url.replace(path=wire.quote_path(mount) + wire.quote_path(path), query=""))
 
 
 class QuotaExceeded(BrokerError):
