@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from broker.dialects.durable import wire
-from broker.keys import Keys
+from broker.keys import Keys, ds_digest
 from broker.settings import Settings, SettingsError
 from tests.conftest import BrokerFactory
 from tests.helpers import bearer, wait_until
@@ -127,9 +127,31 @@ def test_a_sliding_ttl_gives_its_stream_back_once_it_lapses(broker_factory: Brok
     # Once its TTL lapsed (and the two seconds the accounting leaves the keys to go), the
     # tenant's place is free again, without any delete.
     made = wait_until(
-        lambda: httpx.put(_stream(base, "next"), headers=TEXT).status_code == 201, timeout=15
+        lambda: httpx.put(_stream(base, "next"), headers=TEXT).status_code == 201,
+        timeout=15,
+        interval=0.1,
     )
     assert made
+
+
+def test_a_read_moves_a_sliding_ttl_in_the_accounting_never_before_the_keys_expiry(
+    broker_factory: BrokerFactory, raw_redis: redis.Redis
+) -> None:
+    """A stream's score is when its share comes back: a read that starts its TTL again moves
+    it, and it is never before the keys' own expiry (or a live stream would be given back)."""
+    broker = broker_factory()
+    url = _stream(broker.base_url, "kept")
+    assert httpx.put(url, headers=TEXT | {"stream-ttl": "600"}).status_code == 201
+    keys = Keys(broker.settings.key_prefix)
+
+    def score() -> float:
+        value = raw_redis.zscore(keys.ds_streams(None), ds_digest("kept"))
+        assert value is not None
+        assert value >= raw_redis.pexpiretime(keys.ds_meta(None, "kept"))
+        return value
+
+    first = score()
+    assert wait_until(lambda: httpx.get(url).status_code == 200 and score() > first, timeout=5)
 
 
 def test_a_tenants_bytes_are_bounded_and_a_fork_is_charged_for_its_copy(

@@ -49,13 +49,22 @@
 -- Errors   none of its own.
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage, member = KEYS[4], KEYS[5], KEYS[6], ARGV[9]
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+-- The server's clock in ms (read after a PEXPIRE, never before the expiry it set).
+local function clock_ms()
+  local now = redis.call('TIME')
+  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+end
+-- A whole number as Redis takes it (Lua would write 1e+15, or -0).
+local function int(n) return string.format('%d', n) end
+local now_ms = clock_ms()
 
--- Expired streams give their share back (their scores are never before their keys' expiry).
-for _, gone in ipairs(redis.call('ZRANGEBYSCORE', streams, '-inf', now_ms - 2000)) do
+-- Expired streams give their share back (their scores are never before their keys' expiry,
+-- and two seconds more leave no doubt that the keys are gone).
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', streams, '-inf', int(now_ms - 2000))) do
   local held = tonumber(redis.call('HGET', sizes, gone)) or 0
-  if redis.call('HINCRBY', usage, 'bytes', -held) < 0 then redis.call('HSET', usage, 'bytes', 0) end
+  if held > 0 and redis.call('HINCRBY', usage, 'bytes', int(-held)) < 0 then
+    redis.call('HSET', usage, 'bytes', 0)
+  end
   redis.call('HDEL', sizes, gone)
   redis.call('ZREM', streams, gone)
 end
@@ -67,7 +76,7 @@ if rate > 0 then
   local ts = tonumber(state[2]) or now_ms
   if now_ms > ts then tokens = math.min(burst, tokens + (now_ms - ts) * rate / 1000) end
   if tokens < 1 then return {'rate', tostring(math.ceil((1 - tokens) * 1000 / rate))} end
-  redis.call('HSET', usage, 'tokens', tostring(tokens - 1), 'ts', now_ms)
+  redis.call('HSET', usage, 'tokens', tostring(tokens - 1), 'ts', int(now_ms))
 end
 
 -- Whether a sorts at or before b, byte by byte (Lua's own comparison follows the locale).
@@ -89,10 +98,10 @@ if v[7] == '1' then return {'gone'} end
 local function keep_alive()
   local keep = v[6] and tonumber(v[6]) * 1000 or redis.call('PTTL', meta)
   if keep > 0 then
-    redis.call('PEXPIRE', meta, keep)
-    if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, keep) end
-    if redis.call('EXISTS', producers) == 1 then redis.call('PEXPIRE', producers, keep) end
-    if v[6] then redis.call('ZADD', streams, 'XX', now_ms + keep, member) end
+    redis.call('PEXPIRE', meta, int(keep))
+    if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, int(keep)) end
+    if redis.call('EXISTS', producers) == 1 then redis.call('PEXPIRE', producers, int(keep)) end
+    if v[6] then redis.call('ZADD', streams, 'XX', int(clock_ms() + keep), member) end
   end
 end
 if v[6] then keep_alive() end

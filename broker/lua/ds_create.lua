@@ -62,18 +62,28 @@
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage = KEYS[8], KEYS[9], KEYS[10]
 local member = ARGV[15]
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+-- The server's clock in ms. A key's expiry is counted from when its PEXPIRE runs (or from the
+-- script's start, on servers that freeze time in scripts), so a score read after the PEXPIRE is
+-- never before the expiry.
+local function clock_ms()
+  local now = redis.call('TIME')
+  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+end
+-- A whole number as Redis takes it (Lua would write 1e+15, or -0).
+local function int(n) return string.format('%d', n) end
+local now_ms = clock_ms()
 
 -- A stream gone gives its share back.
 local function release(gone)
   local held = tonumber(redis.call('HGET', sizes, gone)) or 0
-  if redis.call('HINCRBY', usage, 'bytes', -held) < 0 then redis.call('HSET', usage, 'bytes', 0) end
+  if held > 0 and redis.call('HINCRBY', usage, 'bytes', int(-held)) < 0 then
+    redis.call('HSET', usage, 'bytes', 0)
+  end
   redis.call('HDEL', sizes, gone)
   redis.call('ZREM', streams, gone)
 end
 -- Expired streams first (their scores are never before their keys' expiry).
-for _, gone in ipairs(redis.call('ZRANGEBYSCORE', streams, '-inf', now_ms - 2000)) do
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', streams, '-inf', int(now_ms - 2000))) do
   release(gone)
 end
 
@@ -84,7 +94,7 @@ if rate > 0 then
   local ts = tonumber(state[2]) or now_ms
   if now_ms > ts then tokens = math.min(burst, tokens + (now_ms - ts) * rate / 1000) end
   if tokens < 1 then return {'rate', tostring(math.ceil((1 - tokens) * 1000 / rate))} end
-  redis.call('HSET', usage, 'tokens', tostring(tokens - 1), 'ts', now_ms)
+  redis.call('HSET', usage, 'tokens', tostring(tokens - 1), 'ts', int(now_ms))
 end
 
 if redis.call('EXISTS', meta) == 1 then
@@ -181,21 +191,21 @@ if ARGV[6] == '1' then
   redis.call('HSET', meta, 'closed', '1')
   redis.call('XADD', data, '*', 'e', 'close', 'd', '')
 end
--- Its score is never before its keys' expiry: the expiry is counted from this script's start.
-local expires = 'inf'
-if ARGV[3] ~= '' then
-  expires = now_ms + tonumber(ARGV[3]) * 1000
-elseif ARGV[4] ~= '' then
-  expires = ARGV[4]
-end
 for _, key in ipairs({meta, data}) do
   if ARGV[3] ~= '' then
-    redis.call('PEXPIRE', key, tonumber(ARGV[3]) * 1000)
+    redis.call('PEXPIRE', key, int(tonumber(ARGV[3]) * 1000))
   elseif ARGV[4] ~= '' then
     redis.call('PEXPIREAT', key, ARGV[4])
   end
 end
+-- Its score in the accounting: when its keys expire, or after (never before).
+local expires = 'inf'
+if ARGV[3] ~= '' then
+  expires = int(clock_ms() + tonumber(ARGV[3]) * 1000)
+elseif ARGV[4] ~= '' then
+  expires = ARGV[4]
+end
 redis.call('ZADD', streams, expires, member)
-redis.call('HSET', sizes, member, bytes)
-redis.call('HINCRBY', usage, 'bytes', bytes)
+redis.call('HSET', sizes, member, int(bytes))
+redis.call('HINCRBY', usage, 'bytes', int(bytes))
 return {'created', tail, ARGV[6], ARGV[9]}

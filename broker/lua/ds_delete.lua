@@ -26,7 +26,9 @@ if not v[1] then return {'missing'} end
 if v[2] == '1' then return {'gone'} end
 redis.call('DEL', data, producers)
 local held = tonumber(redis.call('HGET', KEYS[6], ARGV[1])) or 0
-if redis.call('HINCRBY', KEYS[7], 'bytes', -held) < 0 then redis.call('HSET', KEYS[7], 'bytes', 0) end
+if held > 0 and redis.call('HINCRBY', KEYS[7], 'bytes', string.format('%d', -held)) < 0 then
+  redis.call('HSET', KEYS[7], 'bytes', 0)
+end
 redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
 if redis.call('SCARD', forks) > 0 then

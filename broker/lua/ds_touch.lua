@@ -14,10 +14,11 @@
 -- Errors   none of its own.
 if redis.call('HGET', KEYS[1], 'deleted') == '1' then return 0 end
 local keep = tonumber(ARGV[1])
-if redis.call('PEXPIRE', KEYS[1], keep) == 0 then return 0 end
-redis.call('PEXPIRE', KEYS[2], keep)
-redis.call('PEXPIRE', KEYS[3], keep)
+if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[3], ARGV[1])
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-redis.call('ZADD', KEYS[4], 'XX', now_ms + keep, ARGV[2])
+-- Read after the PEXPIRE: never before the expiry it set.
+redis.call('ZADD', KEYS[4], 'XX', string.format('%d', now_ms + keep), ARGV[2])
 return 1
