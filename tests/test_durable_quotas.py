@@ -119,6 +119,15 @@ def test_a_tenant_holds_at_most_its_streams_and_deleting_or_expiry_gives_them_ba
     assert httpx.put(_stream(base, "four"), headers=TEXT).status_code == 201
 
 
+def test_quotas_are_each_tenants_own(broker_factory: BrokerFactory) -> None:
+    key_b = "key-beta-0123456789abcdef"
+    broker = broker_factory(api_keys=f"a={KEY_A},b={key_b}", ds_tenant_max_streams=1)
+    base = broker.base_url
+    assert httpx.put(_stream(base, "x"), headers=TEXT | bearer(KEY_A)).status_code == 201
+    _refusal(httpx.put(_stream(base, "y"), headers=TEXT | bearer(KEY_A)), "stream_quota")
+    assert httpx.put(_stream(base, "y"), headers=TEXT | bearer(key_b)).status_code == 201
+
+
 def test_a_sliding_ttl_gives_its_stream_back_once_it_lapses(broker_factory: BrokerFactory) -> None:
     broker = broker_factory(ds_tenant_max_streams=1)
     base = broker.base_url
