@@ -322,7 +322,7 @@ def test_a_path_outside_latin_1_is_created_once_with_its_location(
     ("env", "message"),
     [
         ({"BROKER_DS_TENANT_MAX_STREAMS": "-1"}, "BROKER_DS_TENANT_MAX_STREAMS must be 0"),
-        ({"BROKER_DS_TENANT_MAX_BYTES": "lots"}, "BROKER_DS_TENANT_MAX_BYTES must be a whole number"),
+        ({"BROKER_DS_TENANT_MAX_BYTES": "lots"}, "BROKER_DS_TENANT_MAX_BYTES must be a whole"),
         ({"BROKER_DS_TENANT_APPENDS_PER_S": "-5"}, "BROKER_DS_TENANT_APPENDS_PER_S must be 0"),
         ({"BROKER_DS_TENANT_APPEND_BURST": "0"}, "BROKER_DS_TENANT_APPEND_BURST must be at least"),
     ],
