@@ -446,7 +446,7 @@ def test_the_share_settings_have_defaults_from_the_connection_cap() -> None:
     ("values", "named"),
     [
         ({"body_timeout_s": 0}, "BROKER_BODY_TIMEOUT_S must be positive"),
-        ({"body_timeout_s": float("nan")}, "BROKER_BODY_TIMEOUT_S must be positive"),
+        ({"body_timeout_s": float("nan")}, "BROKER_BODY_TIMEOUT_S must be a finite number"),
         ({"max_connections_per_address": -1}, "BROKER_MAX_CONNECTIONS_PER_ADDRESS must be 0"),
         ({"max_connections_per_tenant": -1}, "BROKER_MAX_CONNECTIONS_PER_TENANT must be 0"),
         ({"uncapped_addresses": "loopback,proxy"}, "BROKER_UNCAPPED_ADDRESSES must be"),
