@@ -398,12 +398,13 @@ _MEANING = {
     410: "existed, but its data expired",
     413: "body larger than BROKER_MAX_BODY_BYTES",
     422: "valid, but not allowed in this state",
-    429: "a tenant limit; see Retry-After",
+    429: "a tenant limit, or the caller's share of connections; see Retry-After",
     431: "headers larger than BROKER_MAX_HEADER_BYTES",
     503: "Redis is unavailable; retry shortly",
 }
-# What any authenticated route may answer whatever it does.
-COMMON = (400, 401, 403, 404, 413, 431, 503)
+# What any authenticated route may answer whatever it does (429: a caller past its share of
+# connections, BROKER_MAX_CONNECTIONS_PER_TENANT or _PER_ADDRESS, on any route).
+COMMON = (400, 401, 403, 404, 413, 429, 431, 503)
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -67,7 +67,7 @@ _MEANING: Final = {
     410: "the response existed, but its data expired",
     413: "body larger than BROKER_MAX_BODY_BYTES",
     422: "valid, but not allowed in this state",
-    429: "a tenant limit; see Retry-After",
+    429: "a tenant limit, or the caller's share of connections; see Retry-After",
     431: "headers larger than BROKER_MAX_HEADER_BYTES",
     503: "Redis is unavailable; retry shortly",
 }
@@ -75,7 +75,7 @@ _MEANING: Final = {
 
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entries for the error statuses of a dialect route (and the common ones)."""
-    wanted = sorted({*statuses, 400, 401, 403, 404, 413, 431, 503})
+    wanted = sorted({*statuses, 400, 401, 403, 404, 413, 429, 431, 503})
     # 413 and 431 come from the middleware in front of every route, in the native shape.
     return {
         s: {"model": ErrorBody if s in (413, 431) else OpenAIErrorBody, "description": _MEANING[s]}
