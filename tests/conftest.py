@@ -47,9 +47,17 @@ _prefixes = itertools.count()
 CLUSTER_MODE = os.environ.get("BROKER_TEST_CLUSTER", "") not in ("", "0")
 
 
+# A test that asks for one of these fixtures runs on the session's Redis: it is marked ``server``.
+SERVER_FIXTURES = frozenset({"redis_url", "redis_server", "session_cluster"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On the cluster, skip what only a single server can do; each mark says why."""
+    """Mark ``server`` every test on the session's Redis (CI's passes on other servers select
+    them, with the modules that mark themselves for the brokers they start), and on the cluster
+    skip what only a single server can do; each mark says why."""
     for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
         marker = item.get_closest_marker("single_node")
         if marker is None:
             continue
@@ -257,6 +265,14 @@ class BrokerProcess:
     process: subprocess.Popen[str]
     base_url: str
     lines: list[str]
+    reader: threading.Thread | None = None  # appends the process's output lines to ``lines``
+
+    def output_read(self, timeout: float = 10) -> None:
+        """Wait until every line the process wrote is in ``lines`` (its output closed): the
+        process may have exited while the reader still had lines to take."""
+        if self.reader is not None:
+            self.reader.join(timeout)
+            assert not self.reader.is_alive(), "the process's output did not close"
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
         if self.process.poll() is None:
@@ -296,7 +312,7 @@ def spawn_broker(
                 target=lambda: lines.extend(process.stdout or []), daemon=True
             )
             reader.start()
-            return BrokerProcess(process, match.group(1), lines)
+            return BrokerProcess(process, match.group(1), lines, reader)
     process.kill()
     raise RuntimeError("broker process did not start:\n" + "".join(lines))
 

@@ -20,6 +20,9 @@ from broker.embedded_redis import EmbeddedRedis
 from tests.conftest import BrokerProcess, spawn_broker
 from tests.helpers import get_turn, read_sse, start_turn, text_of, wait_until
 
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 Spawn = Callable[[dict[str, str]], BrokerProcess]
 
 
@@ -157,6 +160,7 @@ def test_ctrl_c_drains_on_the_embedded_server_then_stops_it(
     signalled = len(proc.lines)
     ctrl_c(proc)
     assert proc.process.wait(timeout=30) == 0
+    proc.output_read()  # (the last lines may still be on their way when the process is gone)
     follower.thread.join(10)
     assert follower.events()[-1] == "end"
     end = follower.lines.index("event: end")
@@ -184,6 +188,7 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback(
     wait_until(lambda: any("draining:" in line for line in proc.lines), 10)
     ctrl_c(proc)
     assert proc.process.wait(timeout=5) == 130  # the drain would take 10 s
+    proc.output_read()
     output = "".join(proc.lines)
     assert "Traceback" not in output
     assert "broker: interrupted again: exiting without the drain" in output
