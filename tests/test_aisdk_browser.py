@@ -24,6 +24,9 @@ from tests.chromium import CHROMIUM, launched
 from tests.conftest import BrokerFactory, free_port
 from tests.helpers import missing_tool
 
+# The clients' side: CI's passes on other servers leave it out (see .ci/run).
+pytestmark = pytest.mark.client_side
+
 if not CHROMIUM.exists():
     missing_tool(f"{CHROMIUM} is not installed (apt-get install chromium)", module=True)
 

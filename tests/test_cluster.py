@@ -21,6 +21,9 @@ from broker.settings import Settings
 from tests.conftest import CLUSTER_MODE
 from tests.redis_cluster import LocalCluster
 
+# Clusters of its own, of the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def cluster_port(request: pytest.FixtureRequest) -> Iterator[int]:

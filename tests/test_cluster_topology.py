@@ -36,6 +36,9 @@ from tests.conftest import RunningBroker, start_broker
 from tests.helpers import get_turn, read_sse, start_turn, wait_final, wait_until
 from tests.redis_cluster import LocalCluster
 
+# Clusters of its own, of the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 READER = AttachPolicy(max_retries=200, base_delay=0.05, max_delay=0.3, read_timeout=10)
 
 

@@ -30,6 +30,9 @@ from broker.settings import Settings, SettingsError
 from tests.conftest import BrokerProcess, spawn_broker
 from tests.helpers import read_sse, start_turn, text_of, wait_until
 
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 HEADER_TIMEOUT_S = 0.5
 # The broker's time to notice and close, on a loaded two-core machine, past the timeout itself.
 SLACK_S = 2.0

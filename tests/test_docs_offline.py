@@ -18,6 +18,9 @@ from tests.chromium import CHROMIUM, launched
 from tests.conftest import RunningBroker, start_broker
 from tests.helpers import missing_tool
 
+# The clients' side: CI's passes on other servers leave it out (see .ci/run).
+pytestmark = pytest.mark.client_side
+
 KEY = "key-docs-0123456789abcdef"
 
 

@@ -23,6 +23,9 @@ import pytest
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.helpers import bearer, get_turn, missing_tool, start_turn, wait_final, wait_until
 
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 FOLDER = Path(__file__).resolve().parent / "node" / "durable-streams"
 SUITE = "@durable-streams/server-conformance-tests"
 # Passes of suite 0.3.6 here: every test it runs by default (6 subscription tests are off).

@@ -13,6 +13,9 @@ import pytest
 
 from tests.helpers import missing_tool
 
+# The clients' side: CI's passes on other servers leave it out (see .ci/run).
+pytestmark = pytest.mark.client_side
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

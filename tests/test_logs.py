@@ -8,10 +8,14 @@ import signal
 from collections.abc import Callable
 
 import orjson
+import pytest
 
 from broker.logs import JsonFormatter
 from tests.conftest import BrokerProcess
 from tests.helpers import read_sse, start_turn, wait_until
+
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
 
 
 def test_json_records_carry_their_context() -> None:

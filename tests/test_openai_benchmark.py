@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 REPO = Path(__file__).resolve().parent.parent
 
 

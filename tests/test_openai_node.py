@@ -7,8 +7,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import RunningBroker
 from tests.helpers import missing_tool
+
+# The clients' side: CI's passes on other servers leave it out (see .ci/run).
+pytestmark = pytest.mark.client_side
 
 FOLDER = Path(__file__).resolve().parent / "node" / "openai"
 

@@ -7,8 +7,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import pytest
+
 from tests.conftest import BrokerProcess, _prefixes
 from tests.test_readme import blocks, section
+
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
 
 SpawnBroker = Callable[[dict[str, str]], BrokerProcess]
 

@@ -33,6 +33,9 @@ from tests.conftest import BrokerFactory, BrokerProcess, _prefixes
 from tests.helpers import missing_tool, read_sse, start_turn
 from tests.tcp_proxy import CutProxy
 
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCK_TIMEOUT_S = 60.0

@@ -25,6 +25,9 @@ from broker.embedded_redis import find_server_binary
 from tests.conftest import BrokerProcess, RunningBroker, free_port, start_broker
 from tests.helpers import read_sse, start_turn, text_of, wait_until
 
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 Spawn = Callable[[dict[str, str]], BrokerProcess]
 
 

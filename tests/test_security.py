@@ -30,6 +30,9 @@ from tests.helpers import (
     wait_until,
 )
 
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 KEY_A = "key-acme-0123456789abcdef"
 KEY_B = "key-globex-0123456789abcdef"
 JWT_SECRET = "jwt-secret-" + "j" * 32

@@ -30,9 +30,13 @@ import pytest
 
 from tests.conftest import BrokerProcess
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="reads the broker's memory from /proc"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="reads the broker's memory from /proc"
+    ),
+    # Brokers of its own processes, on the server the session names: a test of the server too.
+    pytest.mark.server,
+]
 
 SLOW_READERS = 150
 NORMAL_READERS = 5

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# Brokers of its own processes, on the server the session names: a test of the server too.
+pytestmark = pytest.mark.server
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -63,6 +63,7 @@ def test_an_api_only_broker_queues_and_a_worker_only_broker_generates(
     assert read_sse(api.base_url, turn["stream_id"]).events[-1].data["status"] == "complete"
 
 
+@pytest.mark.server
 @pytest.mark.single_node("stops a server of its own under a running broker")
 def test_redis_outage_is_503_not_500_and_health_stays_up() -> None:
     with EmbeddedRedis() as server:
