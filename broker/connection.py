@@ -219,16 +219,28 @@ def route(redis: Redis, key: str, *, read: bool = False) -> dict[str, Any]:
 
 
 async def drop_idle_connections(redis: Redis) -> None:
-    """Close the idle connections of ``redis``'s pool; each reconnects when next used.
+    """Close the idle connections of ``redis``'s pool; the pool opens new ones when it needs them.
 
     After a connection failed, the others to the same server are suspect: a restarted server
-    closed them all, and each would fail its next command in turn (the pool does not retry). A
-    cluster client needs none of this: it drops a failed node's connections and refreshes its
-    slot map itself.
+    closed them all, and each would fail its next command in turn (the pool does not retry).
+    They are taken out of the pool before they are closed, as :func:`trim_idle_connections`
+    does: redis-py's ``disconnect`` closes them in tasks that run a turn later, and a call that
+    took one meanwhile had its reply cut. A cluster client needs none of this: it drops a failed
+    node's connections and refreshes its slot map itself.
     """
     if as_cluster(redis) is not None:
         return
-    await redis.connection_pool.disconnect(inuse_connections=False)
+    if _idle_list(redis) is None:  # (not redis-py's list: its own close, with its race)
+        await redis.connection_pool.disconnect(inuse_connections=False)
+        return
+    await trim_idle_connections(redis, keep=0, floor=0)
+
+
+def _idle_list(redis: Redis) -> list[AbstractConnection] | None:
+    """The pool's list of idle connections, most recently released last (redis-py's own: a
+    test holds this to what each pinned version does), or None if it has none such."""
+    idle = getattr(redis.connection_pool, "_available_connections", None)
+    return idle if isinstance(idle, list) else None
 
 
 # Idle connections a pool keeps at most, the most recently used, and at least, however long
@@ -416,10 +428,8 @@ async def trim_idle_connections(
     """
     if as_cluster(redis) is not None:
         return 0
-    # The pool's list of idle connections, most recently released last (redis-py's own: a
-    # test holds this to what each pinned version does).
-    idle = getattr(redis.connection_pool, "_available_connections", None)
-    if not isinstance(idle, list):
+    idle = _idle_list(redis)
+    if idle is None:
         return 0
     untouched = min(idle.untouched, len(idle)) if isinstance(idle, _IdleStack) else 0
     drop = max(len(idle) - keep, min(untouched, len(idle) - floor), 0)

@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 import redis
 
-from broker.connection import POOL_KEEP_IDLE, POOL_MIN_IDLE, client, trim_idle_connections
+from broker.connection import (
+    POOL_KEEP_IDLE,
+    POOL_MIN_IDLE,
+    client,
+    drop_idle_connections,
+    trim_idle_connections,
+)
 from tests.conftest import sync_client
 from tests.helpers import wait_until
 
@@ -205,3 +211,23 @@ async def test_a_send_the_server_does_not_take_times_out_and_disconnects() -> No
     finally:
         await pool_client.aclose()
         server.close()
+
+
+@pytest.mark.parametrize("wait_s", [None, 5.0], ids=["pool", "waiting-pool"])
+async def test_a_connection_taken_while_the_idle_ones_are_dropped_is_not_closed_under_its_call(
+    redis_url: str, wait_s: float | None
+) -> None:
+    """Regression: after a Redis error the worker drops the idle connections, and a request
+    that took one of them meanwhile had its reply cut ("Connection closed by server", a 503).
+    redis-py's ``disconnect`` closes the idle connections in tasks that run a turn later, by
+    which time a call may have taken one; the broker takes them out of the pool first."""
+    pool_client = client(redis_url, wait_s=wait_s)
+    try:
+        await asyncio.gather(*(pool_client.ping() for _ in range(4)))  # four idle connections
+        dropping = asyncio.create_task(drop_idle_connections(pool_client))
+        await asyncio.sleep(0)  # the drop has begun and waits on its closes
+        assert await pool_client.set("pool-drop:k", "v")  # takes what the pool has idle
+        await dropping
+        assert await pool_client.get("pool-drop:k") == "v"
+    finally:
+        await pool_client.aclose()

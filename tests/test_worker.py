@@ -13,7 +13,7 @@ from broker.embedded_redis import EmbeddedRedis
 from broker.keys import JOB_GROUP
 from broker.lease import TurnWriter
 from tests.conftest import BrokerFactory, RunningBroker, start_broker
-from tests.helpers import read_sse, start_turn, wait_final, wait_until
+from tests.helpers import read_sse, start_turn, wait_final
 
 
 def test_a_dead_workers_job_is_reclaimed_and_run_when_nothing_was_delivered(
@@ -101,17 +101,6 @@ def test_blocking_reads_outlast_their_block_time(broker: RunningBroker) -> None:
     assert all(timeout > FEED_BLOCK_MS / 1000 for timeout in timeouts)
 
 
-def _final_unless_unavailable(base_url: str, turn_id: str) -> dict[str, Any] | None:
-    """The turn once it is final; None while it runs or while the broker answers 503."""
-    response = httpx.get(f"{base_url}/v1/turns/{turn_id}", timeout=10)
-    if response.status_code == 503:
-        assert response.json()["error"]["code"] == "redis_unavailable", response.text
-        return None
-    assert response.status_code == 200, response.text
-    turn: dict[str, Any] = response.json()
-    return turn if turn["status"] in ("complete", "interrupted", "cancelled", "failed") else None
-
-
 def test_a_redis_blip_mid_turn_leaves_the_job_for_a_takeover(
     broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,11 +121,7 @@ def test_a_redis_blip_mid_turn_leaves_the_job_for_a_takeover(
     # No linger, and paced: each delta is its own append (deltas arriving together share one).
     broker = broker_factory(lease_ttl_ms=200, job_reclaim_idle_ms=400, append_linger_ms=0)
     turn = start_turn(broker.base_url, turn_id="blip", tokens=10, tokens_per_s=100)
-    # A look at the turn may meet the blip's wake: the worker drops the process's idle Redis
-    # connections, and a read on one of them answered 503 redis_unavailable (seen once in ten
-    # runs on 4 workers). 503 is the contract's "retry shortly": the poll retries, as a
-    # client would; what this test holds is where the turn ends.
-    final = wait_until(lambda: _final_unless_unavailable(broker.base_url, "blip"), 15)
+    final = wait_final(broker.base_url, "blip", timeout=15)
     assert final["status"] == "interrupted"
     assert final["attempts"][0]["reason"] == "worker_lost"
     events = read_sse(broker.base_url, turn["stream_id"]).events
