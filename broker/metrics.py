@@ -8,6 +8,9 @@ one process (the tests do) without sharing counts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import product
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from broker import __version__
@@ -101,8 +104,7 @@ class Metrics:
             ["status"],
             registry=r,
         )
-        for status in TURN_STATUSES:
-            self.turns_finished.labels(status)
+        _at_zero(self.turns_finished, TURN_STATUSES)
         self.upstream_requests = Counter(
             "broker_upstream_requests_total",
             "Calls to the upstream model, by provider, model and outcome.",
@@ -116,20 +118,22 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        for provider, models in providers.items():
-            self.upstream_first_token_seconds.labels(provider)
-            for model in models:
-                for outcome in UPSTREAM_OUTCOMES:
-                    self.upstream_requests.labels(provider, model, outcome)
+        _at_zero(self.upstream_first_token_seconds, tuple(providers))
+        _at_zero(
+            self.upstream_requests,
+            [
+                (provider, model, outcome)
+                for provider, models in providers.items()
+                for model, outcome in product(models, UPSTREAM_OUTCOMES)
+            ],
+        )
         self.attempts = Counter(
             "broker_attempts_total",
             "Attempts that ended, by strategy and outcome.",
             ["strategy", "outcome"],
             registry=r,
         )
-        for strategy in STRATEGIES:
-            for attempt_outcome in ATTEMPT_OUTCOMES:
-                self.attempts.labels(strategy, attempt_outcome)
+        _at_zero(self.attempts, product(STRATEGIES, ATTEMPT_OUTCOMES))
         self.delivery_lag_seconds = Histogram(
             "broker_delivery_lag_seconds",
             "Time from an event's append to its hand-over to this process's live readers "
@@ -154,8 +158,7 @@ class Metrics:
             ["script"],
             registry=r,
         )
-        for script in SCRIPT_NAMES:
-            self.replica_waits_short.labels(script)
+        _at_zero(self.replica_waits_short, SCRIPT_NAMES)
         self.lease_takeovers = Counter(
             "broker_lease_takeovers_total",
             "Leases claimed on a turn whose previous writer stopped heartbeating.",
@@ -167,8 +170,7 @@ class Metrics:
             ["result"],
             registry=r,
         )
-        for result in RESUME_RESULTS:
-            self.resumes.labels(result)
+        _at_zero(self.resumes, RESUME_RESULTS)
         self.live_streams = Gauge(
             "broker_live_streams",
             "Streams with at least one live reader in this process.",
@@ -202,16 +204,14 @@ class Metrics:
             ["reason", "code"],
             registry=r,
         )
-        for reason, code in _causes(RETRY_REASONS, (*RETRYABLE_ERROR_CODES, OTHER_ERROR_CODE)):
-            self.retries.labels(reason, code)
+        _at_zero(self.retries, _causes(RETRY_REASONS, (*RETRYABLE_ERROR_CODES, OTHER_ERROR_CODE)))
         self.retry_budget_exhausted = Counter(
             "broker_retry_budget_exhausted_total",
             "Retries refused by a limit: the per-turn cap (turn) or the session budget (session).",
             ["scope"],
             registry=r,
         )
-        for scope in BUDGET_SCOPES:
-            self.retry_budget_exhausted.labels(scope)
+        _at_zero(self.retry_budget_exhausted, BUDGET_SCOPES)
         self.attempts_exhausted = Counter(
             "broker_attempts_exhausted_total",
             "Attempts failed because every upstream call allowed for them failed, by the last "
@@ -227,53 +227,46 @@ class Metrics:
             ["reason", "code"],
             registry=r,
         )
-        for reason, code in _causes(INTERRUPTION_REASONS, ERROR_CODES[:-1]):
-            self.interruptions.labels(reason, code)
+        _at_zero(self.interruptions, _causes(INTERRUPTION_REASONS, ERROR_CODES[:-1]))
         self.cancels = Counter(
             "broker_cancels_total", "Stop requests, by what they found.", ["result"], registry=r
         )
-        for result in ("cancelled", "signalled", "final"):
-            self.cancels.labels(result)
+        _at_zero(self.cancels, ("cancelled", "signalled", "final"))
         self.turns_refused = Counter(
             "broker_turns_refused_total",
             "Turns and attempts refused by a tenant limit: rate or live streams.",
             ["reason"],
             registry=r,
         )
-        for reason in ("rate", "streams"):
-            self.turns_refused.labels(reason)
+        _at_zero(self.turns_refused, ("rate", "streams"))
         self.ds_refusals = Counter(
             "broker_ds_refusals_total",
             "Durable Streams writes refused by a tenant quota: streams, bytes or append rate.",
             ["limit"],
             registry=r,
         )
-        list(map(self.ds_refusals.labels, DS_LIMITS))  # each at zero from the first scrape
+        _at_zero(self.ds_refusals, DS_LIMITS)
         self.auth_failures = Counter(
             "broker_auth_failures_total",
             "Requests refused for their credentials (401) or an attach token's scope (403).",
             ["reason"],
             registry=r,
         )
-        for reason in AUTH_FAILURES:
-            self.auth_failures.labels(reason)
+        _at_zero(self.auth_failures, AUTH_FAILURES)
         self.ledger_claims = Counter(
             "broker_ledger_claims_total",
             "Tool-call ledger claims, by what the claim found.",
             ["result"],
             registry=r,
         )
-        for result in LEDGER_RESULTS:
-            self.ledger_claims.labels(result)
+        _at_zero(self.ledger_claims, LEDGER_RESULTS)
         self.tool_calls = Counter(
             "broker_tool_calls_total",
             "Tool calls, by tool class and outcome.",
             ["tool_class", "outcome"],
             registry=r,
         )
-        for tool_class in ("read", "keyed_write", "unkeyed_write"):
-            for outcome in TOOL_OUTCOMES:
-                self.tool_calls.labels(tool_class, outcome)
+        _at_zero(self.tool_calls, product(("read", "keyed_write", "unkeyed_write"), TOOL_OUTCOMES))
         self.http_connections = Gauge(
             "broker_http_connections", "HTTP connections open in this process.", registry=r
         )
@@ -287,8 +280,7 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        for reason in CONNECTION_CLOSE_REASONS:
-            self.connections_closed.labels(reason)
+        _at_zero(self.connections_closed, CONNECTION_CLOSE_REASONS)
         self.caller_refusals = Counter(
             "broker_caller_refusals_total",
             "Requests refused 429 too_many_connections_for_caller, by the cap they met: the "
@@ -349,7 +341,8 @@ def _causes(reasons: tuple[str, ...], codes: tuple[str, ...]) -> list[tuple[str,
     return pairs
 
 
-def _at_zero(counter: Counter, values: tuple[str, ...]) -> None:
-    """Create a one-label counter's series at zero for each of ``values``."""
+def _at_zero(metric: Counter | Gauge | Histogram, values: Iterable[str | tuple[str, ...]]) -> None:
+    """Create a metric's series at zero, from the first scrape, for each of ``values``: one
+    label's value, or a tuple of every label's."""
     for value in values:
-        counter.labels(value)
+        metric.labels(*((value,) if isinstance(value, str) else value))

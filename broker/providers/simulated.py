@@ -206,27 +206,15 @@ class SimulatedProvider:
         if "json" not in knobs:
             knobs = {**knobs, "json": request.response_format == "json"}
         pieces = full_answer(prompt, knobs)
-        # A continued attempt receives what was delivered as a prefill and carries on from there.
-        start = 0
-        if prefill:
-            delivered = ""
-            while start < len(pieces) and len(delivered) < len(prefill):
-                delivered += pieces[start]
-                start += 1
-            if delivered != prefill:
-                start = 0  # not our own text: answer from the beginning
+        start = _continued_from(pieces, prefill)
         first_attempt = request.attempt == 1
         wait_ms = int(knobs.get("first_delta_after_ms", 0))
         if wait_ms and first_attempt and request.upstream_call == 0:
             await asyncio.sleep(wait_ms / 1000)
         break_after = knobs.get("fail_after_deltas") if first_attempt else None
         stall_after = knobs.get("stall_after_deltas") if first_attempt else None
-        # Each scripted tool call is one step: the text up to its position, then the call.
-        script: list[dict[str, Any]] = knobs.get("tool_calls", [])
         step = len(request.tool_steps)
-        low = max(start, int(script[step - 1].get("after", 0)) if 0 < step <= len(script) else 0)
-        call = script[step] if step < len(script) else None
-        high = max(low, int(call.get("after", 0))) if call is not None else len(pieces)
+        low, high, call = _step_window(knobs.get("tool_calls", []), step, start, len(pieces))
         pace = self.pace(knobs)
         began = time.monotonic()
         sent = 0
@@ -246,17 +234,8 @@ class SimulatedProvider:
                 yield TextDelta(pieces[index])
                 sent += 1
             if call is not None:
-                arguments = orjson.dumps(call.get("args", {})).decode()
-                half = len(arguments) // 2
-                call_id = f"call_{request.turn_id[-8:]}_{step}"
-                yield ToolCallChunk(0, call_id, str(call["name"]), arguments[:half])
-                if first_attempt and knobs.get("cut_during_tool_args"):
-                    raise _injected(retryable, "while a tool call's arguments arrived")
-                yield ToolCallChunk(0, arguments=arguments[half:])
-                yield ToolCallEnd(0)
-                fail_after = knobs.get("fail_after_tool_calls")
-                if first_attempt and fail_after is not None and step + 1 >= fail_after:
-                    raise _injected(retryable, f"after tool call {step + 1} ran")
+                async for event in _scripted_call(request, knobs, call, step, retryable):
+                    yield event
             yield Usage(input_tokens=len(prompt) // 4 + 1, output_tokens=sent)
             done = True
             yield Finished("tool_calls" if call is not None else "stop")
@@ -266,6 +245,52 @@ class SimulatedProvider:
                 self.aborted_calls += 1
                 log.info("simulated call of turn %s aborted after %d deltas", request.turn_id, sent)
             raise
+
+
+def _continued_from(pieces: list[str], prefill: str) -> int:
+    """Where a continued attempt carries on: the index past the pieces its prefill (what was
+    delivered) covers, or 0 when the prefill is not this answer's own text."""
+    start = 0
+    delivered = ""
+    while prefill and start < len(pieces) and len(delivered) < len(prefill):
+        delivered += pieces[start]
+        start += 1
+    return start if delivered == prefill else 0
+
+
+def _step_window(
+    script: list[dict[str, Any]], step: int, start: int, count: int
+) -> tuple[int, int, dict[str, Any] | None]:
+    """The pieces a tool step writes, ``[low, high)``, and the scripted call that ends it (None
+    for the last step): each scripted call is one step, the text up to its position, then the
+    call."""
+    low = max(start, int(script[step - 1].get("after", 0)) if 0 < step <= len(script) else 0)
+    call = script[step] if step < len(script) else None
+    high = max(low, int(call.get("after", 0))) if call is not None else count
+    return low, high, call
+
+
+async def _scripted_call(
+    request: GenerationRequest,
+    knobs: dict[str, Any],
+    call: dict[str, Any],
+    step: int,
+    retryable: bool,
+) -> AsyncGenerator[ProviderEvent, None]:
+    """A scripted tool call's chunks (its arguments in two halves), with the faults the knobs
+    inject around it on a first attempt."""
+    first_attempt = request.attempt == 1
+    arguments = orjson.dumps(call.get("args", {})).decode()
+    half = len(arguments) // 2
+    call_id = f"call_{request.turn_id[-8:]}_{step}"
+    yield ToolCallChunk(0, call_id, str(call["name"]), arguments[:half])
+    if first_attempt and knobs.get("cut_during_tool_args"):
+        raise _injected(retryable, "while a tool call's arguments arrived")
+    yield ToolCallChunk(0, arguments=arguments[half:])
+    yield ToolCallEnd(0)
+    fail_after = knobs.get("fail_after_tool_calls")
+    if first_attempt and fail_after is not None and step + 1 >= fail_after:
+        raise _injected(retryable, f"after tool call {step + 1} ran")
 
 
 def _validate_tool_script(script: Any) -> None:
