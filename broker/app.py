@@ -45,7 +45,7 @@ from broker.api import (
 )
 from broker.api.connections import ConnectionLimits, guarded, uncapped_addresses
 from broker.api.docs import install_docs
-from broker.api.schemas import install_components
+from broker.api.openapi import install_components
 from broker.api.stream_reads import FrontReads, StreamReads
 from broker.auth import Authenticator
 from broker.compression import Compression
