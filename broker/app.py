@@ -60,9 +60,9 @@ from broker.connection import (
 from broker.deps import Deps, scripts_for
 from broker.dialects.aisdk import router as aisdk_router
 from broker.dialects.durable import router as durable_router
-from broker.dialects.durable.store import DurableStore
 from broker.dialects.durable.wire import DS_REQUEST_HEADERS, DS_RESPONSE_HEADERS
 from broker.dialects.openai import router as openai_router
+from broker.durable_store import DurableStore
 from broker.embedded_redis import EmbeddedRedis
 from broker.fanout import FEED_BLOCK_MS, Hub
 from broker.jobs import JobQueue

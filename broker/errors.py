@@ -7,16 +7,16 @@ r"""The broker's exceptions: one root, stable codes, one table of HTTP statuses.
     │   └── ParamError          (dialects)      400   an OpenAI request parameter we refuse
     ├── Unauthorized            unauthorized    401   no credentials, or credentials refused
     ├── Forbidden               forbidden       403   an attach token used beyond its scope
-    ├── StaleEpoch              stale_epoch     403   (dialects.durable) a fenced producer epoch
+    ├── StaleEpoch              stale_epoch     403   (durable_store) a fenced producer epoch
     ├── NotFound                not_found       404   unknown turn or stream
     ├── MethodNotAllowed        read_only       405   (dialects.durable) a generation written to
     ├── Conflict                conflict        409   same turn_id, different request
     ├── Gone                    expired         410   the turn existed but its data expired
     ├── BodyTooLarge            too_large       413   (api.limits) body over BROKER_MAX_BODY_BYTES
-    ├── AppendsFull             stream_full     413   (dialects.durable) too many appends
+    ├── AppendsFull             stream_full     413   (durable_store) too many appends
     ├── NotAllowed              not_allowed     422   valid request, wrong state
     ├── TooManyRequests         rate_limited    429   a tenant's rate or stream limit
-    ├── QuotaExceeded           quota_exceeded  429   (dialects.durable) a tenant's DS quota
+    ├── QuotaExceeded           quota_exceeded  429   (durable_store) a tenant's DS quota
     ├── NotSupported            not_supported   501   (dialects.durable) a generation forked
     ├── FencedWrite             fenced          —     a writer's lease was taken over
     ├── LeaseLost               lease_lost      —     an attempt's lease was taken over

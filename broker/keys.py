@@ -29,7 +29,6 @@ and no key is global by accident:
 
 from __future__ import annotations
 
-import hashlib
 import re
 import zlib
 
@@ -54,12 +53,6 @@ def unscoped(scoped_id: str) -> tuple[str | None, str]:
     """``(tenant, id)`` from :func:`scoped`'s form (tenant ``None`` for an open broker's ids)."""
     tenant, slash, ident = scoped_id.partition("/")
     return (tenant, ident) if slash else (None, scoped_id)
-
-
-def ds_digest(path: str) -> str:
-    """A Durable Streams path's name in keys and in its tenant's accounting: any path makes a
-    safe one."""
-    return hashlib.blake2b(path.encode(), digest_size=16).hexdigest()
 
 
 JOB_GROUP = "workers"
@@ -179,48 +172,3 @@ class Keys:
     def stream_index(self, stream_id: str) -> str:
         """String: stream id → ``<conversation_id> <turn_id>`` (a tombstone outliving the data)."""
         return f"{self.prefix}:stream-index:{stream_id}"
-
-    def ds_space(self, tenant: str | None) -> str:
-        """The hash tag of a tenant's Durable Streams streams: ``{ds:t:<tenant>}``, or
-        ``{ds:open}`` for an open broker's, whose callers have no tenant. Tenant names hold no
-        brace, and a path only ever goes into a digest, so these spaces never meet."""
-        mark = "open" if tenant is None else f"t:{tenant}"
-        return f"{self.prefix}:{{ds:{mark}}}"
-
-    def ds_stream(self, tenant: str | None, path: str) -> str:
-        """The common part of a Durable Streams stream's keys: its tenant's space and a digest
-        of its path (any path makes a safe key)."""
-        return f"{self.ds_space(tenant)}:s:{ds_digest(path)}"
-
-    def ds_meta(self, tenant: str | None, path: str) -> str:
-        """Hash: a Durable Streams stream's path, content type, TTL or expiry, closure, tail and
-        the producer that closed it (its existence is the stream's)."""
-        return f"{self.ds_stream(tenant, path)}:meta"
-
-    def ds_data(self, tenant: str | None, path: str) -> str:
-        """Redis Stream: a Durable Streams stream's appends, one entry each (entry ids are its
-        offsets), and a last ``close`` entry once it is closed (that wakes its live readers)."""
-        return f"{self.ds_stream(tenant, path)}:data"
-
-    def ds_producers(self, tenant: str | None, path: str) -> str:
-        """Hash: producer id -> ``<epoch> <last seq>`` of a Durable Streams stream's idempotent
-        producers."""
-        return f"{self.ds_stream(tenant, path)}:producers"
-
-    def ds_forks(self, tenant: str | None, path: str) -> str:
-        """Set: the paths of a Durable Streams stream's forks (their references on it)."""
-        return f"{self.ds_stream(tenant, path)}:forks"
-
-    def ds_streams(self, tenant: str | None) -> str:
-        """Sorted set: the tenant's Durable Streams streams that count against its quota (each
-        its path's digest), scored by when they expire (ms; ``inf`` for never)."""
-        return f"{self.ds_space(tenant)}:streams"
-
-    def ds_sizes(self, tenant: str | None) -> str:
-        """Hash: path digest -> the bytes each of the tenant's counted streams holds."""
-        return f"{self.ds_space(tenant)}:sizes"
-
-    def ds_usage(self, tenant: str | None) -> str:
-        """Hash: the tenant's Durable Streams bytes in all (``bytes``) and its append rate's
-        token bucket (``tokens``, ``ts`` = last refill in ms)."""
-        return f"{self.ds_space(tenant)}:usage"

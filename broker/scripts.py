@@ -5,7 +5,9 @@ method here, named after it, that takes the header's KEYS and ARGV by name and r
 decoded into a frozen type: the only place that knows a reply's positions. The error replies of
 the header (``FENCED``, ``CANCELLED``, ``STREAM_FULL``) are raised as the broker's exceptions.
 Calling a script by name (``await scripts("claim_lease", keys, args)``) is the raw form, for
-tests of a script's contract itself.
+tests of a script's contract itself, and for the Durable Streams service, whose ``ds_*``
+scripts are loaded here with the others but typed in their own room
+(:mod:`broker.durable_store.scripts`).
 
 redis-py's ``register_script`` sends EVALSHA and reloads the script by itself after
 ``NOSCRIPT`` (a restarted or failed-over server), so callers never see that case.
@@ -132,34 +134,6 @@ class WebhookTake:
     url: str = ""
     ended_ms: int = 0
     wait_ms: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DsReply:
-    """``ds_create`` and ``ds_append``: a ``result`` word and the values that come with it
-    (an entry id, a closure flag, a sequence number, a content type), as text."""
-
-    result: str
-    values: tuple[str, ...] = ()
-
-    def value(self, index: int) -> str:
-        return self.values[index] if index < len(self.values) else ""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DsQuota:
-    """A tenant's Durable Streams limits, as ``ds_create`` and ``ds_append`` take them (0: no
-    limit)."""
-
-    max_streams: int
-    max_bytes: int
-    appends_per_s: float
-    append_burst: int
-
-    @property
-    def args(self) -> tuple[int, int, str, int]:
-        """ARGV: max streams, max bytes, rate, burst (``ds_append`` takes the last three)."""
-        return (self.max_streams, self.max_bytes, repr(self.appends_per_s), self.append_burst)
 
 
 def _text(reply: Sequence[Any], index: int) -> str:
@@ -489,60 +463,3 @@ class Scripts:
         return WebhookTake(
             "take", int(reply[1]), _text(reply, 2), _text(reply, 3), int(_text(reply, 4) or 0)
         )
-
-    async def ds_create(
-        self,
-        *,
-        keys: Sequence[str],
-        path: str,
-        content_type: str,
-        ttl_s: str,
-        expires_ms: str,
-        expires_at: str,
-        closed: bool,
-        body: str,
-        incarnation: str,
-        raw_content_type: str,
-        member: str,
-        quota: DsQuota,
-        fork: tuple[str, str, str, str] = ("", "", "", ""),
-        part: str = "",
-        source_member: str = "",
-    ) -> DsReply:
-        """``fork``: the source, the offset as given, the offset resolved and the sub-offset;
-        ``part``: the sub-offset's part of the source's next append."""
-        args = [path, content_type, ttl_s, expires_ms, expires_at, "1" if closed else "", body]
-        more = [incarnation, raw_content_type, *fork, part, member, source_member, *quota.args]
-        return _ds_reply(await self("ds_create", list(keys), [*args, *more]))
-
-    async def ds_append(
-        self,
-        *,
-        keys: Sequence[str],
-        content_type: str,
-        body: str,
-        close: bool,
-        producer: tuple[str, int, int] | None,
-        stream_seq: str,
-        max_entries: int,
-        member: str,
-        quota: DsQuota,
-    ) -> DsReply:
-        ident, epoch, seq = producer if producer is not None else ("", 0, 0)
-        args = [content_type, body, "1" if close else "", ident, epoch, seq, stream_seq]
-        more = [max_entries, member, *quota.args[1:]]
-        return _ds_reply(await self("ds_append", list(keys), [*args, *more]))
-
-    async def ds_delete(self, *, keys: Sequence[str], member: str) -> DsReply:
-        return _ds_reply(await self("ds_delete", list(keys), [member]))
-
-    async def ds_fork_ref(self, *, keys: Sequence[str], fork: str) -> DsReply:
-        return _ds_reply(await self("ds_fork_ref", list(keys), [fork]))
-
-    async def ds_touch(self, *, keys: Sequence[str], ttl_ms: int, member: str) -> bool:
-        """Whether the stream's sliding TTL started again (False: it is gone or deleted)."""
-        return bool(await self("ds_touch", list(keys), [ttl_ms, member]))
-
-
-def _ds_reply(reply: Sequence[Any]) -> DsReply:
-    return DsReply(str(reply[0]), tuple("" if v is None else str(v) for v in reply[1:]))

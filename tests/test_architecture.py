@@ -52,6 +52,9 @@ WRITING = {
     "broker.worker",
 }
 TURNS = {"broker.turns"}
+# Durable Streams' own streams: a service beside the core. The HTTP door reaches it through the
+# package's public names and its pure protocol rules, never its keys, scripts or replies.
+DURABLE_STORE_DOORS = {"broker.durable_store", "broker.durable_store.protocol"}
 ASSEMBLY = {"broker.app", "broker.__main__"}
 
 # Which rooms a room may import at run time (besides itself).
@@ -62,8 +65,18 @@ MAY_IMPORT = {
     "reading": {"ground", "shared"},
     "writing": {"ground", "shared", "providers"},
     "turns": {"ground", "shared", "providers"},
-    "http": {"ground", "shared", "providers", "reading", "turns"},
-    "assembly": {"ground", "shared", "providers", "reading", "writing", "turns", "http"},
+    "durable_store": {"ground", "reading"},
+    "http": {"ground", "shared", "providers", "reading", "turns", "durable_store"},
+    "assembly": {
+        "ground",
+        "shared",
+        "providers",
+        "reading",
+        "writing",
+        "turns",
+        "durable_store",
+        "http",
+    },
 }
 
 
@@ -80,6 +93,8 @@ def room(module: str) -> str | None:
             return name
     if module == "broker.providers" or module.startswith("broker.providers."):
         return "providers"
+    if module == "broker.durable_store" or module.startswith("broker.durable_store."):
+        return "durable_store"
     if module.startswith(("broker.api", "broker.dialects")):
         return "http"
     return None
@@ -127,7 +142,7 @@ def test_the_document_names_every_module() -> None:
     missing = []
     for module, path in MODULES.items():
         if path.name == "__init__.py" or module.startswith(
-            ("broker.api.", "broker.dialects.", "broker.providers.")
+            ("broker.api.", "broker.dialects.", "broker.providers.", "broker.durable_store.")
         ):
             continue  # the document names these packages as rooms, not each module
         if f"`{path.relative_to(PACKAGE).as_posix()}`" not in text:
@@ -159,3 +174,28 @@ def test_the_api_side_never_loads_the_generation_side() -> None:
         reached.add(module)
         todo.extend(runtime_imports(MODULES[module]))
     assert sorted(reached & WRITING) == []
+
+
+def test_the_http_layer_reaches_the_durable_store_through_its_service() -> None:
+    """A door imports the Durable Streams service's package (its service, requests and results)
+    and its pure protocol rules, never its keys, scripts or reply decoders; and no module but
+    the service's own builds its keys or calls its scripts."""
+    wrong = sorted(
+        f"{module} imports {imported}"
+        for module, path in MODULES.items()
+        if room(module) == "http"
+        for imported in runtime_imports(path)
+        if room(imported) == "durable_store" and imported not in DURABLE_STORE_DOORS
+    )
+    assert wrong == []
+    outside = sorted(
+        module
+        for module, path in MODULES.items()
+        if room(module) != "durable_store"
+        and module != "broker.scripts"  # loads every script at start, the ds_* ones included
+        and any(
+            name in path.read_text("utf-8")
+            for name in ("KeySpace", "StreamKeys", "StreamScripts", '"ds_create"', '"ds_append"')
+        )
+    )
+    assert outside == []

@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from broker.dialects.durable import wire
-from broker.keys import Keys, ds_digest
+from broker.durable_store import protocol
+from broker.durable_store.keys import KeySpace, ds_digest
 from broker.settings import Settings, SettingsError
 from tests.conftest import BrokerFactory
 from tests.helpers import bearer, wait_until
@@ -43,17 +44,17 @@ def _stream(base_url: str, path: str) -> str:
 def test_no_path_names_another_tenants_stream(
     tenant: str | None, path: str, other_tenant: str | None, other_path: str
 ) -> None:
-    keys = Keys("broker")
-    mine = {keys.ds_meta(tenant, path), keys.ds_data(tenant, path), keys.ds_streams(tenant)}
+    keys = KeySpace("broker")
+    mine = {keys.meta(tenant, path), keys.data(tenant, path), keys.streams(tenant)}
     theirs = {
-        keys.ds_meta(other_tenant, other_path),
-        keys.ds_data(other_tenant, other_path),
-        keys.ds_streams(other_tenant),
+        keys.meta(other_tenant, other_path),
+        keys.data(other_tenant, other_path),
+        keys.streams(other_tenant),
     }
     assert not mine & theirs
     # Every key of a tenant's streams is in its space (its slot), whatever the path holds.
-    assert keys.ds_meta(tenant, path).startswith(keys.ds_space(tenant) + ":")
-    assert keys.ds_space(tenant) != keys.ds_space(other_tenant)
+    assert keys.meta(tenant, path).startswith(keys.space(tenant) + ":")
+    assert keys.space(tenant) != keys.space(other_tenant)
 
 
 def test_an_open_broker_on_the_same_redis_cannot_reach_a_tenants_streams(
@@ -151,12 +152,12 @@ def test_a_read_moves_a_sliding_ttl_in_the_accounting_never_before_the_keys_expi
     broker = broker_factory()
     url = _stream(broker.base_url, "kept")
     assert httpx.put(url, headers=TEXT | {"stream-ttl": "600"}).status_code == 201
-    keys = Keys(broker.settings.key_prefix)
+    keys = KeySpace(broker.settings.key_prefix)
 
     def score() -> float:
-        value = raw_redis.zscore(keys.ds_streams(None), ds_digest("kept"))
+        value = raw_redis.zscore(keys.streams(None), ds_digest("kept"))
         assert value is not None
-        assert value >= raw_redis.pexpiretime(keys.ds_meta(None, "kept"))
+        assert value >= raw_redis.pexpiretime(keys.meta(None, "kept"))
         return value
 
     first = score()
@@ -263,7 +264,7 @@ def test_a_fork_is_copied_inside_redis_not_through_the_broker(
     ],
 )
 def test_json_depth(body: bytes, limit: int, within: bool) -> None:
-    assert wire.json_depth(body, limit) is within
+    assert protocol.json_depth(body, limit) is within
 
 
 @pytest.mark.parametrize("depth", [129, 1_000, 1_100])

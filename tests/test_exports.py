@@ -22,6 +22,7 @@ PACKAGES = (
     "broker.providers",
     "broker.dialects.openai",
     "broker.dialects.aisdk",
+    "broker.durable_store",
     "broker_client",
 )
 

@@ -1,10 +1,12 @@
 """The Durable Streams routes: ``/ds/v1/stream/{path}``, the protocol over the broker's Redis.
 
 A path is a stream of the protocol's own (created with PUT, appended to with POST, closed,
-deleted), kept by :mod:`broker.dialects.durable.store`, or, when it is a generation's stream id
-(``st_...``), that generation read as a JSON stream: one message per broker event, closed once
-its turn is at rest, with the broker's offsets. A generation is written by its worker only: a
-write through the protocol is refused with 405.
+deleted), kept by the Durable Streams service (:mod:`broker.durable_store`, the runtime's
+``durable``): these routes parse the request, call the service and render its typed result with
+the protocol's headers. Or, when the path is a generation's stream id (``st_...``), that
+generation is read as a JSON stream: one message per broker event, closed once its turn is at
+rest, with the broker's offsets. A generation is written by its worker only: a write through the
+protocol is refused with 405.
 
 Paths belong to the caller's tenant (another tenant's streams are never found); an attach token
 reads its one generation stream and nothing else.
@@ -15,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -27,22 +28,26 @@ from starlette.responses import Response
 from broker.api.routes import Caller, Hangup, runtime, until_gone
 from broker.auth import Principal
 from broker.dialects.durable import wire
-from broker.dialects.durable.store import (
+from broker.durable_store import (
+    Appended,
+    AppendRequest,
+    ClosedAgain,
+    CreateRequest,
     DurableStore,
-    Meta,
+    ForkRequest,
     Read,
-    StreamKeys,
+)
+from broker.durable_store.protocol import (
+    CLOSED,
+    JSON_TYPE,
+    NEXT_OFFSET,
+    checked_path,
+    is_json,
+    offset_of,
+    start_cursor,
     to_bytes,
 )
-from broker.errors import (
-    BadRequest,
-    BrokerError,
-    Conflict,
-    Forbidden,
-    Gone,
-    NotFound,
-    TooManyRequests,
-)
+from broker.errors import BadRequest, BrokerError, Forbidden, NotFound
 from broker.frames import ORIGIN, Cursor
 from broker.keys import STREAM_ID_PATTERN
 from broker.reader import FROM_NOW, Location, StartPoint
@@ -53,8 +58,7 @@ if TYPE_CHECKING:
     from broker.app import Runtime
 
 PREFIX: Final = "/ds/v1/stream"
-MAX_PATH: Final = 1_024
-GENERATION_TYPE: Final = wire.JSON_TYPE
+GENERATION_TYPE: Final = JSON_TYPE
 SSE_HEADERS: Final = [(b"cache-control", b"no-cache")]
 
 # Described by the protocol's own document, not in /openapi.json: its bodies are any bytes, and
@@ -76,30 +80,8 @@ class NotSupported(BrokerError):
     status = 501
 
 
-class AppendsFull(BrokerError):
-    """The stream holds as many appends as a stream may."""
-
-    code = "stream_full"
-    status = 413
-
-
-class StaleEpoch(BrokerError):
-    """A stale producer epoch: the writer is fenced."""
-
-    code = "stale_epoch"
-    status = 403
-
-
 def _store(rt: Runtime) -> DurableStore:
     return rt.durable
-
-
-def _checked_path(path: str) -> str:
-    if not path or len(path) > MAX_PATH or any(ord(c) < 32 or c == "\x7f" for c in path):
-        raise NotFound("no such stream")
-    if path == "__ds" or path.startswith("__ds/"):
-        raise NotFound("the __ds paths are reserved for the protocol's control APIs")
-    return path
 
 
 def _writer(request: Request, principal: Principal) -> Principal:
@@ -109,24 +91,20 @@ def _writer(request: Request, principal: Principal) -> Principal:
     return principal
 
 
-def _writable(
-    request: Request, path: str, principal: Principal, refusal: str
-) -> tuple[DurableStore, StreamKeys]:
-    """The store and the keys of the stream a write (create, append, delete) goes to: 404 for
-    a path no stream can have, 403 for an attach token, 405 (``refusal``) for a generation's
-    stream."""
-    path = _checked_path(path)
+def _writable(request: Request, path: str, principal: Principal, refusal: str) -> str | None:
+    """The tenant a write (create, append, delete) to ``path`` goes to: 404 for a path no
+    stream can have, 403 for an attach token, 405 (``refusal``) for a generation's stream."""
+    path = checked_path(path)
     principal = _writer(request, principal)
     if _generation(path):
         raise MethodNotAllowed(refusal)
-    store = _store(runtime(request))
-    return store, store.keys(principal.tenant, path)
+    return principal.tenant
 
 
 def _headers(**values: str | None) -> dict[str, str]:
     names = {
-        "next_offset": wire.NEXT_OFFSET,
-        "closed": wire.CLOSED,
+        "next_offset": NEXT_OFFSET,
+        "closed": CLOSED,
         "up_to_date": wire.UP_TO_DATE,
         "cursor": wire.CURSOR,
         "content_type": "content-type",
@@ -142,35 +120,13 @@ def _true(value: bool) -> str | None:
     return "true" if value else None
 
 
-def _deleted() -> Gone:
-    return Gone("the stream is deleted (forks of it still live)", code="deleted")
-
-
 def _generation(path: str) -> bool:
     return STREAM_ID_PATTERN.fullmatch(path) is not None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Fork:
-    """What a fork is made of: its source's metadata, its signature (the source, the offset as
-    given, as resolved, and the sub-offset) for an idempotent PUT, and the part of the source's
-    next append that a sub-offset takes."""
-
-    source: Meta
-    signature: tuple[str, str, str, str]
-    part: bytes
-
-
-async def _fork(store: DurableStore, me: StreamKeys, headers: Headers) -> _Fork | None:
-    """The fork a PUT asks for (``Stream-Forked-From``), or None; 400, 404 or 409 when it
-    cannot be made.
-
-    A fork has its source's appends up to the divergence point, with their offsets, and, with a
-    sub-offset, the first bytes (or JSON values) of the next append, as an entry right after
-    that point: it is then a stream of its own, which its source's later appends, closing or
-    deletion never touch. The appends are copied by ``ds_create`` inside Redis; only the one
-    append a sub-offset cuts is read here.
-    """
+def _fork_request(headers: Headers) -> ForkRequest | None:
+    """The fork a PUT asks for (``Stream-Forked-From``), or None; 400 for headers that do not
+    go together, 404 for a source path no stream can have, 501 for a generation's stream."""
     origin = headers.get("stream-forked-from")
     offset = headers.get("stream-fork-offset")
     sub = wire.sub_offset(headers.get("stream-fork-sub-offset"))
@@ -180,38 +136,26 @@ async def _fork(store: DurableStore, me: StreamKeys, headers: Headers) -> _Fork 
         return None
     if sub and offset is None:
         raise BadRequest("a fork's sub-offset needs Stream-Fork-Offset", code="bad_fork")
-    path = _checked_path(wire.source_path(origin))
+    path = checked_path(wire.source_path(origin))
     if _generation(path):
         raise NotSupported("a generation's stream cannot be forked")
-    if path == me.path:
-        raise BadRequest("a stream cannot fork itself", code="bad_fork")
-    keys = store.keys(me.tenant, path)
-    meta = await store.meta(keys)
-    if meta is None:
-        raise NotFound("the fork's source does not exist")
-    if meta.deleted:
-        raise _source_deleted()
-    at = meta.tail if offset is None else wire.cursor_of(offset)
-    if at.key > meta.tail.key:
-        raise _past_tail()
-    part = b""
-    if sub:
-        following = await store.next_append(keys, at)
-        if following is None:
-            raise BadRequest(
-                "nothing follows the fork offset to take a sub-offset of", code="bad_fork"
-            )
-        part = wire.prefix(to_bytes(following[1]), sub, json=wire.is_json(meta.content_type))
-    given = "" if offset is None else at.entry_id
-    return _Fork(meta, (path, given, at.entry_id, str(sub) if sub else ""), part)
+    return ForkRequest(path, offset, sub)
 
 
-def _source_deleted() -> Conflict:
-    return Conflict("the fork's source is deleted", code="source_deleted")
-
-
-def _past_tail() -> BadRequest:
-    return BadRequest("Stream-Fork-Offset is past the source's tail", code="bad_fork")
+def _create_request(headers: Headers) -> CreateRequest:
+    ttl_s = wire.ttl_seconds(headers.get("stream-ttl"))
+    expires_at = headers.get("stream-expires-at")
+    expires_ms = wire.expiry_ms(expires_at)
+    if ttl_s is not None and expires_ms is not None:
+        raise BadRequest("give Stream-TTL or Stream-Expires-At, not both", code="bad_expiry")
+    return CreateRequest(
+        content_type=(headers.get("content-type") or "").strip(),
+        ttl_s=ttl_s,
+        expires_ms=expires_ms,
+        expires_at=expires_at,
+        closed=wire.flag(headers.get("stream-closed")),
+        fork=_fork_request(headers),
+    )
 
 
 # --- writes ----------------------------------------------------------------------------------
@@ -220,73 +164,23 @@ def _past_tail() -> BadRequest:
 @router.put(PREFIX + "/{path:path}", status_code=201, responses={200: {}, 409: {}})
 async def create_stream(request: Request, path: str, principal: Caller) -> Response:
     """Create a stream (201), or find the same one (200); 409 for another configuration."""
-    store, keys = _writable(
+    tenant = _writable(
         request, path, principal, "a generation's stream is written by its worker only"
     )
-    location = _location(request, keys.path)
-    headers = request.headers
-    ttl_s = wire.ttl_seconds(headers.get("stream-ttl"))
-    expires_at = headers.get("stream-expires-at")
-    expires_ms = wire.expiry_ms(expires_at)
-    if ttl_s is not None and expires_ms is not None:
-        raise BadRequest("give Stream-TTL or Stream-Expires-At, not both", code="bad_expiry")
-    raw_type = (headers.get("content-type") or "").strip()
-    if not wire.media_type(raw_type):
-        raw_type = ""
-    fork = await _fork(store, keys, headers)
-    if fork is not None:
-        source = fork.source
-        if raw_type and wire.media_type(raw_type) != wire.media_type(source.content_type):
-            raise Conflict(
-                f"a fork's content type is its source's ({source.content_type})",
-                code="type_mismatch",
-            )
-        raw_type = raw_type or source.content_type
-        if ttl_s is None and expires_ms is None:  # a fork inherits its source's lifetime
-            ttl_s, expires_ms, expires_at = source.ttl_s, source.expires_ms, source.expires_at
-    raw_type = raw_type or wire.DEFAULT_TYPE
-    content_type = wire.media_type(raw_type)
-    body = await request.body()
-    if body and content_type == wire.JSON_TYPE:
-        body = wire.json_messages(body, allow_empty=True)
-    closed = wire.flag(headers.get("stream-closed"))
-    reply = await store.create(
-        keys,
-        content_type=content_type,
-        raw_content_type=raw_type,
-        ttl_s=ttl_s,
-        expires_ms=expires_ms,
-        expires_at=expires_at.strip() if expires_at else None,
-        closed=closed,
-        body=body,
-        fork=fork.signature if fork is not None else ("", "", "", ""),
-        part=fork.part if fork is not None else b"",
+    location = _location(request, path)
+    made = await _store(runtime(request)).create(
+        tenant, path, _create_request(request.headers), request.body
     )
-    if reply.result == "conflict":
-        raise Conflict(
-            f"the stream exists with another configuration ({reply.value(0)})",
-            code="stream_exists",
-        )
-    if reply.result == "source_missing":
-        raise NotFound("the fork's source does not exist")
-    if reply.result == "source_deleted":
-        raise _source_deleted()
-    if reply.result == "past_tail":
-        raise _past_tail()
-    if reply.result not in ("created", "exists"):
-        raise _refusal(request, reply.result, reply.values)
-    tail = wire.offset_of(Cursor.after(reply.value(0)))
-    status = 201 if reply.result == "created" else 200
     response = Response(
-        status_code=status,
+        status_code=201 if made.created else 200,
         headers=_headers(
             # The type as the stream keeps it: for a stream found again, as it was created.
-            content_type=reply.value(2) or raw_type,
-            next_offset=tail,
-            closed=_true(reply.value(1) == "1"),
+            content_type=made.content_type,
+            next_offset=offset_of(made.tail),
+            closed=_true(made.closed),
         ),
     )
-    if status == 201:
+    if made.created:
         response.headers["location"] = location
     return response
 
@@ -300,50 +194,10 @@ def _location(request: Request, path: str) -> str:
     return str(url.replace(path=wire.quote_path(mount) + wire.quote_path(path), query=""))
 
 
-class QuotaExceeded(BrokerError):
-    """A tenant holds as many Durable Streams streams, or bytes, as its quota allows."""
-
-    code = "quota_exceeded"
-    status = 429
-
-
-def _refusal(request: Request, result: str, values: tuple[str, ...]) -> BrokerError:
-    """What a tenant's quota refused (``rate`` or ``quota``), counted; any other reply is the
-    broker's own error."""
-    settings = runtime(request).settings
-    metrics = runtime(request).metrics
-    if result == "rate":
-        metrics.ds_refusals.labels("rate").inc()
-        retry_after_s = math.ceil(int(values[0]) / 1000)
-        return TooManyRequests(
-            "this tenant appends to its Durable Streams faster than "
-            f"BROKER_DS_TENANT_APPENDS_PER_S={settings.ds_tenant_appends_per_s:g} (burst "
-            f"{settings.ds_tenant_append_burst}); retry in {max(1, retry_after_s)} s",
-            retry_after_s=retry_after_s,
-            code="rate_limited",
-        )
-    if result == "quota" and values and values[0] in ("streams", "bytes"):
-        which = values[0]
-        metrics.ds_refusals.labels(which).inc()
-        if which == "streams":
-            return QuotaExceeded(
-                f"this tenant holds BROKER_DS_TENANT_MAX_STREAMS={values[1]} Durable Streams "
-                "streams: delete one (or let one expire) first",
-                code="stream_quota",
-            )
-        return QuotaExceeded(
-            f"this would take this tenant's Durable Streams past "
-            f"BROKER_DS_TENANT_MAX_BYTES={values[1]} bytes: delete a stream (or let one "
-            "expire) first",
-            code="byte_quota",
-        )
-    return BrokerError(f"unexpected reply {result!r}")
-
-
 @router.post(PREFIX + "/{path:path}", status_code=204, responses={200: {}, 409: {}})
 async def append_stream(request: Request, path: str, principal: Caller) -> Response:
     """Append (204; 200 for a producer's new batch), close (``Stream-Closed: true``), or both."""
-    store, keys = _writable(
+    tenant = _writable(
         request, path, principal, "a generation's stream is written by its worker only"
     )
     headers = request.headers
@@ -352,108 +206,42 @@ async def append_stream(request: Request, path: str, principal: Caller) -> Respo
     )
     close = wire.flag(headers.get("stream-closed"))
     body = await request.body()
-    content_type = ""
-    if not body and not close:
-        raise BadRequest("an append needs a body (or Stream-Closed: true)", code="empty_append")
-    if body:
-        content_type = wire.media_type(headers.get("content-type"))
-        if not content_type:
-            raise BadRequest("an append with a body needs its Content-Type", code="no_type")
-        if content_type == wire.JSON_TYPE:
-            try:
-                body = wire.json_messages(body, allow_empty=False)
-            except BadRequest:
-                await _refusal_before_json(store, keys)
-                raise
-    reply = await store.append(
-        keys,
-        content_type=content_type,
-        body=body,
-        close=close,
-        producer=producer,
-        stream_seq=headers.get("stream-seq"),
+    done = await _store(runtime(request)).append(
+        tenant,
+        path,
+        AppendRequest(
+            headers.get("content-type"), body, close, producer, headers.get("stream-seq")
+        ),
     )
-    result = reply.result
-    with_tail = ("ok", "duplicate", "closed", "closed_again")
-    tail = wire.offset_of(Cursor.after(reply.value(0))) if result in with_tail else None
-    epoch = str(producer[1]) if producer is not None else None
-    if result == "ok":
-        status = 200 if producer is not None and body else 204
-        seq = str(producer[2]) if producer is not None else None
-        closed = _true(reply.value(1) == "1")
-        return Response(
-            status_code=status,
-            headers=_headers(next_offset=tail, closed=closed, epoch=epoch, seq=seq),
-        )
-    if result == "duplicate":
-        closed = _true(reply.value(2) == "1")
-        return Response(
-            status_code=204,
-            headers=_headers(next_offset=tail, closed=closed, epoch=epoch, seq=reply.value(1)),
-        )
-    if result == "closed_again":
+    tail = offset_of(done.tail)
+    if isinstance(done, ClosedAgain):
         return Response(status_code=204, headers=_headers(next_offset=tail, closed="true"))
-    if result in ("rate", "quota"):
-        raise _refusal(request, result, reply.values)
-    raise _append_error(reply.result, reply.values, tail)
-
-
-async def _refusal_before_json(store: DurableStore, keys: StreamKeys) -> None:
-    """Raise what the stream itself refuses before a body is parsed (it is missing or closed):
-    those come first, as the protocol orders them."""
-    meta = await store.meta(keys)
-    if meta is None:
-        raise NotFound("no such stream")
-    if meta.deleted:
-        raise _deleted()
-    if meta.closed:
-        raise _append_error("closed", (meta.tail.entry_id,), wire.offset_of(meta.tail))
-
-
-def _append_error(result: str, values: tuple[str, ...], tail: str | None) -> BrokerError:
-    value = values[0] if values else ""
-    if result == "missing":
-        return NotFound("no such stream")
-    if result == "gone":
-        return _deleted()
-    if result == "closed":
-        return Conflict(
-            "the stream is closed",
-            code="stream_closed",
-            headers=_headers(next_offset=tail, closed="true"),
+    epoch = str(producer[1]) if producer is not None else None
+    if isinstance(done, Appended):
+        return Response(
+            status_code=200 if producer is not None and body else 204,
+            headers=_headers(
+                next_offset=tail,
+                closed=_true(done.closed),
+                epoch=epoch,
+                seq=str(producer[2]) if producer is not None else None,
+            ),
         )
-    if result == "content_type":
-        return Conflict(f"the stream's content type is {value}", code="type_mismatch")
-    if result == "stale_epoch":
-        return StaleEpoch(
-            "a newer epoch of this producer writes now", headers={"Producer-Epoch": value}
-        )
-    if result == "epoch_seq":
-        return BadRequest("a new producer epoch starts at Producer-Seq 0", code="bad_producer")
-    if result == "gap":
-        return Conflict(
-            f"Producer-Seq {values[1]} skips ahead: {value} is next",
-            code="sequence_gap",
-            headers={"Producer-Expected-Seq": value, "Producer-Received-Seq": values[1]},
-        )
-    if result == "stream_seq":
-        return Conflict(f"Stream-Seq must sort after {value!r}", code="sequence_conflict")
-    if result == "full":
-        return AppendsFull(f"the stream holds BROKER_DS_MAX_APPENDS={value} appends")
-    return BrokerError(f"unexpected reply {result!r}")
+    return Response(  # a batch this producer sent already
+        status_code=204,
+        headers=_headers(
+            next_offset=tail, closed=_true(done.closed), epoch=epoch, seq=str(done.seq)
+        ),
+    )
 
 
 @router.delete(PREFIX + "/{path:path}", status_code=204)
 async def delete_stream(request: Request, path: str, principal: Caller) -> Response:
     """Delete a stream and everything in it."""
-    store, keys = _writable(
+    tenant = _writable(
         request, path, principal, "a generation's stream is deleted by its retention only"
     )
-    result = await store.delete(keys)
-    if result == "missing":
-        raise NotFound("no such stream")
-    if result == "gone":
-        raise _deleted()
+    await _store(runtime(request)).delete(tenant, path)
     return Response(status_code=204)
 
 
@@ -464,7 +252,7 @@ async def delete_stream(request: Request, path: str, principal: Caller) -> Respo
 async def stream_metadata(request: Request, path: str, principal: Caller) -> Response:
     """The stream's content type, tail offset, TTL or expiry and closure, without a body."""
     rt = runtime(request)
-    path = _checked_path(path)
+    path = checked_path(path)
     if _generation(path):
         location = await _locate(rt, path, principal)
         cursor = await rt.streams.resolve(location, FROM_NOW)
@@ -478,16 +266,11 @@ async def stream_metadata(request: Request, path: str, principal: Caller) -> Res
             )
         )
     principal = _writer(request, principal)
-    store = _store(rt)
-    meta = await store.meta(store.keys(principal.tenant, path))
-    if meta is None:
-        raise NotFound("no such stream")
-    if meta.deleted:
-        raise _deleted()
+    meta = await _store(rt).meta(principal.tenant, path)
     response = Response(
         headers=_headers(
             content_type=meta.content_type,
-            next_offset=wire.offset_of(meta.tail),
+            next_offset=offset_of(meta.tail),
             closed=_true(meta.closed),
             cache="no-store",
         )
@@ -503,7 +286,7 @@ async def stream_metadata(request: Request, path: str, principal: Caller) -> Res
 async def read_stream(request: Request, path: str, principal: Caller) -> Response:
     """Read from ``offset``: catch-up (default), ``live=long-poll`` or ``live=sse``."""
     rt = runtime(request)
-    path = _checked_path(path)
+    path = checked_path(path)
     params = request.query_params
     live = params.get("live")
     if live not in (None, "long-poll", "sse"):
@@ -511,25 +294,19 @@ async def read_stream(request: Request, path: str, principal: Caller) -> Respons
     offset = wire.start_offset(params.getlist("offset"), live=live is not None)
     if _generation(path):
         return await _read_generation(rt, request, path, principal, offset, live)
-    principal = _writer(request, principal)
+    tenant = _writer(request, principal).tenant
     store = _store(rt)
-    keys = store.keys(principal.tenant, path)
-    after = None if offset == "now" else ORIGIN if offset == "-1" else wire.cursor_of(offset)
-    read = await store.read(keys, after)
-    if read is None:
-        raise NotFound("no such stream")
-    if read.meta.deleted:
-        raise _deleted()
+    read = await store.read(tenant, path, start_cursor(offset))
     content_type = read.meta.content_type
     if live == "sse":
-        own = _OwnLooks(store, keys, read)
+        own = _OwnLooks(store, tenant, path, read)
         return _sse(rt, own.look, params.get("cursor"), content_type)
     if live == "long-poll":
-        if not read.items and not read.closed:
-            waiting = store.wait(keys, read.after, rt.settings.ds_long_poll_s)
+        if read.waits:
+            waiting = store.wait(tenant, path, read.after, rt.settings.ds_long_poll_s)
             if await until_gone(request, waiting) is Hangup.HUNG_UP:
                 return Response(status_code=204)  # the client hung up: no one reads this
-            waited = await store.read(keys, read.after)
+            waited = await store.read_on(tenant, path, read.after)
             if waited is None:
                 raise NotFound("no such stream")
             read = waited
@@ -542,9 +319,9 @@ def _own_page(request: Request, read: Read, offset: str, *, live: bool) -> Respo
     return _page(
         request,
         [to_bytes(payload) for _, payload in read.items],
-        json=wire.is_json(content_type),
+        json=is_json(content_type),
         content_type=content_type,
-        next_offset=wire.offset_of(read.after),
+        next_offset=offset_of(read.after),
         up_to_date=read.up_to_date,
         closed=read.closed and read.up_to_date,
         offset=offset,
@@ -686,8 +463,8 @@ class _OwnLooks:
     """The looks of an SSE read of a stream of the protocol's own, from its first read on;
     waits ride the stream's feed."""
 
-    def __init__(self, store: DurableStore, keys: StreamKeys, first: Read) -> None:
-        self.store, self.keys = store, keys
+    def __init__(self, store: DurableStore, tenant: str | None, path: str, first: Read) -> None:
+        self.store, self.tenant, self.path = store, tenant, path
         self.pending: Read | None = first
         self.after = first.after
         self.content_type = first.meta.content_type
@@ -696,17 +473,17 @@ class _OwnLooks:
         read, self.pending = self.pending, None
         if read is None:
             if wait_s > 0:
-                await self.store.wait(self.keys, self.after, wait_s)
-            read = await self.store.read(self.keys, self.after)
+                await self.store.wait(self.tenant, self.path, self.after, wait_s)
+            read = await self.store.read_on(self.tenant, self.path, self.after)
             if read is None:
                 return None
         self.after = read.after
         return _Look(
             [
-                (wire.offset_of(place), wire.sse_data(to_bytes(payload), self.content_type))
+                (offset_of(place), wire.sse_data(to_bytes(payload), self.content_type))
                 for place, payload in read.items
             ],
-            wire.offset_of(read.after),
+            offset_of(read.after),
             read.up_to_date,
             read.closed and read.up_to_date,
         )

@@ -1,16 +1,15 @@
-"""The Durable Streams protocol's spelling of things: offsets, headers, bodies and SSE frames.
+"""The Durable Streams protocol's spelling of things on HTTP: headers, bodies and SSE frames.
 
-Offsets of the protocol's own streams are ``<ms:016>_<seq:016>``, the Redis entry id after
-which a read starts, zero-padded so that offsets sort as strings (the protocol's only demand of
-them, besides never being ``-1`` or ``now``). A generation stream read through the protocol
-keeps the broker's own offsets (``<ms:016>-<seq:010>``), which sort too.
+Offsets of the protocol's own streams are ``<ms:016>_<seq:016>``, spelled by the service's
+pure rules (:mod:`broker.durable_store.protocol`, whose names used here are re-exported). A
+generation stream read through the protocol keeps the broker's own offsets
+(``<ms:016>-<seq:010>``), which sort too.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
-import json
 import math
 import random
 import re
@@ -21,27 +20,17 @@ from typing import Any, Final
 
 import orjson
 
+from broker.durable_store.protocol import CLOSED, JSON_TYPE, NEXT_OFFSET, is_json, media_type
 from broker.errors import BadRequest
-from broker.frames import Cursor
 
-OFFSET: Final = re.compile(r"([0-9]{16})_([0-9]{16})")
 TTL: Final = re.compile(r"0|[1-9][0-9]{0,11}")
 WHOLE: Final = re.compile(r"[0-9]{1,16}")
 MAX_SAFE: Final = 2**53 - 1  # the protocol's bound on producer epochs and sequence numbers
-JSON_TYPE: Final = "application/json"
-# How deep a JSON body may nest arrays and objects (its outer array included): deep enough for
-# any document a person writes, and far from the parsers' and encoders' own recursion limits.
-MAX_JSON_DEPTH: Final = 128
-_STRINGS: Final = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
-_BRACKETS: Final = re.compile(rb"[\[\]{}]")
-DEFAULT_TYPE: Final = "application/octet-stream"
 CURSOR_EPOCH_MS: Final = int(datetime.datetime(2024, 10, 9, tzinfo=datetime.UTC).timestamp() * 1000)
 CURSOR_INTERVAL_MS: Final = 20_000
 
 # Response header names, as the protocol spells them.
-NEXT_OFFSET: Final = "Stream-Next-Offset"
 UP_TO_DATE: Final = "Stream-Up-To-Date"
-CLOSED: Final = "Stream-Closed"
 CURSOR: Final = "Stream-Cursor"
 # What a browser page may send and read (CORS), besides the broker's own.
 DS_REQUEST_HEADERS: Final = [
@@ -69,23 +58,6 @@ DS_RESPONSE_HEADERS: Final = [
     "Location",
     "Stream-SSE-Data-Encoding",
 ]
-
-
-def offset_of(cursor: Cursor) -> str:
-    """The protocol offset of a place in one of its own streams."""
-    ms, _, seq = cursor.entry_id.partition("-")
-    return f"{int(ms):016d}_{int(seq):016d}"
-
-
-def cursor_of(offset: str) -> Cursor:
-    """The place an offset of one of the protocol's own streams names; 400 when malformed."""
-    match = OFFSET.fullmatch(offset)
-    if match is None:
-        raise BadRequest(
-            f"malformed offset {offset[:64]!r}: expected -1, now, or an offset of this stream",
-            code="bad_offset",
-        )
-    return Cursor.after(f"{int(match.group(1))}-{int(match.group(2))}")
 
 
 def start_offset(values: Sequence[str], *, live: bool) -> str:
@@ -130,34 +102,6 @@ def quote_path(path: str) -> str:
     sub-delimiters, ``:``, ``@`` and ``/`` percent-encoded as UTF-8 (``%``, ``?`` and ``#``
     included), so that any path makes an ASCII ``Location``."""
     return urllib.parse.quote(path, safe="/!$&'()*+,;=:@-._~")
-
-
-def prefix(payload: bytes, count: int, *, json: bool) -> bytes:
-    """The first ``count`` bytes of an append (its first ``count`` values, in JSON mode); 400
-    when it has fewer."""
-    if json:
-        # Messages kept passed MAX_JSON_DEPTH: the array around them is one level more.
-        values = _loads(b"[" + payload + b"]", MAX_JSON_DEPTH + 1) if payload else []
-        if count > len(values):
-            raise BadRequest(
-                f"the sub-offset {count} passes the append's {len(values)} values",
-                code="bad_fork",
-            )
-        return b",".join(_compact(v) for v in values[:count])
-    if count > len(payload):
-        raise BadRequest(
-            f"the sub-offset {count} passes the append's {len(payload)} bytes", code="bad_fork"
-        )
-    return payload[:count]
-
-
-def media_type(value: str | None) -> str:
-    """A content type compared as the protocol compares them: its media type, in lower case."""
-    return (value or "").split(";", 1)[0].strip().lower()
-
-
-def is_json(content_type: str) -> bool:
-    return media_type(content_type) == JSON_TYPE
 
 
 def is_text(content_type: str) -> bool:
@@ -218,63 +162,6 @@ def producer(id_: str | None, epoch: str | None, seq: str | None) -> tuple[str, 
             raise BadRequest(f"{name} must be a whole number up to 2^53-1", code="bad_producer")
         numbers.append(int(raw))
     return id_, numbers[0], numbers[1]
-
-
-def _strict_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def json_depth(body: bytes, limit: int) -> bool:
-    """Whether the JSON text ``body`` nests at most ``limit`` arrays and objects deep (brackets
-    inside strings do not count). Cheap when the body has few brackets at all."""
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return True
-    depth = 0
-    for bracket in _BRACKETS.finditer(_STRINGS.sub(b"", body)):
-        if bracket.group() in (b"[", b"{"):
-            depth += 1
-            if depth > limit:
-                return False
-        else:
-            depth -= 1
-    return True
-
-
-def _loads(body: bytes, depth: int = MAX_JSON_DEPTH) -> Any:
-    """A JSON document; 400 when it is not one, or nests deeper than ``depth``."""
-    if not json_depth(body, depth):
-        raise BadRequest(
-            f"the JSON body nests deeper than {MAX_JSON_DEPTH} arrays and objects",
-            code="json_too_deep",
-        )
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        # orjson refuses integers past 64 bits, which JSON allows: the standard parser takes
-        # them (but neither takes NaN or Infinity).
-        try:
-            return json.loads(body, parse_constant=_strict_constant)
-        except (ValueError, UnicodeDecodeError):
-            raise BadRequest("the body is not valid JSON", code="bad_json") from None
-
-
-def json_messages(body: bytes, *, allow_empty: bool) -> bytes:
-    """A JSON append's messages as they are kept: each value compact, joined by commas (an
-    array's elements are the messages: one level flattened). 400 for what is not JSON, nests
-    deeper than ``MAX_JSON_DEPTH`` (the outer array included), or for ``[]`` where a message is
-    needed."""
-    value = _loads(body)
-    values = value if isinstance(value, list) else [value]
-    if not values and not allow_empty:
-        raise BadRequest("an empty JSON array appends nothing", code="empty_append")
-    return b",".join(_compact(v) for v in values)
-
-
-def _compact(value: Any) -> bytes:
-    try:
-        return orjson.dumps(value)
-    except TypeError:  # an integer orjson cannot write
-        return json.dumps(value, separators=(",", ":")).encode()
 
 
 def json_body(payloads: Sequence[bytes]) -> bytes:

@@ -1,0 +1,95 @@
+"""What the Durable Streams service takes and gives: requests, a stream's metadata, a read."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+from broker.frames import ORIGIN, Cursor
+
+CLOSE: Final = "close"  # the kind of the entry that closes a stream
+MESSAGE: Final = "m"  # the kind of an append's entry
+META_FIELDS: Final = ["ctr", "tail", "closed", "inc", "ttl", "exp", "exp_text", "deleted"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Meta:
+    """What a stream's metadata hash says."""
+
+    content_type: str  # as its creator wrote it
+    tail: Cursor  # right after the last append (ORIGIN: none yet)
+    closed: bool
+    incarnation: str
+    ttl_s: int | None
+    expires_at: str | None  # as its creator wrote it
+    expires_ms: int | None
+    deleted: bool  # deleted while forks of it live: its path answers 410
+
+    @classmethod
+    def of(cls, fields: list[str | None]) -> Meta | None:
+        """The metadata of ``HMGET meta META_FIELDS`` (None: no such stream)."""
+        content_type, tail, closed, incarnation, ttl, expires, expires_text, deleted = fields
+        if content_type is None:
+            return None
+        return cls(
+            content_type,
+            Cursor.after(tail) if tail else ORIGIN,
+            closed == "1",
+            incarnation or "",
+            int(ttl) if ttl else None,
+            expires_text or None,
+            int(expires) if expires else None,
+            deleted == "1",
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Read:
+    """What one read found past its cursor."""
+
+    meta: Meta
+    items: list[tuple[Cursor, str]]  # each append's place (right after it) and payload (text,
+    # see protocol.to_text), in order
+    after: Cursor  # where the next read starts: right after the last item here
+    up_to_date: bool  # nothing is stored past ``after`` (yet)
+    closed: bool  # the stream is closed and ``after`` is its end
+
+    @property
+    def waits(self) -> bool:
+        """Whether a long poll waits for more: nothing new, and the stream still open."""
+        return not self.items and not self.closed
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForkRequest:
+    """A PUT's ``Stream-Forked-From`` (the source's path, checked), ``Stream-Fork-Offset`` (as
+    given: None for the source's tail) and ``Stream-Fork-Sub-Offset`` (0: none)."""
+
+    source: str
+    offset: str | None = None
+    sub: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CreateRequest:
+    """A PUT, its headers parsed: ``content_type`` as the client wrote it (stripped; "" for
+    none), the lifetime (a TTL or an expiry, not both), closure, body and fork."""
+
+    content_type: str = ""
+    ttl_s: int | None = None
+    expires_ms: int | None = None
+    expires_at: str | None = None  # as the client wrote it
+    closed: bool = False
+    body: bytes = b""
+    fork: ForkRequest | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AppendRequest:
+    """A POST, its headers parsed: ``content_type`` as the client wrote it (None: absent)."""
+
+    content_type: str | None = None
+    body: bytes = b""
+    close: bool = False
+    producer: tuple[str, int, int] | None = None  # id, epoch, seq
+    stream_seq: str | None = None

@@ -1,0 +1,417 @@
+"""Durable Streams' own streams: create, append, read, wait for, close, delete and fork them.
+
+A stream is four keys in its tenant's slot (:mod:`broker.durable_store.keys`), written only by
+the ``ds_*`` scripts (:mod:`broker.durable_store.scripts`), read with plain commands, and
+waited on through the process's feeds. A stream is a metadata hash (its existence is the
+stream's), a Redis Stream with one entry per append (the entry ids are the offsets), a hash of
+its idempotent producers, and the set of its forks. The tenant's accounting (the streams it
+holds, their bytes, its append rate) is checked and charged by the scripts atomically with each
+write. A fork copies the entries it inherits, ids and all, into a stream of its own, inside
+Redis (no byte of it passes through the broker), charged to the tenant; its source counts it in
+its forks set, so that a source deleted while forks of it live stays as a marked path (410)
+until its last fork goes. Closing adds a last ``close`` entry after the data: the stream's live
+readers wake on it as on an append, and a read that meets it knows the stream has ended. A
+payload is kept as the text whose code points are its bytes (Latin-1).
+
+Reads and writes go to the primary (a Durable Streams client reads its own writes); a live read
+waits on the stream's feed like an SSE reader of a generation (:mod:`broker.fanout`): waiting
+costs no Redis command, however many wait.
+
+Every method takes the caller's tenant (None: an open broker's) and the stream's path, and
+returns what happened as a typed result, or raises the refusal as a :class:`BrokerError`
+(:mod:`broker.durable_store.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from redis.asyncio import Redis
+
+from broker import redis_calls as rc
+from broker.deps import Deps
+from broker.durable_store import errors, protocol
+from broker.durable_store.keys import KeySpace, StreamKeys
+from broker.durable_store.records import (
+    CLOSE,
+    META_FIELDS,
+    AppendRequest,
+    CreateRequest,
+    ForkRequest,
+    Meta,
+    Read,
+)
+from broker.durable_store.replies import (
+    AppendDone,
+    Appended,
+    Closed,
+    ClosedAgain,
+    ConfigConflict,
+    Duplicate,
+    EpochNotAtZero,
+    Full,
+    Gone,
+    Missing,
+    PastTail,
+    QuotaRefused,
+    RateRefused,
+    Removed,
+    SequenceGap,
+    SourceDeleted,
+    SourceMissing,
+    StaleProducer,
+    StreamMade,
+    StreamSeqBehind,
+    TypeMismatch,
+)
+from broker.durable_store.scripts import NO_FORK, Fork, Quota, StreamScripts
+from broker.errors import BadRequest, BrokerError, Conflict
+from broker.fanout import Hub, HubClosed
+from broker.frames import Cursor
+
+READ_COUNT: Final = 512  # entries per XRANGE of a read
+
+Body = bytes | Callable[[], Awaitable[bytes]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Fork:
+    """What a fork is made of: its source's metadata, its signature for an idempotent PUT, and
+    the part of the source's next append that a sub-offset takes."""
+
+    source: Meta
+    signature: Fork
+    part: bytes
+
+
+class DurableStore:
+    """Create, append, close, delete, look at, read and wait for Durable Streams streams."""
+
+    def __init__(self, deps: Deps, hub: Hub) -> None:
+        self._redis: Redis = deps.redis
+        self._scripts = StreamScripts(deps.scripts)
+        self._space = KeySpace(deps.keys.prefix)
+        self._settings = deps.settings
+        self._metrics = deps.metrics
+        self._hub = hub
+
+    def _keys(self, tenant: str | None, path: str) -> StreamKeys:
+        return self._space.of(tenant, path)
+
+    @property
+    def quota(self) -> Quota:
+        settings = self._settings
+        return Quota(
+            settings.ds_tenant_max_streams,
+            settings.ds_tenant_max_bytes,
+            settings.ds_tenant_appends_per_s,
+            settings.ds_tenant_append_burst,
+        )
+
+    # --- writes -------------------------------------------------------------------------------
+
+    async def create(
+        self, tenant: str | None, path: str, request: CreateRequest, body: Body = b""
+    ) -> StreamMade:
+        """Create the stream (or find the same one), a fork if ``request`` names a source: its
+        inherited appends are copied inside Redis. ``body`` (the bytes, or how to read them) is
+        read once the fork is made out. 409 for another configuration."""
+        keys = self._keys(tenant, path)
+        fork = await self._fork(keys, request.fork) if request.fork is not None else None
+        raw_type = request.content_type if protocol.media_type(request.content_type) else ""
+        ttl_s, expires_ms, expires_at = request.ttl_s, request.expires_ms, request.expires_at
+        if fork is not None:
+            source = fork.source
+            if raw_type and protocol.media_type(raw_type) != protocol.media_type(
+                source.content_type
+            ):
+                raise Conflict(
+                    f"a fork's content type is its source's ({source.content_type})",
+                    code="type_mismatch",
+                )
+            raw_type = raw_type or source.content_type
+            if ttl_s is None and expires_ms is None:  # a fork inherits its source's lifetime
+                ttl_s, expires_ms, expires_at = source.ttl_s, source.expires_ms, source.expires_at
+        raw_type = raw_type or protocol.DEFAULT_TYPE
+        content_type = protocol.media_type(raw_type)
+        data = body if isinstance(body, bytes) else await body()
+        if data and content_type == protocol.JSON_TYPE:
+            data = protocol.json_messages(data, allow_empty=True)
+        source_keys = self._keys(tenant, fork.signature.source) if fork is not None else keys
+        reply = await self._scripts.create(
+            keys,
+            source_keys,
+            content_type=content_type,
+            ttl_s=ttl_s,
+            expires_ms=expires_ms,
+            expires_at=expires_at.strip() if expires_at else None,
+            closed=request.closed,
+            body=protocol.to_text(data),
+            incarnation=secrets.token_hex(8),
+            raw_content_type=raw_type,
+            quota=self.quota,
+            fork=fork.signature if fork is not None else NO_FORK,
+            part=protocol.to_text(fork.part) if fork is not None else "",
+        )
+        match reply:
+            case StreamMade():
+                # The type as the stream keeps it (as its creator wrote it), else this one's.
+                return dataclasses.replace(reply, content_type=reply.content_type or raw_type)
+            case ConfigConflict(what):
+                raise Conflict(
+                    f"the stream exists with another configuration ({what})",
+                    code="stream_exists",
+                )
+            case SourceMissing():
+                raise errors.source_missing()
+            case SourceDeleted():
+                raise errors.source_deleted()
+            case PastTail():
+                raise errors.past_tail()
+            case RateRefused() | QuotaRefused():
+                raise errors.refusal(reply, self._settings, self._metrics)
+
+    async def _fork(self, keys: StreamKeys, request: ForkRequest) -> _Fork:
+        """The fork ``request`` asks for; 400, 404 or 409 when it cannot be made.
+
+        A fork has its source's appends up to the divergence point, with their offsets, and,
+        with a sub-offset, the first bytes (or JSON values) of the next append, as an entry
+        right after that point: it is then a stream of its own, which its source's later
+        appends, closing or deletion never touch. The appends are copied by ``ds_create`` inside
+        Redis; only the one append a sub-offset cuts is read here.
+        """
+        if request.source == keys.path:
+            raise errors.bad_fork("a stream cannot fork itself")
+        source = self._keys(keys.tenant, request.source)
+        meta = await self._meta(source)
+        if meta is None:
+            raise errors.source_missing()
+        if meta.deleted:
+            raise errors.source_deleted()
+        at = meta.tail if request.offset is None else protocol.cursor_of(request.offset)
+        if at.key > meta.tail.key:
+            raise errors.past_tail()
+        part = b""
+        if request.sub:
+            following = await self._next_append(source, at)
+            if following is None:
+                raise errors.bad_fork("nothing follows the fork offset to take a sub-offset of")
+            json = protocol.is_json(meta.content_type)
+            part = protocol.prefix(protocol.to_bytes(following), request.sub, json=json)
+        given = "" if request.offset is None else at.entry_id
+        sub = str(request.sub) if request.sub else ""
+        return _Fork(meta, Fork(request.source, given, at.entry_id, sub), part)
+
+    async def append(self, tenant: str | None, path: str, request: AppendRequest) -> AppendDone:
+        """Append, close, or both; a producer's batch sent again is answered, not written twice.
+        The protocol's order of refusals: a missing, deleted or closed stream before a body
+        that is not JSON, then the content type, the producer, Stream-Seq and the limits."""
+        keys = self._keys(tenant, path)
+        body = request.body
+        content_type = ""
+        if not body and not request.close:
+            raise BadRequest("an append needs a body (or Stream-Closed: true)", code="empty_append")
+        if body:
+            content_type = protocol.media_type(request.content_type)
+            if not content_type:
+                raise BadRequest("an append with a body needs its Content-Type", code="no_type")
+            if content_type == protocol.JSON_TYPE:
+                try:
+                    body = protocol.json_messages(body, allow_empty=False)
+                except BadRequest:
+                    await self._refusal_before_json(keys)
+                    raise
+        reply = await self._scripts.append(
+            keys,
+            content_type=content_type,
+            body=protocol.to_text(body),
+            close=request.close,
+            producer=request.producer,
+            stream_seq=request.stream_seq or "",
+            max_entries=self._settings.ds_max_appends,
+            quota=self.quota,
+        )
+        if isinstance(reply, Appended | Duplicate | ClosedAgain):
+            return reply
+        raise self._append_refusal(reply)
+
+    def _append_refusal(
+        self,
+        reply: Missing
+        | Gone
+        | Closed
+        | TypeMismatch
+        | StaleProducer
+        | EpochNotAtZero
+        | SequenceGap
+        | StreamSeqBehind
+        | Full
+        | RateRefused
+        | QuotaRefused,
+    ) -> BrokerError:
+        match reply:
+            case Missing():
+                return errors.no_stream()
+            case Gone():
+                return errors.deleted()
+            case Closed(tail):
+                return errors.closed(tail)
+            case TypeMismatch(content_type):
+                return errors.type_mismatch(content_type)
+            case StaleProducer(epoch):
+                return errors.stale_epoch(epoch)
+            case EpochNotAtZero():
+                return errors.epoch_not_at_zero()
+            case SequenceGap(expected, received):
+                return errors.sequence_gap(expected, received)
+            case StreamSeqBehind(last):
+                return errors.stream_seq_behind(last)
+            case Full(max_appends):
+                return errors.full(max_appends)
+            case RateRefused() | QuotaRefused():
+                return errors.refusal(reply, self._settings, self._metrics)
+
+    async def _refusal_before_json(self, keys: StreamKeys) -> None:
+        """Raise what the stream itself refuses before a body is parsed (it is missing, deleted
+        or closed): those come first, as the protocol orders them."""
+        meta = await self._found(keys)
+        if meta.closed:
+            raise errors.closed(meta.tail)
+
+    async def delete(self, tenant: str | None, path: str) -> None:
+        """Delete a stream, or mark it so while forks of it live (its path answers 410 until
+        the last goes); 404 for none, 410 for one marked already. A fork deleted gives its
+        source's reference back, and a source deleted before it goes with its last fork, up
+        the chain."""
+        keys = self._keys(tenant, path)
+        for fork in await rc.smembers(self._redis, keys.forks):
+            if not await self._redis.exists(self._keys(tenant, fork).meta):
+                await self._redis.srem(keys.forks, fork)  # expired: its reference with it
+        reply = await self._scripts.delete(keys)
+        match reply:
+            case Missing():
+                raise errors.no_stream()
+            case Gone():
+                raise errors.deleted()
+            case Removed(source) if source:
+                await self._give_back(tenant, source, path)
+
+    async def _give_back(self, tenant: str | None, source: str, fork: str) -> None:
+        """Give ``fork``'s reference on ``source`` back; a deleted source goes with its last
+        fork, and gives its own source's reference back in turn."""
+        while source:
+            reply = await self._scripts.fork_ref(self._keys(tenant, source), fork)
+            if not isinstance(reply, Removed):
+                return
+            source, fork = reply.source, source
+
+    # --- reads --------------------------------------------------------------------------------
+
+    async def meta(self, tenant: str | None, path: str) -> Meta:
+        """The stream's metadata; 404 for no such stream, 410 for a deleted one."""
+        return await self._found(self._keys(tenant, path))
+
+    async def _found(self, keys: StreamKeys) -> Meta:
+        meta = await self._meta(keys)
+        if meta is None:
+            raise errors.no_stream()
+        if meta.deleted:
+            raise errors.deleted()
+        return meta
+
+    async def _meta(self, keys: StreamKeys) -> Meta | None:
+        return Meta.of(await rc.hmget(self._redis, keys.meta, META_FIELDS))
+
+    async def _next_append(self, keys: StreamKeys, after: Cursor) -> str | None:
+        """The payload of the first append past ``after``, if any."""
+        page = await rc.xrange_raw(self._redis, keys.data, "(" + after.entry_id, "+", 2)
+        for _, raw in page:
+            fields = rc.fields_dict(raw)
+            if fields.get("e") != CLOSE:
+                return fields.get("d", "")
+        return None
+
+    async def read(self, tenant: str | None, path: str, after: Cursor | None) -> Read:
+        """The appends past ``after`` (None: the stream's tail), up to about
+        ``BROKER_DS_MAX_READ_BYTES``; 404 for no such stream, 410 for a deleted one. A read of a
+        stream with a TTL starts its countdown again."""
+        read = await self._read(self._keys(tenant, path), after)
+        if read is None:
+            raise errors.no_stream()
+        if read.meta.deleted:
+            raise errors.deleted()
+        return read
+
+    async def read_on(self, tenant: str | None, path: str, after: Cursor) -> Read | None:
+        """The appends past ``after`` of a stream read before (None: it is gone since)."""
+        return await self._read(self._keys(tenant, path), after)
+
+    async def _read(self, keys: StreamKeys, after: Cursor | None) -> Read | None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(keys.meta, META_FIELDS)
+            if after is not None:
+                pipe.xrange(keys.data, min="(" + after.entry_id, max="+", count=READ_COUNT)
+            replies = await pipe.execute()
+        meta = Meta.of(replies[0])
+        if meta is None:
+            return None
+        if meta.ttl_s is not None:
+            await self._scripts.touch(keys, meta.ttl_s)
+        if after is None:  # from the tail: nothing to read, closed if it is
+            return Read(meta, [], meta.tail, True, meta.closed)
+        return await self._collect(keys, meta, after, replies[1])
+
+    async def _collect(
+        self, keys: StreamKeys, meta: Meta, after: Cursor, page: rc.RawEntries
+    ) -> Read:
+        limit = self._settings.ds_max_read_bytes
+        items: list[tuple[Cursor, str]] = []
+        size = 0
+        cursor = after
+        while True:
+            for entry_id, raw in page:
+                fields = rc.fields_dict(raw)
+                if fields.get("e") == CLOSE:
+                    return Read(meta, items, cursor, True, True)
+                data = fields.get("d", "")
+                if items and size + len(data) > limit:
+                    return Read(meta, items, cursor, False, False)
+                cursor = Cursor.after(entry_id)
+                items.append((cursor, data))
+                size += len(data)
+            if len(page) < READ_COUNT:
+                return Read(meta, items, cursor, True, False)
+            page = await rc.xrange_raw(
+                self._redis, keys.data, "(" + cursor.entry_id, "+", READ_COUNT
+            )
+
+    async def wait(self, tenant: str | None, path: str, after: Cursor, timeout_s: float) -> None:
+        """Return once something may be stored past ``after`` (an append, a close), or after
+        ``timeout_s``. Waiting rides the stream's feed: no Redis command per waiting reader."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        subscription = self._hub.subscribe(self._keys(tenant, path).data, after)
+        try:
+            if not subscription.covers(after):
+                return  # the feed is past this reader already: look in Redis
+            subscription.cursor = after
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return
+                batches = await subscription.get_all(left)
+                if batches is None:
+                    if subscription.overflowed:
+                        return
+                    continue
+                for batch in batches:
+                    if any(entry.sort_key > after.key for entry in batch.entries):
+                        return
+        except HubClosed:
+            return
+        finally:
+            self._hub.unsubscribe(subscription)
