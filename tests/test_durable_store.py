@@ -1,0 +1,339 @@
+"""The Durable Streams service's domain rules, against a real Redis: each call returns its
+typed result or raises its refusal, with no HTTP in between (the routes and the official suite
+are judged in test_durable_streams.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from broker.deps import Deps
+from broker.durable_store import (
+    Appended,
+    AppendRequest,
+    ClosedAgain,
+    CreateRequest,
+    Duplicate,
+    DurableStore,
+    ForkRequest,
+)
+from broker.durable_store.protocol import offset_of
+from broker.errors import BadRequest, BrokerError
+from broker.fanout import Hub
+from broker.frames import ORIGIN
+from broker.keys import Keys
+from broker.metrics import Metrics
+from broker.scripts import Scripts
+from broker.settings import Settings
+
+TEXT = CreateRequest(content_type="text/plain")
+JSON = CreateRequest(content_type="application/json")
+_prefixes = itertools.count()
+
+
+async def _store(aredis: Redis, **settings: Any) -> tuple[DurableStore, Hub]:
+    prefix = f"dsstore{os.getpid()}-{next(_prefixes)}"
+    metrics = Metrics()
+    deps = Deps(
+        aredis,
+        Scripts(aredis),
+        Keys(prefix),
+        Settings(redis_url="unix:///unused", key_prefix=prefix, **settings),
+        metrics,
+    )
+    hub = Hub(aredis, metrics)
+    return DurableStore(deps, hub), hub
+
+
+@pytest.fixture
+async def store(aredis: Redis) -> AsyncIterator[DurableStore]:
+    made, hub = await _store(aredis)
+    yield made
+    await hub.close()
+
+
+def _append(body: bytes = b"", **fields: Any) -> AppendRequest:
+    return AppendRequest(content_type=fields.pop("content_type", "text/plain"), body=body, **fields)
+
+
+async def _refusal(call: Any) -> BrokerError:
+    with pytest.raises(BrokerError) as caught:
+        await call
+    return caught.value
+
+
+async def _texts(store: DurableStore, path: str, tenant: str | None = "t") -> list[str]:
+    read = await store.read(tenant, path, ORIGIN)
+    return [payload for _, payload in read.items]
+
+
+async def test_a_put_of_the_same_stream_finds_it_and_another_configuration_is_a_409(
+    store: DurableStore,
+) -> None:
+    made = await store.create("t", "s", TEXT, b"hi")
+    again = await store.create("t", "s", TEXT)
+    assert (made.created, again.created) == (True, False)
+    assert again.tail == made.tail != ORIGIN
+    refused = await _refusal(store.create("t", "s", CreateRequest(content_type="text/html")))
+    assert (refused.status, refused.code) == (409, "stream_exists")
+    assert "content_type" in refused.message
+    assert await _texts(store, "s") == ["hi"]  # the data is never touched by a PUT again
+
+
+async def test_tenants_never_meet_on_a_path(store: DurableStore) -> None:
+    await store.create("a", "s", TEXT, b"a's")
+    assert (await _refusal(store.read("b", "s", ORIGIN))).status == 404
+    assert (await _refusal(store.read(None, "s", ORIGIN))).status == 404
+    await store.create("b", "s", TEXT, b"b's")
+    assert await _texts(store, "s", "a") == ["a's"]
+    assert await _texts(store, "s", "b") == ["b's"]
+
+
+async def test_an_idempotent_producer_is_answered_not_written_twice(store: DurableStore) -> None:
+    await store.create("t", "s", TEXT)
+    first = await store.append("t", "s", _append(b"a", producer=("p", 0, 0)))
+    again = await store.append("t", "s", _append(b"a", producer=("p", 0, 0)))
+    assert isinstance(first, Appended)
+    assert again == Duplicate(first.tail, 0, False)
+    assert await _texts(store, "s") == ["a"]
+    gap = await _refusal(store.append("t", "s", _append(b"c", producer=("p", 0, 2))))
+    assert (gap.status, gap.code) == (409, "sequence_gap")
+    assert gap.headers == {"Producer-Expected-Seq": "1", "Producer-Received-Seq": "2"}
+    not_zero = await _refusal(store.append("t", "s", _append(b"c", producer=("p", 1, 1))))
+    assert (not_zero.status, not_zero.code) == (400, "bad_producer")
+    assert isinstance(await store.append("t", "s", _append(b"n", producer=("p", 1, 0))), Appended)
+    fenced = await _refusal(store.append("t", "s", _append(b"z", producer=("p", 0, 1))))
+    assert (fenced.status, fenced.code, fenced.headers) == (
+        403,
+        "stale_epoch",
+        {"Producer-Epoch": "1"},
+    )
+    assert await _texts(store, "s") == ["a", "n"]
+
+
+async def test_stream_seq_must_sort_after_the_last(store: DurableStore) -> None:
+    await store.create("t", "s", TEXT)
+    await store.append("t", "s", _append(b"1", stream_seq="b"))
+    behind = await _refusal(store.append("t", "s", _append(b"2", stream_seq="a")))
+    assert (behind.status, behind.code) == (409, "sequence_conflict")
+    await store.append("t", "s", _append(b"3", stream_seq="ba"))
+    assert await _texts(store, "s") == ["1", "3"]
+
+
+async def test_a_closed_stream_refuses_appends_and_a_second_close_is_idempotent(
+    store: DurableStore,
+) -> None:
+    await store.create("t", "s", TEXT, b"x")
+    closed = await store.append("t", "s", AppendRequest(close=True))
+    assert isinstance(closed, Appended)
+    assert closed.closed
+    refused = await _refusal(store.append("t", "s", _append(b"y")))
+    assert (refused.status, refused.code) == (409, "stream_closed")
+    assert refused.headers["Stream-Closed"] == "true"
+    assert await store.append("t", "s", AppendRequest(close=True)) == ClosedAgain(closed.tail)
+    read = await store.read("t", "s", ORIGIN)
+    assert (read.closed, read.up_to_date, read.after) == (True, True, closed.tail)
+
+
+@pytest.mark.parametrize(
+    ("request_", "code"),
+    [
+        (AppendRequest(), "empty_append"),
+        (AppendRequest(body=b"x"), "no_type"),
+        (AppendRequest(content_type="application/json", body=b"[]"), "empty_append"),
+    ],
+)
+async def test_an_append_without_anything_to_append_is_a_400(
+    store: DurableStore, request_: AppendRequest, code: str
+) -> None:
+    await store.create("t", "s", JSON)
+    refused = await _refusal(store.append("t", "s", request_))
+    assert (refused.status, refused.code) == (400, code)
+
+
+async def test_what_the_stream_refuses_comes_before_a_body_that_is_not_json(
+    store: DurableStore,
+) -> None:
+    bad = AppendRequest(content_type="application/json", body=b"{")
+    assert (await _refusal(store.append("t", "nowhere", bad))).status == 404
+    await store.create("t", "s", JSON)
+    assert (await _refusal(store.append("t", "s", bad))).code == "bad_json"
+    await store.append("t", "s", AppendRequest(close=True))
+    assert (await _refusal(store.append("t", "s", bad))).code == "stream_closed"
+
+
+async def test_a_content_type_other_than_the_streams_is_a_409(store: DurableStore) -> None:
+    await store.create("t", "s", JSON)
+    refused = await _refusal(store.append("t", "s", _append(b"x")))
+    assert (refused.status, refused.code) == (409, "type_mismatch")
+    kept = await store.append("t", "s", _append(b'[1, {"a": 2}]', content_type="application/json"))
+    assert isinstance(kept, Appended)
+    assert await _texts(store, "s") == ['1,{"a":2}']
+
+
+async def test_a_fork_keeps_its_sources_appends_up_to_its_point_and_a_sub_offset(
+    store: DurableStore,
+) -> None:
+    await store.create("t", "src", TEXT, b"one")
+    second = await store.append("t", "src", _append(b"two"))
+    await store.append("t", "src", _append(b"three"))
+    point = CreateRequest(fork=ForkRequest("src", "0000000000000000_0000000000000000", 0))
+    assert (await store.create("t", "empty", point)).tail == ORIGIN
+    at = offset_of((await store.read("t", "src", ORIGIN)).items[0][0])
+    cut = await store.create("t", "cut", CreateRequest(fork=ForkRequest("src", at, 2)))
+    assert cut.content_type == "text/plain"  # its source's
+    assert await _texts(store, "cut") == ["one", "tw"]
+    whole = await store.create("t", "whole", CreateRequest(fork=ForkRequest("src")))
+    assert await _texts(store, "whole") == ["one", "two", "three"]
+    assert isinstance(second, Appended)
+    assert whole.tail.key > second.tail.key
+
+
+@pytest.mark.parametrize(
+    ("fork", "status", "code"),
+    [
+        (ForkRequest("s"), 400, "bad_fork"),  # itself
+        (ForkRequest("nowhere"), 404, "not_found"),
+        (ForkRequest("src", "9999999999999999_0000000000000000"), 400, "bad_fork"),
+        (ForkRequest("src", "bad"), 400, "bad_offset"),
+        (ForkRequest("src", "0000000000000000_0000000000000000", 1), 400, "bad_fork"),
+    ],
+)
+async def test_a_fork_that_cannot_be_made_is_refused(
+    store: DurableStore, fork: ForkRequest, status: int, code: str
+) -> None:
+    await store.create("t", "src", TEXT)
+    refused = await _refusal(store.create("t", "s", CreateRequest(fork=fork)))
+    assert (refused.status, refused.code) == (status, code)
+
+
+async def test_a_source_deleted_under_its_forks_stays_marked_until_its_last_fork_goes(
+    store: DurableStore,
+) -> None:
+    await store.create("t", "src", TEXT, b"a")
+    await store.create("t", "f1", CreateRequest(fork=ForkRequest("src")))
+    await store.create("t", "f2", CreateRequest(fork=ForkRequest("src")))
+    await store.delete("t", "src")
+    for call in (store.read("t", "src", ORIGIN), store.meta("t", "src"), store.delete("t", "src")):
+        refused = await _refusal(call)
+        assert (refused.status, refused.code) == (410, "deleted")
+    forked = await _refusal(store.create("t", "f3", CreateRequest(fork=ForkRequest("src"))))
+    assert (forked.status, forked.code) == (409, "source_deleted")
+    again = await _refusal(store.create("t", "src", TEXT))
+    assert (again.status, again.code) == (409, "stream_exists")
+    await store.delete("t", "f1")
+    assert (await _refusal(store.meta("t", "src"))).status == 410
+    assert await _texts(store, "f2") == ["a"]
+    await store.delete("t", "f2")
+    assert (await _refusal(store.meta("t", "src"))).status == 404
+    assert (await store.create("t", "src", TEXT)).created
+
+
+async def test_a_tenants_quota_refuses_past_its_streams_and_counts_it(aredis: Redis) -> None:
+    store, hub = await _store(aredis, ds_tenant_max_streams=1)
+    try:
+        await store.create("t", "one", TEXT)
+        refused = await _refusal(store.create("t", "two", TEXT))
+        assert (refused.status, refused.code) == (429, "stream_quota")
+        await store.create("u", "two", TEXT)  # another tenant's share
+        await store.delete("t", "one")
+        assert (await store.create("t", "two", TEXT)).created
+    finally:
+        await hub.close()
+
+
+async def test_a_tenant_appending_past_its_rate_is_told_when_to_retry(aredis: Redis) -> None:
+    store, hub = await _store(aredis, ds_tenant_appends_per_s=0.001, ds_tenant_append_burst=2)
+    try:
+        await store.create("t", "s", TEXT)
+        await store.append("t", "s", _append(b"x"))
+        refused = await _refusal(store.append("t", "s", _append(b"y")))
+        assert (refused.status, refused.code) == (429, "rate_limited")
+        assert int(refused.headers["Retry-After"]) > 900
+        assert await _texts(store, "s") == ["x"]
+    finally:
+        await hub.close()
+
+
+async def test_a_stream_holds_at_most_its_appends(aredis: Redis) -> None:
+    store, hub = await _store(aredis, ds_max_appends=2)
+    try:
+        await store.create("t", "s", TEXT, b"1")
+        await store.append("t", "s", _append(b"2"))
+        refused = await _refusal(store.append("t", "s", _append(b"3")))
+        assert (refused.status, refused.code) == (413, "stream_full")
+    finally:
+        await hub.close()
+
+
+async def test_a_read_stops_near_its_byte_limit_and_goes_on_from_there(aredis: Redis) -> None:
+    store, hub = await _store(aredis, ds_max_read_bytes=1_024)
+    try:
+        await store.create("t", "s", TEXT)
+        for _ in range(3):
+            await store.append("t", "s", _append(b"x" * 600))
+        first = await store.read("t", "s", ORIGIN)
+        assert (len(first.items), first.up_to_date) == (1, False)
+        rest = await store.read_on("t", "s", first.after)
+        assert rest is not None
+        assert (len(rest.items), rest.up_to_date) == (1, False)
+    finally:
+        await hub.close()
+
+
+async def test_a_read_from_the_tail_holds_nothing_and_knows_the_closure(
+    store: DurableStore,
+) -> None:
+    await store.create("t", "s", TEXT, b"a")
+    read = await store.read("t", "s", None)
+    assert (read.items, read.up_to_date, read.closed, read.waits) == ([], True, False, True)
+    assert read.after == read.meta.tail
+
+
+async def test_a_wait_returns_when_an_append_arrives(store: DurableStore) -> None:
+    made = await store.create("t", "s", TEXT)
+    waiting = asyncio.ensure_future(store.wait("t", "s", made.tail, 30))
+    await store.append("t", "s", _append(b"news"))
+    await asyncio.wait_for(waiting, 10)
+    read = await store.read("t", "s", made.tail)
+    assert [payload for _, payload in read.items] == ["news"]
+
+
+async def test_a_wait_with_nothing_new_ends_at_its_timeout(store: DurableStore) -> None:
+    made = await store.create("t", "s", TEXT)
+    await asyncio.wait_for(store.wait("t", "s", made.tail, 0.05), 10)
+
+
+async def test_a_sliding_ttl_is_kept_and_inherited_by_a_fork(store: DurableStore) -> None:
+    await store.create("t", "s", CreateRequest(content_type="text/plain", ttl_s=600))
+    meta = await store.meta("t", "s")
+    assert (meta.ttl_s, meta.expires_ms) == (600, None)
+    await store.create("t", "f", CreateRequest(fork=ForkRequest("s")))
+    assert (await store.meta("t", "f")).ttl_s == 600
+
+
+async def test_a_body_is_read_only_once_the_fork_is_made_out(store: DurableStore) -> None:
+    read: list[bool] = []
+
+    async def body() -> bytes:
+        read.append(True)
+        return b"x"
+
+    refused = await _refusal(store.create("t", "s", CreateRequest(fork=ForkRequest("no")), body))
+    assert refused.status == 404
+    assert read == []
+    assert (await store.create("t", "s", TEXT, body)).created
+    assert read == [True]
+
+
+async def test_an_open_brokers_streams_have_no_tenant(store: DurableStore) -> None:
+    await store.create(None, "s", TEXT, b"open")
+    assert await _texts(store, "s", None) == ["open"]
+    with pytest.raises(BadRequest):
+        await store.create(None, "s", CreateRequest(fork=ForkRequest("s")))
