@@ -21,9 +21,10 @@ as Redis's ``WAIT`` never undoes a write. A wait that ends short is reported to 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -140,9 +141,23 @@ def _text(reply: Sequence[Any], index: int) -> str:
     return "" if len(reply) <= index or reply[index] is None else str(reply[index])
 
 
-def script_source(name: str) -> str:
-    """The text of ``broker/lua/<name>.lua``."""
+INCLUDE: Final = re.compile(r"^--! include (_[a-z_]+)$", re.M)
+
+
+def _lua_file(name: str) -> str:
     return resources.files("broker").joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+def expand(text: str, part: Callable[[str], str]) -> str:
+    """``text`` with each ``--! include _<part>`` line replaced by that part's text (one level:
+    a part includes nothing). Redis scripts cannot include each other; the parts
+    (``broker/lua/_*.lua``) hold what several scripts share, functions only."""
+    return INCLUDE.sub(lambda found: part(found.group(1)).rstrip("\n"), text)
+
+
+def script_source(name: str) -> str:
+    """The text of ``broker/lua/<name>.lua``, its included parts in place."""
+    return expand(_lua_file(name), _lua_file)
 
 
 class Scripts:

@@ -337,3 +337,9 @@ async def test_an_open_brokers_streams_have_no_tenant(store: DurableStore) -> No
     assert await _texts(store, "s", None) == ["open"]
     with pytest.raises(BadRequest):
         await store.create(None, "s", CreateRequest(fork=ForkRequest("s")))
+
+
+async def test_the_ds_scripts_load_with_their_parts_in_place(aredis: Redis) -> None:
+    scripts = Scripts(aredis)
+    await scripts.load()
+    assert await scripts.loaded()

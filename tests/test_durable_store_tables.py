@@ -4,10 +4,12 @@ refusals' codes, statuses and headers. No Redis, no sockets."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import broker
 from broker.durable_store import errors, protocol
 from broker.durable_store.replies import (
     Appended,
@@ -40,6 +42,7 @@ from broker.durable_store.replies import (
 from broker.errors import BadRequest, BrokerError, NotFound
 from broker.frames import ORIGIN, Cursor
 from broker.metrics import Metrics
+from broker.scripts import INCLUDE, NAMES, expand, script_source
 from broker.settings import Settings
 
 TAIL = Cursor.after("1700000000000-3")
@@ -307,3 +310,45 @@ def test_a_quota_refusal_names_its_setting_and_is_counted(
     assert (error.status, error.code, error.headers) == (status, code, headers)
     assert "BROKER_DS_TENANT_" in error.message
     assert metrics.ds_refusals.labels(label)._value.get() == 1
+
+
+PART = "local function f() end\nlocal function g() end\n"
+PARTS = {"_p": PART}
+
+
+@pytest.mark.parametrize(
+    ("text", "expanded"),
+    [
+        ("return 1\n", "return 1\n"),
+        (
+            "--! include _p\nreturn f()\n",
+            "local function f() end\nlocal function g() end\nreturn f()\n",
+        ),
+        ("-- see --! include _p\n", "-- see --! include _p\n"),  # only a line of its own
+        ("--! include _p \n", "--! include _p \n"),  # spelled exactly, or left alone
+        (
+            "--! include _p\n--! include _p\n",
+            "local function f() end\nlocal function g() end\n" * 2,
+        ),
+    ],
+)
+def test_a_script_includes_a_part_in_place_of_its_line(text: str, expanded: str) -> None:
+    assert expand(text, PARTS.__getitem__) == expanded
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_script_is_whole_once_its_parts_are_in_place(name: str) -> None:
+    source = script_source(name)
+    assert INCLUDE.search(source) is None
+    for function in ("clock_ms", "int", "release", "prune", "take_token"):
+        assert source.count(f"local function {function}(") <= 1
+
+
+def test_the_quota_accounting_is_written_once_for_the_scripts_that_share_it() -> None:
+    lua = Path(broker.__file__).parent / "lua"
+    for name in ("ds_create", "ds_append", "ds_delete"):
+        own = (lua / f"{name}.lua").read_text("utf-8")
+        assert "--! include _ds_quota\n" in own
+        assert "local function release(" not in own
+        assert "local function release(" in script_source(name)
+    assert "_ds_quota" not in NAMES  # a part, never registered as a script

@@ -47,37 +47,16 @@
 --          {"rate", retry_after_ms}         the tenant appends faster than its rate
 --          {"quota", "bytes", max}          the tenant's bytes would pass its quota
 -- Errors   none of its own.
+-- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token), put in place below.
+--! include _ds_quota
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage, member = KEYS[4], KEYS[5], KEYS[6], ARGV[9]
--- The server's clock in ms (read after a PEXPIRE, never before the expiry it set).
-local function clock_ms()
-  local now = redis.call('TIME')
-  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-end
--- A whole number as Redis takes it (Lua would write 1e+15, or -0).
-local function int(n) return string.format('%d', n) end
 local now_ms = clock_ms()
 
--- Expired streams give their share back (their scores are never before their keys' expiry,
--- and two seconds more leave no doubt that the keys are gone).
-for _, gone in ipairs(redis.call('ZRANGEBYSCORE', streams, '-inf', int(now_ms - 2000))) do
-  local held = tonumber(redis.call('HGET', sizes, gone)) or 0
-  if held > 0 and redis.call('HINCRBY', usage, 'bytes', int(-held)) < 0 then
-    redis.call('HSET', usage, 'bytes', 0)
-  end
-  redis.call('HDEL', sizes, gone)
-  redis.call('ZREM', streams, gone)
-end
-
-local rate, burst = tonumber(ARGV[11]), tonumber(ARGV[12])
-if rate > 0 then
-  local state = redis.call('HMGET', usage, 'tokens', 'ts')
-  local tokens = tonumber(state[1]) or burst
-  local ts = tonumber(state[2]) or now_ms
-  if now_ms > ts then tokens = math.min(burst, tokens + (now_ms - ts) * rate / 1000) end
-  if tokens < 1 then return {'rate', tostring(math.ceil((1 - tokens) * 1000 / rate))} end
-  redis.call('HSET', usage, 'tokens', tostring(tokens - 1), 'ts', int(now_ms))
-end
+-- Expired streams give their share back, then a token of the rate.
+prune(streams, sizes, usage, now_ms)
+local wait_ms = take_token(usage, tonumber(ARGV[11]), tonumber(ARGV[12]), now_ms)
+if wait_ms then return {'rate', wait_ms} end
 
 -- Whether a sorts at or before b, byte by byte (Lua's own comparison follows the locale).
 local function at_or_before(a, b)

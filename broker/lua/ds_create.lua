@@ -59,43 +59,17 @@
 --          {"source_deleted"}          a fork's source is deleted (its forks still live)
 --          {"past_tail"}               the fork point is past the source's tail
 -- Errors   none of its own.
+-- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token), put in place below.
+--! include _ds_quota
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage = KEYS[8], KEYS[9], KEYS[10]
 local member = ARGV[15]
--- The server's clock in ms. A key's expiry is counted from when its PEXPIRE runs (or from the
--- script's start, on servers that freeze time in scripts), so a score read after the PEXPIRE is
--- never before the expiry.
-local function clock_ms()
-  local now = redis.call('TIME')
-  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-end
--- A whole number as Redis takes it (Lua would write 1e+15, or -0).
-local function int(n) return string.format('%d', n) end
 local now_ms = clock_ms()
 
--- A stream gone gives its share back.
-local function release(gone)
-  local held = tonumber(redis.call('HGET', sizes, gone)) or 0
-  if held > 0 and redis.call('HINCRBY', usage, 'bytes', int(-held)) < 0 then
-    redis.call('HSET', usage, 'bytes', 0)
-  end
-  redis.call('HDEL', sizes, gone)
-  redis.call('ZREM', streams, gone)
-end
--- Expired streams first (their scores are never before their keys' expiry).
-for _, gone in ipairs(redis.call('ZRANGEBYSCORE', streams, '-inf', int(now_ms - 2000))) do
-  release(gone)
-end
-
-local rate, burst = tonumber(ARGV[19]), tonumber(ARGV[20])
-if rate > 0 then
-  local state = redis.call('HMGET', usage, 'tokens', 'ts')
-  local tokens = tonumber(state[1]) or burst
-  local ts = tonumber(state[2]) or now_ms
-  if now_ms > ts then tokens = math.min(burst, tokens + (now_ms - ts) * rate / 1000) end
-  if tokens < 1 then return {'rate', tostring(math.ceil((1 - tokens) * 1000 / rate))} end
-  redis.call('HSET', usage, 'tokens', tostring(tokens - 1), 'ts', int(now_ms))
-end
+-- Expired streams first, then a token of the rate.
+prune(streams, sizes, usage, now_ms)
+local wait_ms = take_token(usage, tonumber(ARGV[19]), tonumber(ARGV[20]), now_ms)
+if wait_ms then return {'rate', wait_ms} end
 
 if redis.call('EXISTS', meta) == 1 then
   local v = redis.call('HMGET', meta, 'ct', 'ttl', 'exp', 'closed', 'tail', 'deleted', 'ff',
@@ -146,7 +120,7 @@ if fork then
 end
 
 -- This path's last stream expired moments ago (its score not yet passed): its share is free.
-if redis.call('ZSCORE', streams, member) then release(member) end
+if redis.call('ZSCORE', streams, member) then release(streams, sizes, usage, member) end
 local bytes = inherited + #ARGV[14] + #ARGV[7]
 local max_streams, max_bytes = tonumber(ARGV[17]), tonumber(ARGV[18])
 if max_streams > 0 and redis.call('ZCARD', streams) >= max_streams then

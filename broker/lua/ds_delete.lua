@@ -20,17 +20,14 @@
 --          {"deleted", source}      deleted; source: the path of the stream it forked ("" for
 --                                   none), whose forks set the caller updates
 -- Errors   none of its own.
+-- Uses     _ds_quota.lua (release), put in place below.
+--! include _ds_quota
 local meta, data, producers, forks = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local v = redis.call('HMGET', meta, 'ct', 'deleted', 'ff')
 if not v[1] then return {'missing'} end
 if v[2] == '1' then return {'gone'} end
 redis.call('DEL', data, producers)
-local held = tonumber(redis.call('HGET', KEYS[6], ARGV[1])) or 0
-if held > 0 and redis.call('HINCRBY', KEYS[7], 'bytes', string.format('%d', -held)) < 0 then
-  redis.call('HSET', KEYS[7], 'bytes', 0)
-end
-redis.call('HDEL', KEYS[6], ARGV[1])
-redis.call('ZREM', KEYS[5], ARGV[1])
+release(KEYS[5], KEYS[6], KEYS[7], ARGV[1])
 if redis.call('SCARD', forks) > 0 then
   redis.call('HSET', meta, 'deleted', '1')
   redis.call('PERSIST', meta)
