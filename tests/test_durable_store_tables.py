@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 import broker
-from broker.durable_store import errors, protocol
+from broker.durable_store import CreateRequest, Meta, errors, protocol
+from broker.durable_store.protocol import DEFAULT_TYPE as DEFAULT
 from broker.durable_store.replies import (
     Appended,
     Closed,
@@ -352,3 +353,40 @@ def test_the_quota_accounting_is_written_once_for_the_scripts_that_share_it() ->
         assert "local function release(" not in own
         assert "local function release(" in script_source(name)
     assert "_ds_quota" not in NAMES  # a part, never registered as a script
+
+
+SOURCE = Meta("text/plain; charset=utf-8", TAIL, False, "i", 60, None, None, False)
+
+
+@pytest.mark.parametrize(
+    ("request_", "source", "made"),
+    [
+        (CreateRequest(), None, CreateRequest(content_type="application/octet-stream")),
+        (CreateRequest(content_type="; x=1"), None, CreateRequest(content_type=DEFAULT)),
+        (
+            CreateRequest(content_type="Text/Plain", expires_ms=5, expires_at=" 2030-01-01Z "),
+            None,
+            CreateRequest(content_type="Text/Plain", expires_ms=5, expires_at="2030-01-01Z"),
+        ),
+        (  # a fork takes its source's type and lifetime
+            CreateRequest(),
+            SOURCE,
+            CreateRequest(content_type="text/plain; charset=utf-8", ttl_s=60),
+        ),
+        (  # the same media type, written its own way; a lifetime of its own
+            CreateRequest(content_type="TEXT/plain", expires_ms=9),
+            SOURCE,
+            CreateRequest(content_type="TEXT/plain", expires_ms=9),
+        ),
+    ],
+)
+def test_a_stream_is_made_with_its_type_and_lifetime(
+    request_: CreateRequest, source: Meta | None, made: CreateRequest
+) -> None:
+    assert request_.made_from(source) == made
+
+
+def test_a_forks_content_type_is_its_sources() -> None:
+    with pytest.raises(BrokerError) as caught:
+        CreateRequest(content_type="application/json").made_from(SOURCE)
+    assert (caught.value.status, caught.value.code) == (409, "type_mismatch")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
+from broker.durable_store import protocol
+from broker.errors import Conflict
 from broker.frames import ORIGIN, Cursor
 
 CLOSE: Final = "close"  # the kind of the entry that closes a stream
@@ -82,6 +84,31 @@ class CreateRequest:
     closed: bool = False
     body: bytes = b""
     fork: ForkRequest | None = None
+
+    def made_from(self, source: Meta | None) -> CreateRequest:
+        """This request as its stream is made, a fork's from its ``source``: the content type
+        as written (a media type, else the source's, else the default) and the lifetime (the
+        source's, when none is given); 409 when a fork's type is not its source's."""
+        raw_type = self.content_type if protocol.media_type(self.content_type) else ""
+        lifetime = (self.ttl_s, self.expires_ms, self.expires_at)
+        if source is not None:
+            ours, theirs = protocol.media_type(raw_type), protocol.media_type(source.content_type)
+            if raw_type and ours != theirs:
+                raise Conflict(
+                    f"a fork's content type is its source's ({source.content_type})",
+                    code="type_mismatch",
+                )
+            raw_type = raw_type or source.content_type
+            if self.ttl_s is None and self.expires_ms is None:
+                lifetime = (source.ttl_s, source.expires_ms, source.expires_at)
+        ttl_s, expires_ms, expires_at = lifetime
+        return dataclasses.replace(
+            self,
+            content_type=raw_type or protocol.DEFAULT_TYPE,
+            ttl_s=ttl_s,
+            expires_ms=expires_ms,
+            expires_at=expires_at.strip() if expires_at else None,
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -122,22 +122,8 @@ class DurableStore:
         read once the fork is made out. 409 for another configuration."""
         keys = self._keys(tenant, path)
         fork = await self._fork(keys, request.fork) if request.fork is not None else None
-        raw_type = request.content_type if protocol.media_type(request.content_type) else ""
-        ttl_s, expires_ms, expires_at = request.ttl_s, request.expires_ms, request.expires_at
-        if fork is not None:
-            source = fork.source
-            if raw_type and protocol.media_type(raw_type) != protocol.media_type(
-                source.content_type
-            ):
-                raise Conflict(
-                    f"a fork's content type is its source's ({source.content_type})",
-                    code="type_mismatch",
-                )
-            raw_type = raw_type or source.content_type
-            if ttl_s is None and expires_ms is None:  # a fork inherits its source's lifetime
-                ttl_s, expires_ms, expires_at = source.ttl_s, source.expires_ms, source.expires_at
-        raw_type = raw_type or protocol.DEFAULT_TYPE
-        content_type = protocol.media_type(raw_type)
+        made = request.made_from(fork.source if fork is not None else None)
+        content_type = protocol.media_type(made.content_type)
         data = body if isinstance(body, bytes) else await body()
         if data and content_type == protocol.JSON_TYPE:
             data = protocol.json_messages(data, allow_empty=True)
@@ -146,13 +132,13 @@ class DurableStore:
             keys,
             source_keys,
             content_type=content_type,
-            ttl_s=ttl_s,
-            expires_ms=expires_ms,
-            expires_at=expires_at.strip() if expires_at else None,
-            closed=request.closed,
+            ttl_s=made.ttl_s,
+            expires_ms=made.expires_ms,
+            expires_at=made.expires_at,
+            closed=made.closed,
             body=protocol.to_text(data),
             incarnation=secrets.token_hex(8),
-            raw_content_type=raw_type,
+            raw_content_type=made.content_type,
             quota=self.quota,
             fork=fork.signature if fork is not None else NO_FORK,
             part=protocol.to_text(fork.part) if fork is not None else "",
@@ -160,7 +146,9 @@ class DurableStore:
         match reply:
             case StreamMade():
                 # The type as the stream keeps it (as its creator wrote it), else this one's.
-                return dataclasses.replace(reply, content_type=reply.content_type or raw_type)
+                return dataclasses.replace(
+                    reply, content_type=reply.content_type or made.content_type
+                )
             case ConfigConflict(what):
                 raise Conflict(
                     f"the stream exists with another configuration ({what})",
