@@ -82,3 +82,26 @@ def test_client_public_api() -> None:
             "decode_all",
         ]
     )
+
+
+def test_durable_store_public_api() -> None:
+    """The Durable Streams service as the HTTP door sees it: the service, what it takes and
+    gives, and its own exceptions; never its keys, scripts or reply decoders."""
+    import broker.durable_store
+
+    assert sorted(broker.durable_store.__all__) == [
+        "AppendDone",
+        "AppendRequest",
+        "Appended",
+        "AppendsFull",
+        "ClosedAgain",
+        "CreateRequest",
+        "Duplicate",
+        "DurableStore",
+        "ForkRequest",
+        "Meta",
+        "QuotaExceeded",
+        "Read",
+        "StaleEpoch",
+        "StreamMade",
+    ]

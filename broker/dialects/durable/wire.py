@@ -1,9 +1,9 @@
 """The Durable Streams protocol's spelling of things on HTTP: headers, bodies and SSE frames.
 
-Offsets of the protocol's own streams are ``<ms:016>_<seq:016>``, spelled by the service's
-pure rules (:mod:`broker.durable_store.protocol`, whose names used here are re-exported). A
-generation stream read through the protocol keeps the broker's own offsets
-(``<ms:016>-<seq:010>``), which sort too.
+Offsets of the protocol's own streams (``<ms:016>_<seq:016>``), their content types and JSON
+messages are the service's pure rules (:mod:`broker.durable_store.protocol`). A generation
+stream read through the protocol keeps the broker's own offsets (``<ms:016>-<seq:010>``), which
+sort too.
 """
 
 from __future__ import annotations
