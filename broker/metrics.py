@@ -62,7 +62,7 @@ WEBHOOK_REFUSALS = ("host", "port", "address")
 WEBHOOK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600)
 
 
-# Which Durable Streams quota refused a write (broker.dialects.durable).
+# Which Durable Streams quota refused a write (broker.durable_store).
 DS_LIMITS = ("streams", "bytes", "rate")
 AUTH_FAILURES = ("missing", "bad_credentials", "bad_token", "token_expired", "forbidden")
 # Why the server ended a connection itself (see broker.api.connections).
