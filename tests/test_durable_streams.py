@@ -62,7 +62,11 @@ def test_the_official_conformance_suite_passes_at_the_gate(
     assert report.exists(), f"vitest wrote no report:\n{result.stdout[-3000:]}\n{result.stderr}"
     outcome = json.loads(report.read_text())
     tests = [t for suite in outcome["testResults"] for t in suite["assertionResults"]]
-    failed = [t["fullName"] for t in tests if t["status"] == "failed"]
+    failed = [
+        f"{t['fullName']}: {' '.join(t.get('failureMessages', []))[:2000]}"
+        for t in tests
+        if t["status"] == "failed"
+    ]
     passed = sum(1 for t in tests if t["status"] == "passed")
     skipped = len(tests) - passed - len(failed)
     with capsys.disabled():  # in the test run's output, passed or not

@@ -227,7 +227,7 @@ def test_a_client_may_let_live_events_wait_to_be_sent_together(
     # No append linger: each delta is an append of its own, and a write of its own unbatched.
     broker = broker_factory(append_linger_ms=0)
     turn = start_turn(
-        broker.base_url, "batched", tokens=40, tokens_per_s=100, first_delta_after_ms=500
+        broker.base_url, "batched", tokens=40, tokens_per_s=20, first_delta_after_ms=500
     )
     path = f"/v1/streams/{turn['stream_id']}"
     port = int(broker.base_url.rsplit(":", 1)[1])
@@ -236,7 +236,7 @@ def test_a_client_may_let_live_events_wait_to_be_sent_together(
     readers = [
         threading.Thread(target=lambda: plain.append(chunked_writes(port, path, {}))),
         threading.Thread(
-            target=lambda: batched.append(chunked_writes(port, f"{path}?batch_ms=300", {}))
+            target=lambda: batched.append(chunked_writes(port, f"{path}?batch_ms=500", {}))
         ),
     ]
     for reader in readers:
@@ -244,11 +244,13 @@ def test_a_client_may_let_live_events_wait_to_be_sent_together(
     for reader in readers:
         reader.join(timeout=30)
     (plain_writes, plain_body), (batched_writes, batched_body) = plain[0], batched[0]
-    # The same frames, byte for byte, in far fewer writes: 40 deltas 10 ms apart, 300 ms windows.
+    # The same frames, byte for byte, in far fewer writes: 40 deltas 50 ms apart (2 s) in
+    # 500 ms windows, about 4 writes and the opening and the end, where the plain reader writes
+    # about one per delta (a loaded machine may hand it a few deltas at once, never most).
     assert batched_body == plain_body
     assert b"event: end" in batched_body
-    assert plain_writes >= 40, plain_writes
-    assert batched_writes <= 12, (batched_writes, plain_writes)
+    assert batched_writes <= 9, (batched_writes, plain_writes)
+    assert plain_writes >= 2 * batched_writes, (plain_writes, batched_writes)
     # Resumable as ever: from the middle, the rest, no gap and no duplicate.
     whole = read_sse(broker.base_url, turn["stream_id"])
     middle = whole.events[len(whole.events) // 2]
