@@ -93,7 +93,9 @@ def test_dependencies_whose_internals_the_broker_uses_are_bounded_above() -> Non
 def test_ci_and_the_readme_install_through_the_lock() -> None:
     install = "pip install -e '.[test]' -e ./clients/python -c constraints.txt"
     readme = (ROOT / "README.md").read_text()
+    development = (ROOT / "docs/development.md").read_text()
     assert install in readme
+    assert install in development
     ci = (ROOT / ".ci/run").read_text().replace("\\\n", " ")
     commands = [shlex.split(line) for line in ci.splitlines() if "pip install" in line]
     assert len(commands) == 1
@@ -105,7 +107,7 @@ def test_ci_and_the_readme_install_through_the_lock() -> None:
     npm_ci = (ROOT / "scripts/npm-ci").read_text()
     assert "npm ci" in npm_ci
     assert "npm install" not in ci + npm_ci
-    assert "scripts/npm-ci" in readme
+    assert "scripts/npm-ci" in development
 
 
 def test_the_refresh_command_exists_and_is_documented() -> None:
@@ -116,8 +118,10 @@ def test_the_refresh_command_exists_and_is_documented() -> None:
     assert "freeze --exclude-editable" in text
     assert "-e '.[test]' -e ./clients/python" in text
     assert "PIP_CONFIG_FILE=/dev/null" in text  # local pip configuration takes no part
-    readme = (ROOT / "README.md").read_text()
-    assert re.search(r"^scripts/lock\s+#", readme, re.M)
+    development = (ROOT / "docs/development.md").read_text()
+    assert re.search(r"^scripts/lock\s+#", development, re.M)
+    assert re.search(r"^scripts/lock --keep\s+#", development, re.M)
+    assert '"${keep[@]}"' in text  # --keep installs through the current constraints
 
 
 def test_this_environment_runs_the_locked_versions() -> None:

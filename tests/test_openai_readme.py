@@ -1,4 +1,4 @@
-"""The README's "Use it from the OpenAI SDK" snippet, run verbatim against `broker serve`."""
+"""The OpenAI page's example (docs/openai.md), run verbatim against `broker serve`."""
 
 from __future__ import annotations
 
@@ -10,20 +10,20 @@ from collections.abc import Callable
 import pytest
 
 from tests.conftest import BrokerProcess, _prefixes
-from tests.test_readme import blocks, section
+from tests.doc_pages import snippets
 
 # Brokers of its own processes, on the server the session names: a test of the server too.
 pytestmark = pytest.mark.server
 
 SpawnBroker = Callable[[dict[str, str]], BrokerProcess]
 
-TITLE = "Use it from the OpenAI SDK"
+PAGE, TITLE = "openai.md", "OpenAI Responses and Chat Completions"
 
 
 def test_the_openai_sdk_snippet_cuts_resumes_and_cancels(
     broker_processes: SpawnBroker, redis_url: str
 ) -> None:
-    (code,) = blocks(section(TITLE), "python")
+    (code,) = snippets(PAGE, TITLE, "python")
     assert "http://127.0.0.1:8000/v1" in code
     broker: BrokerProcess = broker_processes(
         {"BROKER_REDIS_URL": redis_url, "BROKER_KEY_PREFIX": f"readme-openai-{next(_prefixes)}"}

@@ -1,5 +1,7 @@
-"""The README's "Try it" sections and its Python client example, run verbatim and in order.
+"""The docs' "Try it" sections and the Python client example, run verbatim and in order.
 
+The quickstart's two "Try it" sections, the tool-call page's and the native page's Python
+client example (the README's own "Try it" is the quickstart's opening blocks, word for word).
 A live ``broker serve`` process (on the session's Redis, under a key prefix of its own) takes the
 place of the reader's first terminal; every ``sh`` block of a "Try it" section runs in bash as
 the second terminal would run it, with ``localhost:8000`` rewritten to the broker's port and
@@ -30,50 +32,26 @@ import httpx
 import pytest
 
 from tests.conftest import BrokerFactory, BrokerProcess, _prefixes
+from tests.doc_pages import ROOT, headed, pages, read, snippets
 from tests.helpers import missing_tool, read_sse, start_turn
 from tests.tcp_proxy import CutProxy
 
 # Brokers of its own processes, on the server the session names: a test of the server too.
 pytestmark = pytest.mark.server
 
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
 BLOCK_TIMEOUT_S = 60.0
+# (page, heading) of every "Try it" of the site, in the order this test runs them.
 SECTIONS = (
-    "Try it: start, cut, reattach, second viewer",
-    "Try it: stop, interruption, continue, regenerate",
-    "Try it: a payment that survives a regenerate",
+    ("quickstart.md", "Try it: start, cut, reattach, second viewer"),
+    ("quickstart.md", "Try it: stop, interruption, continue, regenerate"),
+    ("tools.md", "Try it: a payment that survives a regenerate"),
 )
+README_TRY_IT = "Try it: a reconnect and a second viewer"
 SpawnBroker = Callable[[dict[str, str]], BrokerProcess]
 
 
-def headed() -> list[tuple[str, str]]:
-    """``(heading, text under it)`` of every Markdown heading outside code blocks, in order."""
-    found: list[tuple[str, list[str]]] = [("", [])]
-    fenced = False
-    for line in README.splitlines(keepends=True):
-        if line.startswith("```"):
-            fenced = not fenced
-        elif not fenced and (match := re.match(r"#+ (.*)$", line)):
-            found.append((match.group(1), []))
-            continue
-        found[-1][1].append(line)
-    return [(heading, "".join(lines)) for heading, lines in found]
-
-
-def section(title: str) -> str:
-    """The text under a heading, up to the next heading of any level."""
-    matching = [text for heading, text in headed() if heading == title]
-    assert len(matching) == 1, f"the README has {len(matching)} sections {title!r}"
-    return matching[0]
-
-
-def blocks(text: str, language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```$", text, re.M | re.S)
-
-
-def try_it_titles() -> list[str]:
-    return [heading for heading, _ in headed() if heading.startswith("Try it")]
+def try_it_titles(page: str) -> list[str]:
+    return [heading for heading, _ in headed(read(page)) if heading.startswith("Try it")]
 
 
 def events_of(sse: str) -> list[tuple[str, dict[str, Any]]]:
@@ -115,7 +93,7 @@ def outputs(text: str) -> list[Any]:
 
 
 def statuses(sse: str) -> list[tuple[str, str]]:
-    """``(event, source or strategy or status)`` of each event, the fields the README names."""
+    """``(event, source or strategy or status)`` of each event, the fields the docs name."""
     return [
         (name, str(data.get("source", data.get("strategy", data.get("status")))))
         for name, data in events_of(sse)
@@ -166,7 +144,7 @@ class Terminal:
 
 
 class FirstTerminal:
-    """Starts what a README block runs in the first terminal: brokers and example servers."""
+    """Starts what a docs block runs in the first terminal: brokers and example servers."""
 
     def __init__(self, spawn: SpawnBroker, redis_url: str) -> None:
         self.spawn = spawn
@@ -256,14 +234,28 @@ def ok(done: subprocess.CompletedProcess[str]) -> str:
     return done.stdout
 
 
-def test_the_readme_has_the_try_it_sections_this_test_runs() -> None:
-    assert try_it_titles() == list(SECTIONS)
+def test_the_docs_have_the_try_it_sections_this_test_runs() -> None:
+    found = [(page, title) for page in pages() for title in try_it_titles(page)]
+    assert sorted(found) == sorted(SECTIONS)
+    assert try_it_titles("README.md") == [README_TRY_IT]
+
+
+def test_the_readme_try_it_is_the_quickstarts_opening_word_for_word() -> None:
+    """The README's reconnect and second viewer are the quickstart's first blocks, so the run
+    below runs them; a block changed in one place and not the other fails here."""
+    readme = snippets("README.md", README_TRY_IT, "sh")
+    quickstart = snippets(*SECTIONS[0], "sh")
+    assert len(readme) >= 4
+    assert readme == quickstart[: len(readme)]
+    shown = "".join(readme)
+    assert "Last-Event-ID" in shown  # the reconnect
+    assert "broker_client tail" in shown  # the second viewer
 
 
 def test_the_readme_examples_run_verbatim_in_order(
     first_terminal: FirstTerminal, tmp_path: Path
 ) -> None:
-    start, stop, pay = (blocks(section(title), "sh") for title in SECTIONS)
+    start, stop, pay = (snippets(page, title, "sh") for page, title in SECTIONS)
     assert (len(start), len(stop), len(pay)) == (5, 3, 2)
     shell = Terminal(tmp_path)
 
@@ -348,7 +340,7 @@ def test_the_readme_examples_run_verbatim_in_order(
     ]
 
     # --- the Python client example, against the same broker ---------------------------------
-    [example] = blocks(section("Python client"), "python")
+    [example] = snippets("native.md", "Python client", "python")
     assert "http://127.0.0.1:8000" in example
     code = example.replace("http://127.0.0.1:8000", f"http://127.0.0.1:{first_terminal.port}")
     ran = subprocess.run(
@@ -411,7 +403,7 @@ def test_payments_example_counts_each_payment_and_binds_loopback(tmp_path: Path)
 def test_the_durable_streams_python_example_ends_at_the_close(
     broker_factory: BrokerFactory, tmp_path: Path
 ) -> None:
-    """The README's Durable Streams Python example, run verbatim on a live generation.
+    """The Durable Streams page's Python example, run verbatim on a live generation.
 
     Regression (issue 34, finding 12): the example never ended: durable-streams 0.1.0 predates
     closure and polled the closed stream on (1,904 requests in 3 s). Every request it makes
@@ -419,7 +411,7 @@ def test_the_durable_streams_python_example_ends_at_the_close(
     """
     if importlib.util.find_spec("durable_streams") is None:
         missing_tool("the durable-streams package is not installed (see constraints.txt)")
-    [example] = blocks(section("Durable Streams"), "python")
+    [example] = snippets("durable-streams.md", "Durable Streams", "python")
     broker = broker_factory()
     turn = start_turn(broker.base_url, turn_id="ds-readme", tokens=20, tokens_per_s=10)
     with CutProxy(broker.base_url) as proxy:
