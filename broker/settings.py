@@ -1,7 +1,8 @@
 """Settings, read once from ``BROKER_*`` environment variables and frozen.
 
-Every knob of the broker lives here with its default; the README's settings table is this module
-in prose. Code receives a ``Settings`` instance explicitly and never reads the environment itself.
+Every knob of the broker lives here with its default; docs/settings.md is generated from this
+module (python scripts/settings_page.py). Code receives a ``Settings`` instance explicitly and
+never reads the environment itself.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 reloaded mid-answer resumes it, and the answer completes once with the uninterrupted text.
 
 The page is bundled by the example's own server from its node_modules (esbuild) and talks to a
-real broker through it, as the README tells a reader to run it.
+real broker through it, as docs/aisdk.md tells a reader to run it.
 """
 
 from __future__ import annotations

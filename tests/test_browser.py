@@ -198,7 +198,7 @@ def test_interrupted_answer_continues_or_regenerates(
     assert partial
     assert expected.startswith(partial)
     assert partial != expected
-    if os.environ.get("BROKER_UPDATE_SCREENSHOT"):  # the README's picture, on demand only
+    if os.environ.get("BROKER_UPDATE_SCREENSHOT"):  # the README's and docs' picture, on demand
         page.screenshot(path=str(SCREENSHOT), full_page=True)
 
     page.get_by_test_id("continue").click()

@@ -1,4 +1,4 @@
-"""The README's "Mobile clients", claim by claim.
+"""The "Mobile clients" of docs/native.md, claim by claim.
 
 * **A network change.** A phone that moves from Wi-Fi to mobile data keeps no connection: its
   old one goes silent, without a FIN or a reset, and it reconnects from a new address. Here a

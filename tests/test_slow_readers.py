@@ -43,7 +43,8 @@ NORMAL_READERS = 5
 RATE = 2_000  # deltas per second
 TOKENS = 12_000  # six seconds of stream
 JOIN_AFTER_MS = 2_000  # normal readers join once the stream is this far past the slow ones
-# The README's bound on what a reader whose client takes nothing costs the process.
+# The documented bound (BROKER_SSE_SEND_TIMEOUT_S in docs/settings.md) on what a reader whose
+# client takes nothing costs the process.
 RSS_PER_SLOW_READER = 512 << 10
 ID = re.compile(rb"^id: (\d+)-(\d+)$", re.MULTILINE)
 

@@ -1,4 +1,4 @@
-"""The upstream error taxonomy: one table, shared by every adapter and shown in the README.
+"""The upstream error taxonomy: one table, shared by every adapter and shown in docs/providers.md.
 
 =====================================  ==========  ===========================================
 upstream answer                         retryable   the broker

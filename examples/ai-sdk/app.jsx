@@ -8,7 +8,7 @@ const query = new URLSearchParams(location.search);
 // The chat id outlives a reload (it is kept for the tab), so the page resumes its answer.
 const chatId = query.get("chat") ?? sessionStorage.getItem("chat") ?? `chat-${crypto.randomUUID()}`;
 sessionStorage.setItem("chat", chatId);
-// The simulated model's knobs (see the README); a real model needs none of this.
+// The simulated model's knobs (docs/providers.md); a real model needs none of this.
 const simulate = JSON.parse(query.get("simulate") ?? '{"tokens": 120, "tokens_per_s": 15}');
 
 const transport = new DefaultChatTransport({

@@ -1,4 +1,4 @@
-"""A toy payment endpoint for the README's tool-call example: it counts every payment it makes.
+"""A toy payment endpoint for docs/tools.md's tool-call example: it counts every payment it makes.
 
     python examples/payments/server.py            # serves http://127.0.0.1:9000 until Ctrl-C
 
