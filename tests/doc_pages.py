@@ -8,6 +8,7 @@ never silently runs nothing.
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,8 +42,10 @@ def section(page: str, title: str) -> str:
 
 
 def blocks(text: str, language: str) -> list[str]:
-    """The fenced code blocks of one language in a text, in order (possibly none)."""
-    return re.findall(rf"^```{language}\n(.*?)^```$", text, re.M | re.S)
+    """The fenced code blocks of one language in a text, in order (possibly none); a block
+    indented under a list item comes without its indentation."""
+    found = re.findall(rf"^( *)```{language}\n(.*?)^\1```$", text, re.M | re.S)
+    return [textwrap.dedent(body) for _, body in found]
 
 
 def snippets(page: str, title: str, language: str) -> list[str]:

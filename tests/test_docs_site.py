@@ -147,3 +147,61 @@ def test_the_settings_page_shows_the_modules_defaults_and_ranges() -> None:
     )
     assert "| `BROKER_STREAM_TTL` | `24h` | duration |" in page
     assert "| `BROKER_REDIS_URL` | *(unset: embedded)* | text |" in page
+
+
+# Every heading of the README and the site with shell or Python blocks is here or in SHOWN_ONLY.
+# Run: the test file that runs its blocks verbatim (it names the page and the heading).
+RUN = {
+    ("README.md", "Try it: a reconnect and a second viewer"): "tests/test_readme.py",
+    ("quickstart.md", "Try it: start, cut, reattach, second viewer"): "tests/test_readme.py",
+    ("quickstart.md", "Try it: stop, interruption, continue, regenerate"): "tests/test_readme.py",
+    ("tools.md", "Try it: a payment that survives a regenerate"): "tests/test_readme.py",
+    ("native.md", "Python client"): "tests/test_readme.py",
+    ("native.md", "Mobile clients"): "tests/test_readme.py",
+    ("durable-streams.md", "Durable Streams"): "tests/test_readme.py",
+    ("openai.md", "OpenAI Responses and Chat Completions"): "tests/test_openai_readme.py",
+}
+COMMANDS = "the install, run and test commands: .ci/run runs the install and the tests as written"
+# Shown only: why no test can paste them as they are.
+SHOWN_ONLY = {
+    ("README.md", "Resumable stream broker"): COMMANDS,
+    ("quickstart.md", "Install and run"): COMMANDS,
+    ("development.md", "Install and test"): COMMANDS,
+    ("development.md", "Commands"): "the developer's commands, .ci/run and the suite among them",
+    ("aisdk.md", "AI SDK"): "npm ci and npm start; tests/test_aisdk_browser.py serves that page",
+    ("operations/cluster.md", "Redis Cluster"): "needs a Redis Cluster at those addresses",
+    ("operations/deployment.md", "The image"): "needs Docker and a Redis",
+    ("operations/deployment.md", "The whole stack with Docker Compose"): "needs Docker",
+    ("operations/metrics.md", "Dashboards with something to show"): (
+        "needs the stack; tests/test_loadgen.py runs broker loadgen"
+    ),
+    ("operations/security.md", "Security: API keys, tenants, attach tokens, limits"): (
+        "a key of your own (bk_Vx... stands for it); tests/test_security.py holds the rules"
+    ),
+    ("operations/security.md", "Attach tokens"): "a key and a token of your own",
+    ("providers.md", "Which providers a broker serves"): "needs the providers' keys and servers",
+    ("webhooks.md", "Completion webhooks"): "a secret and a receiver of your own",
+}
+LANGUAGES = ("sh", "bash", "shell", "console", "python", "py")
+
+
+def with_code() -> set[tuple[str, str]]:
+    return {
+        (page, heading)
+        for page in ("README.md", *pages())
+        for heading, text in headed(read(page))
+        if any(blocks(text, language) for language in LANGUAGES)
+    }
+
+
+def test_every_shell_and_python_example_is_run_or_says_why_not() -> None:
+    found = with_code()
+    assert not set(RUN) & set(SHOWN_ONLY)
+    unlisted = sorted(found - set(RUN) - set(SHOWN_ONLY))
+    assert not unlisted, f"run these examples in a test, or say in SHOWN_ONLY why not: {unlisted}"
+    gone = sorted((set(RUN) | set(SHOWN_ONLY)) - found)
+    assert not gone, f"these headings hold no example any more: {gone}"
+    for (page, heading), test in RUN.items():
+        source = (ROOT / test).read_text()
+        assert page in source, f"{test} does not read {page}"
+        assert heading in source, f"{test} does not read {page}, {heading!r}"

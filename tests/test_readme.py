@@ -114,8 +114,10 @@ class Terminal:
 
     def run(self, block: str) -> subprocess.CompletedProcess[str]:
         assert self.port is not None
-        assert "localhost:8000" in block or "broker_client" in block, "it talks to no broker"
+        addresses = ("localhost:8000", "127.0.0.1:8000", "broker_client")
+        assert any(address in block for address in addresses), "it talks to no broker"
         script = block.replace("localhost:8000", f"localhost:{self.port}")
+        script = script.replace("127.0.0.1:8000", f"127.0.0.1:{self.port}")
         # `python -m broker_client` defaults to $BROKER_URL, else http://127.0.0.1:8000.
         self.env["BROKER_URL"] = f"http://127.0.0.1:{self.port}"
         names = sorted(set(re.findall(r"^([A-Z][A-Z0-9_]*)=", block, re.M)))
@@ -292,6 +294,12 @@ def test_the_readme_examples_run_verbatim_in_order(
     assert [e["event"] for e in page["events"]][-1] == "end"
     assert (page["up_to_date"], page["closed"]) == (True, True)
 
+    # --- a phone's background loop (the native page's long poll), on the same stream ----------
+    [poll] = snippets("native.md", "Mobile clients", "sh")
+    counted = ok(shell.run(poll)).splitlines()
+    assert all(re.fullmatch(r"\d+ events", line) for line in counted), counted
+    assert sum(int(line.split()[0]) for line in counted) == len(page["events"])  # then it stops
+
     # --- stop, interruption, continue, regenerate ---------------------------------------------
     started, cancelled = outputs(ok(shell.run(stop[0])))
     assert started["turn_id"] == "turn-2"
@@ -356,6 +364,35 @@ def test_the_readme_examples_run_verbatim_in_order(
     assert ran.stdout.rstrip().endswith("complete")
     turns = api(first_terminal, "/v1/conversations/demo/messages")["turns"]
     assert [t["turn_id"] for t in turns] == ["turn-1", "turn-2", "turn-3", "turn-py"]
+
+
+def test_the_durable_streams_shell_examples_run_verbatim(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
+    """A stream of one's own (create, append, read, follow, close) and a generation read as a
+    Durable Stream, each block in bash as a reader would paste it."""
+    own, generation = snippets("durable-streams.md", "Durable Streams", "sh")
+    shell = Terminal(tmp_path)
+    shell.port = httpx.URL(broker_factory().base_url).port
+    printed = ok(shell.run(own))  # returns once the close has ended the live reader too
+    statuses = re.findall(r"^HTTP/1\.1 (\d+)", printed, re.M)
+    assert statuses[:2] == ["201", "204"]  # created, then appended
+    assert statuses[-1] == "204"  # the close
+    assert "hello, world" in printed  # the catch-up read from -1
+    # The follower started with `&` ends at the close. (Whether it prints the `!` depends on
+    # whether it connected before that append: pasted at once, the blocks race; typed, it does.)
+    assert '"streamClosed":true' in printed
+    read = ok(shell.run(generation))  # returns at the close, when the turn is at rest
+    events = [
+        json.loads(line.removeprefix("data:").strip())
+        for line in read.splitlines()
+        if line.startswith("data:") and line.strip() != "data:"
+    ]
+    assert events
+    messages = [event for batch in events if isinstance(batch, list) for event in batch]
+    assert messages, read
+    assert messages[-1]["event"] == "end"
+    assert messages[-1]["data"]["status"] == "complete"
 
 
 def listening_addresses(port: int) -> set[str]:
