@@ -62,7 +62,7 @@ GENERATION_TYPE: Final = JSON_TYPE
 SSE_HEADERS: Final = [(b"cache-control", b"no-cache")]
 
 # Described by the protocol's own document, not in /openapi.json: its bodies are any bytes, and
-# its statuses and headers are the protocol's (see the README's "Durable Streams").
+# its statuses and headers are the protocol's (see docs/durable-streams.md).
 router = APIRouter(tags=["Durable Streams"], include_in_schema=False)
 
 
