@@ -107,25 +107,31 @@ def test_a_redis_blip_mid_turn_leaves_the_job_for_a_takeover(
     # Regression: a Redis error inside a generation was caught as a broker bug and the turn
     # ended failed/internal; the job must stay pending so a worker takes the turn over.
     original = TurnWriter.append
-    deltas = 0
+    appends_with_deltas = 0
+    deltas_written = 0
 
     async def flaky(self: TurnWriter, events: list[tuple[str, dict[str, Any]]]) -> list[str]:
-        nonlocal deltas
-        if any(kind == "delta" for kind, _ in events):
-            deltas += 1
-            if deltas == 3:
+        nonlocal appends_with_deltas, deltas_written
+        carried = sum(1 for kind, _ in events if kind == "delta")
+        if carried:
+            appends_with_deltas += 1
+            if appends_with_deltas == 3:
                 raise redis_lib.exceptions.ConnectionError("simulated blip")
-        return await original(self, events)
+        ids = await original(self, events)
+        deltas_written += carried
+        return ids
 
     monkeypatch.setattr(TurnWriter, "append", flaky)
-    # No linger, and paced: each delta is its own append (deltas arriving together share one).
+    # No linger, and paced: each delta is its own append, unless a loaded machine hands the
+    # writer a few at once (they then share one): the third append with deltas fails.
     broker = broker_factory(lease_ttl_ms=200, job_reclaim_idle_ms=400, append_linger_ms=0)
     turn = start_turn(broker.base_url, turn_id="blip", tokens=10, tokens_per_s=100)
     final = wait_final(broker.base_url, "blip", timeout=15)
     assert final["status"] == "interrupted"
     assert final["attempts"][0]["reason"] == "worker_lost"
     events = read_sse(broker.base_url, turn["stream_id"]).events
-    assert [e.event for e in events].count("delta") == 2
+    assert 2 <= deltas_written < 10
+    assert [e.event for e in events].count("delta") == deltas_written
     assert broker.metric("broker_lease_takeovers_total") == 1
 
 
