@@ -50,6 +50,8 @@ NO_ERROR_CODE = "none"
 ERROR_CODES = (*RETRYABLE_ERROR_CODES, *ADMISSION_ERROR_CODES, OTHER_ERROR_CODE, NO_ERROR_CODE)
 RESUME_RESULTS = ("ok", "expired", "not_found")
 STREAM_MODES = ("sse", "json")
+# The doors a stream read comes through (the viewers gauge's ``dialect`` label).
+DIALECTS = ("native", "responses", "chat", "aisdk", "durable")
 STRATEGIES = ("initial", "continue", "regenerate")
 ATTEMPT_OUTCOMES = ("complete", "partial", "cancelled", "failed")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -177,10 +179,12 @@ class Metrics:
             registry=r,
         )
         self.viewers = Gauge(
-            "broker_stream_viewers", "Open stream reads in this process.", ["mode"], registry=r
+            "broker_stream_viewers",
+            "Open stream reads in this process, by mode and by door.",
+            ["mode", "dialect"],
+            registry=r,
         )
-        for mode in STREAM_MODES:
-            self.viewers.labels(mode)
+        _at_zero(self.viewers, product(STREAM_MODES, DIALECTS))
         self.append_seconds = Histogram(
             "broker_append_seconds",
             "Time of one fenced append to a turn's stream.",

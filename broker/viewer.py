@@ -6,6 +6,7 @@ Every door's read of a generation goes through here, so that no door can forget 
 SSE only: a JSON page, a catch-up or a long poll takes no lock, so it could read beside the one
 viewer), and :func:`as_viewer` wraps the door's SSE frame source: the viewers gauge, and the
 one-viewer lock below. Each door ends a replaced connection with a last frame of its own.
+(:mod:`broker.relay` calls it for every door's streamed read.)
 
 A one-viewer token admits one SSE connection at a time: the connection takes a lock in Redis
 named after the token (``SET PX``) and renews it while it lasts. The newest connection wins: a
@@ -30,18 +31,17 @@ import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import NoReturn
 
+from prometheus_client import Gauge
 from redis.exceptions import RedisError
-from starlette.responses import Response
 
 from broker.auth import Principal
 from broker.deps import Deps
 from broker.errors import Forbidden
-from broker.frames import Heartbeat
 from broker.metrics import Metrics
 from broker.periodic import Periodic
-from broker.reader import Location, Opening, StartPoint, Streams
+from broker.reader import Location
 from broker.scripts import Scripts
-from broker.sse import PING, EventStreamResponse, Sink, opening_frame
+from broker.sse import Sink
 
 log = logging.getLogger("broker.viewer")
 
@@ -125,25 +125,32 @@ def admit(metrics: Metrics, principal: Principal, stream_id: str, *, sse: bool) 
 
 
 async def as_viewer(
-    deps: Deps, principal: Principal, location: Location, source: FrameSource, *, replaced: bytes
+    deps: Deps,
+    principal: Principal,
+    location: Location,
+    source: FrameSource,
+    *,
+    replaced: bytes,
+    dialect: str,
 ) -> FrameSource:
     """``source``, a door's SSE frames of ``location``, as ``principal``'s viewer: admitted,
-    counted in the viewers gauge while it lasts, and for a one-viewer token holding the token's
+    counted in the viewers gauge (under the door's ``dialect``) while it lasts, and for a
+    one-viewer token holding the token's
     lock, taken over from any older connection of any door. Once a newer connection takes the
     lock, the read ends at its next frame with ``replaced``, the door's own last frame."""
     admit(deps.metrics, principal, location.stream_id, sse=True)
     viewer = await hold_viewer(deps, principal, location) if principal.one_viewer else None
-    return functools.partial(_viewed, deps.metrics, source, viewer, replaced)
+    viewers = deps.metrics.viewers.labels("sse", dialect)
+    return functools.partial(_viewed, viewers, source, viewer, replaced)
 
 
 async def _viewed(
-    metrics: Metrics,
+    viewers: Gauge,
     source: FrameSource,
     viewer: ViewerLock | None,
     replaced: bytes,
     sink: Sink,
 ) -> AsyncIterator[bytes]:
-    viewers = metrics.viewers.labels("sse")
     viewers.inc()
     if viewer is not None:
         viewer.keep()
@@ -177,60 +184,3 @@ async def hold_viewer(deps: Deps, principal: Principal, location: Location) -> V
     if previous is not None:
         log.info("a one-viewer token's new connection took its lock over from an older one")
     return ViewerLock(deps.scripts, key, holder)
-
-
-async def event_stream(
-    deps: Deps,
-    streams: Streams,
-    location: Location,
-    start: StartPoint,
-    principal: Principal,
-    heartbeat_s: float | None = None,
-    batch_s: float = 0.0,
-) -> Response:
-    """The SSE response of ``principal``'s read of ``location`` from ``start``: 204 when
-    nothing will ever follow that point. A one-viewer token's earlier connection, if any, is let
-    go. ``batch_s`` holds live events that long to send them in one write (see
-    :class:`EventStreamResponse`)."""
-    cursor = await streams.resolve(location, start)
-    opening = await streams.opening(location, cursor)
-    if opening.status is None and not opening.stored_past:
-        # No turn and nothing past the cursor: its data expired (410), or never was (404); the
-        # located stream's data was not looked for before (see Streams.locate's ``check``).
-        await streams.locate(location.stream_id, principal.tenant, start=start)
-    else:
-        streams.count_resume(start)
-    if opening.finished:
-        # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
-        # a 200 that closes at once would make it reconnect every retry period for ever.
-        return Response(status_code=204, headers={"Cache-Control": "no-store"})
-    # After `now`, announce where this read starts (even on an empty stream, where "the start"
-    # is the right answer), so a client that drops before the first event resumes from here.
-    # A client that named its start already holds it: a second event with that id would only
-    # look like a duplicate to it.
-    announce = cursor.offset if start.kind == "now" else None
-    source = functools.partial(_frames, streams, location, opening, heartbeat_s)
-    return EventStreamResponse(
-        await as_viewer(deps, principal, location, source, replaced=REPLACED),
-        send_timeout_s=deps.settings.sse_send_timeout_s,
-        batch_s=batch_s,
-        preamble=opening_frame(deps.settings.sse_retry_ms, announce),
-    )
-
-
-async def _frames(
-    streams: Streams,
-    location: Location,
-    opening: Opening,
-    heartbeat_s: float | None,
-    sink: Sink,
-) -> AsyncIterator[bytes]:
-    # (The opening frame is the response's preamble: it goes with the response's head.)
-    # Closed on every way out, so that the reader leaves its feed at once, not when the
-    # generator is collected.
-    follow = streams.follow_chunks(
-        location, opening.cursor, sink, heartbeat_s=heartbeat_s, opening=opening
-    )
-    async with contextlib.aclosing(follow) as items:
-        async for item in items:
-            yield PING if isinstance(item, Heartbeat) else item.data

@@ -39,7 +39,13 @@ GROUND = {
     "broker.webhook_config",
 }
 SHARED = {"broker.admission", "broker.auth", "broker.jobs", "broker.webhooks"}
-READING = {"broker.fanout", "broker.frames", "broker.reader", "broker.viewer"}
+READING = {
+    "broker.fanout",
+    "broker.frames",
+    "broker.reader",
+    "broker.relay",
+    "broker.viewer",
+}
 WRITING = {
     "broker.generation",
     "broker.lease",
@@ -166,7 +172,13 @@ def test_imports_follow_the_layers(module: str) -> None:
 def test_the_api_side_never_loads_the_generation_side() -> None:
     """What an API-role process imports for turns and reads holds nothing of the worker."""
     reached: set[str] = set()
-    todo = ["broker.turns", "broker.reader", "broker.viewer", "broker.api.routes"]
+    todo = [
+        "broker.turns",
+        "broker.reader",
+        "broker.relay",
+        "broker.viewer",
+        "broker.api.routes",
+    ]
     while todo:
         module = todo.pop()
         if module in reached or module not in MODULES:

@@ -134,8 +134,13 @@ def _cancel(broker: RunningBroker, turn: dict[str, Any]) -> None:
 
 def _sse_viewers(broker: RunningBroker) -> float:
     text = httpx.get(f"{broker.base_url}/metrics", timeout=10).text
-    line = next(x for x in text.splitlines() if x.startswith('broker_stream_viewers{mode="sse"}'))
-    return float(line.split()[-1])
+    lines = [
+        x
+        for x in text.splitlines()
+        if x.startswith("broker_stream_viewers{") and 'mode="sse"}' in x
+    ]
+    assert lines, "no viewers gauge"
+    return sum(float(line.split()[-1]) for line in lines)
 
 
 @pytest.mark.parametrize("door", PAGED, ids=[door.name for door in PAGED])

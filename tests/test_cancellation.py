@@ -86,7 +86,7 @@ def test_readers_whose_clients_left_cost_nothing_afterwards(broker_factory: Brok
         with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
             conn.sendall(request)
             assert conn.recv(100)  # the read is live: Redis calls are under way for it
-    viewers = 'broker_stream_viewers{mode="sse"}'
+    viewers = 'broker_stream_viewers{dialect="native",mode="sse"}'
     wait_until(lambda: broker.metric(viewers) == 0)  # was ~100 of 150 before the fix
     hub = broker.runtime.hub
     wait_until(lambda: all(not feed.subscriptions for feed in hub._feeds.values()))

@@ -245,7 +245,8 @@ def test_readers_that_never_read_lose_their_connections_at_the_send_timeout(
         # for the unsent bytes kept it ESTABLISHED), and its descriptor with it.
         wait_until(lambda: all(tcp_state(s) != TCP_ESTABLISHED for s in readers), SLACK_S)
         wait_until(lambda: server_sockets(port) == 0, timeout=SLACK_S)
-        wait_until(lambda: broker.metric("broker_stream_viewers", '{mode="sse"}') == 0)
+        native = '{dialect="native",mode="sse"}'
+        wait_until(lambda: broker.metric("broker_stream_viewers", native) == 0)
     finally:
         httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
 

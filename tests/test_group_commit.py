@@ -137,7 +137,7 @@ def test_a_reader_that_stops_reading_is_let_go_after_the_send_timeout(
         sock.sendall(request.encode())
 
         def viewers() -> float:
-            return broker.metric("broker_stream_viewers", '{mode="sse"}')
+            return broker.metric("broker_stream_viewers", '{dialect="native",mode="sse"}')
 
         wait_until(lambda: viewers() == 1, timeout=10)
         # Never read: the broker's writes back up (8 MB is more than the socket buffers

@@ -159,8 +159,9 @@ def test_after_a_network_change_a_one_viewer_token_is_taken_over_by_the_new_conn
     assert text.status == "complete"
     # The old connection, alive as far as the broker knew, was let go: no viewer is left.
     metrics = f"{broker.base_url}/metrics"
+    native = 'broker_stream_viewers{dialect="native",mode="sse"} 0.0'
     wait_until(
-        lambda: 'broker_stream_viewers{mode="sse"} 0.0' in httpx.get(metrics, timeout=5).text,
+        lambda: native in httpx.get(metrics, timeout=5).text,
         timeout=10,
     )
 

@@ -19,6 +19,7 @@ from starlette.types import Scope
 
 from broker.api.errors import describe_validation
 from broker.api.limits import hold_share
+from broker.api.native import event_stream
 from broker.api.schemas import (
     AttachToken,
     ErrorBody,
@@ -38,7 +39,7 @@ from broker.metrics import AUTH_FAILURES
 from broker.numbers import whole_number
 from broker.reader import StartPoint
 from broker.turns import WHOLE, AttemptRequest, CanonicalRequest, TurnRequest
-from broker.viewer import admit, event_stream
+from broker.viewer import admit
 
 if TYPE_CHECKING:
     from broker.app import Runtime

@@ -59,7 +59,9 @@ class UIMessageStreamResponse(EventStreamResponse):
 async def _stream(rt: Runtime, principal: Principal, frames: _Frames) -> Response:
     """The UI message stream of ``frames``, read by ``principal`` (see
     :func:`broker.viewer.as_viewer`)."""
-    viewed = await as_viewer(rt.deps, principal, frames.location, frames.run, replaced=REPLACED)
+    viewed = await as_viewer(
+        rt.deps, principal, frames.location, frames.run, replaced=REPLACED, dialect="aisdk"
+    )
     return UIMessageStreamResponse(rt, viewed)
 
 

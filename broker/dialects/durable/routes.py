@@ -515,7 +515,9 @@ async def _read_generation(
         source = functools.partial(_frames, rt, generation.look, request.query_params.get("cursor"))
         # A replaced one-viewer read ends with the native ``replaced`` event (no id, unknown to
         # the protocol's clients): the protocol has no word for it.
-        viewed = await as_viewer(rt.deps, principal, location, source, replaced=REPLACED)
+        viewed = await as_viewer(
+            rt.deps, principal, location, source, replaced=REPLACED, dialect="durable"
+        )
         return _sse_response(rt, viewed, GENERATION_TYPE)
     page = await rt.streams.page(location, start)
     if live == "long-poll" and not page["events"] and not page["closed"]:

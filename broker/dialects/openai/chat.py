@@ -247,7 +247,9 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
             return _completion(await load(rt, turn_id, principal.tenant))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         source = functools.partial(_frames, rt, stored, after, include_usage)
-        viewed = await as_viewer(rt.deps, principal, stored.location, source, replaced=REPLACED)
+        viewed = await as_viewer(
+            rt.deps, principal, stored.location, source, replaced=REPLACED, dialect="chat"
+        )
         return EventStreamResponse(
             viewed,
             send_timeout_s=rt.settings.sse_send_timeout_s,

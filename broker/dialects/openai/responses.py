@@ -403,7 +403,9 @@ async def stream_response(
     """The response's events after ``starting_after``, read by ``principal`` (see
     :func:`broker.viewer.as_viewer`)."""
     source = functools.partial(events, rt, stored, starting_after)
-    viewed = await as_viewer(rt.deps, principal, stored.location, source, replaced=REPLACED)
+    viewed = await as_viewer(
+        rt.deps, principal, stored.location, source, replaced=REPLACED, dialect="responses"
+    )
     return EventStreamResponse(viewed, send_timeout_s=rt.settings.sse_send_timeout_s)
 
 
