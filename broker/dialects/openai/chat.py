@@ -14,10 +14,8 @@ that failed ends with an error event in OpenAI's shape instead (the SDKs raise i
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, Request
@@ -26,6 +24,7 @@ from starlette.responses import Response
 from broker.api.schemas import chunk_event, json_schema
 from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response
+from broker.dialects.openai.render import FINISH, ChatRenderer, usage_of
 from broker.dialects.openai.requests import ChatRequest, chat_messages, turn_params
 from broker.dialects.openai.responses import (
     Credentials,
@@ -40,30 +39,15 @@ from broker.dialects.openai.responses import (
     to_turn,
     turn_id_of,
 )
-from broker.frames import ORIGIN, Cursor, Heartbeat
+from broker.frames import ORIGIN, Cursor, Entry
 from broker.offsets import START
-from broker.sse import PING, EventStreamResponse, Sink
-from broker.viewer import as_viewer
+from broker.reader import Location
+from broker.relay import Read, relay
 
 if TYPE_CHECKING:
     from broker.app import Runtime
 
 router = APIRouter(tags=["openai"])
-
-FINISH: Final = {"complete": "stop", "cancelled": "stop", "interrupted": "length"}
-DONE: Final = b"data: [DONE]\n\n"
-
-
-def _usage(record: dict[str, Any] | None) -> dict[str, int] | None:
-    if not record:
-        return None
-    prompt = int(record.get("input_tokens") or 0)
-    completion = int(record.get("output_tokens") or 0)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
 
 
 def _headers(stored: Stored) -> dict[str, str]:
@@ -73,98 +57,16 @@ def _headers(stored: Stored) -> dict[str, str]:
     }
 
 
-def _failure(reason: str) -> bytes:
-    """An error event in OpenAI's shape: the SDKs raise it from the stream."""
-    error = {
-        "message": f"the generation failed: {reason}",
-        "type": "server_error",
-        "param": None,
-        "code": reason,
-    }
-    return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
-
-
-# The last frame of a read a newer one-viewer connection took over, in the SDKs' error shape.
-# (Attach tokens may not create, so none reads here; the door's reads are viewers all the same.)
-REPLACED: Final = (
-    b'data: {"error":{"message":"a newer connection of this one-viewer token took over; do not '
-    b'reconnect","type":"invalid_request_error","param":null,"code":"viewer_replaced"}}\n\n'
-)
-
-
-class _Chunks:
-    """Renders one completion's chunks."""
-
-    def __init__(self, stored: Stored, include_usage: bool) -> None:
-        self.id = stored.state["turn_id"]
-        self.model = stored.head.model
-        self.created = stored.head.created_at
-        self.include_usage = include_usage
-
-    def chunk(self, offset: str, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        body = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "broker_offset": offset,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-        }
-        return b"id: " + offset.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
-
-    def usage(self, offset: str, usage: dict[str, int] | None) -> bytes:
-        body = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "broker_offset": offset,
-            "choices": [],
-            "usage": usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-        }
-        return b"data: " + orjson.dumps(body) + b"\n\n"
-
-
-async def _frames(
-    rt: Runtime, stored: Stored, after: Cursor, include_usage: bool, sink: Sink
-) -> AsyncIterator[bytes]:
-    render = _Chunks(stored, include_usage)
-    location = stored.location
-    usage: dict[str, Any] | None = None
+async def _usage_record(
+    rt: Runtime, location: Location, renderer: ChatRenderer, end: Entry
+) -> dict[str, Any] | None:
+    """The facts of an ``end``: the attempt's stored usage, when the renderer needs it."""
+    if not renderer.needs_usage:
+        return None
     turn_key = rt.keys.turn(location.conversation_id, location.turn_id)
-    # Not direct: the stream's feed would write native frames straight to the client.
-    follow = rt.streams.follow_chunks(location, after, sink, direct=False)
-    async with contextlib.aclosing(follow) as items:
-        async for item in items:
-            if sink.over:
-                return  # the client left, whether or not a cancellation says so
-            if isinstance(item, Heartbeat):
-                yield PING
-                continue
-            out: list[bytes] = []
-            for entry in item.entries:
-                data = orjson.loads(entry.data)
-                if entry.kind == "attempt":
-                    out.append(render.chunk(entry.offset, {"role": "assistant", "content": ""}))
-                elif entry.kind == "delta":
-                    out.append(render.chunk(entry.offset, {"content": str(data.get("text", ""))}))
-                elif entry.kind == "usage":
-                    usage = data
-                elif entry.kind == "end":
-                    status = str(data.get("status"))
-                    if status not in FINISH:
-                        out.append(_failure(str(data.get("reason") or "failed")))
-                        continue
-                    out.append(render.chunk(entry.offset, {}, FINISH[status]))
-                    if include_usage:
-                        if usage is None:  # the usage event came before this read's start
-                            raw = await rt.redis.hget(turn_key, f"attempt:{data.get('attempt')}")
-                            usage = (orjson.loads(raw) if raw else {}).get("usage")
-                        out.append(render.usage(entry.offset, _usage(usage)))
-            if out:
-                yield b"".join(out)
-    if not sink.over:
-        yield DONE
+    raw = await rt.redis.hget(turn_key, f"attempt:{end.attempt()}")
+    usage: dict[str, Any] | None = (orjson.loads(raw) if raw else {}).get("usage")
+    return usage
 
 
 def _completion(stored: Stored) -> Response:
@@ -189,7 +91,7 @@ def _completion(stored: Stored) -> Response:
                 "message": {"role": "assistant", "content": canonical["text"] if canonical else ""},
             }
         ],
-        "usage": _usage(record.get("usage"))
+        "usage": usage_of(record.get("usage"))
         or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
     return json_response(body, headers=_headers(stored))
@@ -246,14 +148,15 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
             await settle(rt, stored.location)
             return _completion(await load(rt, turn_id, principal.tenant))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        source = functools.partial(_frames, rt, stored, after, include_usage)
-        viewed = await as_viewer(
-            rt.deps, principal, stored.location, source, replaced=REPLACED, dialect="chat"
+        head = stored.head
+        renderer = ChatRenderer(stored.state["turn_id"], head.model, head.created_at, include_usage)
+        read = Read(
+            stored.location,
+            after,
+            renderer,
+            functools.partial(_usage_record, rt, stored.location, renderer),
+            headers=[(k.encode(), v.encode()) for k, v in _headers(stored).items()],
         )
-        return EventStreamResponse(
-            viewed,
-            send_timeout_s=rt.settings.sse_send_timeout_s,
-            extra_headers=[(k.encode(), v.encode()) for k, v in _headers(stored).items()],
-        )
+        return await relay(rt.deps, rt.streams, principal, read)
 
     return await answer(request, work)

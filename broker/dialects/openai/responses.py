@@ -13,7 +13,7 @@ import functools
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -29,18 +29,8 @@ from broker.api.routes import actor, bearer, caller
 from broker.api.schemas import ID_PARAMETER, json_schema, response_event
 from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response, from_broker_error
-from broker.dialects.openai.events import (
-    OPENING,
-    REPLACED,
-    STATUS,
-    AttemptEnd,
-    Head,
-    expand,
-    expansion,
-    frame,
-    message_item,
-    opening,
-)
+from broker.dialects.openai.events import OPENING, STATUS, AttemptEnd, Head, message_item
+from broker.dialects.openai.render import ResponsesRenderer
 from broker.dialects.openai.requests import (
     ParamError,
     ResponsesRequest,
@@ -50,13 +40,13 @@ from broker.dialects.openai.requests import (
     turn_params,
 )
 from broker.errors import BadRequest, BrokerError
-from broker.frames import ORIGIN, Cursor, Heartbeat
+from broker.frames import ORIGIN, Cursor, Entry
 from broker.keys import ID_PATTERN, scoped, unscoped
 from broker.numbers import whole_number
 from broker.reader import Location
-from broker.sse import PING, EventStreamResponse, Sink
+from broker.relay import Read, relay
 from broker.turns import TurnRequest
-from broker.viewer import admit, as_viewer
+from broker.viewer import admit
 from broker.vocabulary import ACTIVE_STATUSES, TurnStatus
 
 if TYPE_CHECKING:
@@ -352,61 +342,27 @@ async def seek_sequence(rt: Runtime, location: Location, starting_after: int) ->
     return Seek(Cursor.after(str(reply[0])), int(reply[1]))
 
 
-async def events(
-    rt: Runtime, stored: Stored, starting_after: int, sink: Sink
-) -> AsyncIterator[bytes]:
-    """The response's events after sequence number ``starting_after`` (-1: all), live, to the
-    turn's final ``end``."""
-    head, location = stored.head, stored.location
-    if starting_after < OPENING - 1:
-        after, base = ORIGIN, OPENING
-        opened = [e for e in opening(head) if e["sequence_number"] > starting_after]
-        yield b"".join(frame(e) for e in opened)
-    else:
-        seek = await seek_sequence(rt, location, starting_after)
-        after, base = seek.after, seek.base
-    alone = True
-    # Not direct: the stream's feed would write native frames straight to the client.
-    follow = rt.streams.follow_chunks(location, after, sink, direct=False)
-    async with contextlib.aclosing(follow) as items:
-        async for item in items:
-            if sink.over:
-                return  # the client left, whether or not a cancellation says so
-            if isinstance(item, Heartbeat):
-                yield PING
-                continue
-            frames: list[bytes] = []
-            for entry in item.entries:
-                if alone and frames:
-                    # A read's first events go out alone: the rest of their page follows.
-                    alone = False
-                    yield b"".join(frames)
-                    frames = []
-                data = orjson.loads(entry.data)
-                count = expansion(entry.kind, data)
-                if not count:
-                    continue
-                end = None
-                if entry.kind == "end":
-                    end = await attempt_end(rt, location, int(data.get("attempt") or 0))
-                for event in expand(head, entry.kind, data, base, end):
-                    if event["sequence_number"] > starting_after:
-                        frames.append(frame(event))
-                base += count
-            if frames:
-                yield b"".join(frames)
-
-
 async def stream_response(
     rt: Runtime, stored: Stored, starting_after: int, principal: Principal
 ) -> Response:
-    """The response's events after ``starting_after``, read by ``principal`` (see
-    :func:`broker.viewer.as_viewer`)."""
-    source = functools.partial(events, rt, stored, starting_after)
-    viewed = await as_viewer(
-        rt.deps, principal, stored.location, source, replaced=REPLACED, dialect="responses"
-    )
-    return EventStreamResponse(viewed, send_timeout_s=rt.settings.sse_send_timeout_s)
+    """The response's events after sequence number ``starting_after`` (-1: all), live, to the
+    turn's final ``end``, read by ``principal`` through the relay (see :mod:`broker.relay`)."""
+    location = stored.location
+    # The token's rules before the seek, which looks at the stream (the relay checks them too).
+    admit(rt.metrics, principal, location.stream_id, sse=True)
+    if starting_after < OPENING - 1:
+        after, base = ORIGIN, OPENING
+    else:
+        seek = await seek_sequence(rt, location, starting_after)
+        after, base = seek.after, seek.base
+    renderer = ResponsesRenderer(stored.head, starting_after, base)
+    facts = functools.partial(_attempt_end_of, rt, location)
+    return await relay(rt.deps, rt.streams, principal, Read(location, after, renderer, facts))
+
+
+async def _attempt_end_of(rt: Runtime, location: Location, end: Entry) -> AttemptEnd:
+    """The facts of an ``end``: its attempt's stored text, usage and reason."""
+    return await attempt_end(rt, location, end.attempt())
 
 
 async def settle(rt: Runtime, location: Location, within_s: float | None = None) -> None:

@@ -1,0 +1,177 @@
+"""The OpenAI doors' renderers: a turn's stored events as Responses events and as Chat
+Completions chunks (see :mod:`broker.relay`). Pure: what they need of an ``end`` beyond the
+event comes as its facts, looked up by the door.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Final
+
+import orjson
+
+from broker.dialects.openai.events import (
+    OPENING,
+    REPLACED,
+    AttemptEnd,
+    Head,
+    expand,
+    expansion,
+    frame,
+    opening,
+)
+from broker.frames import Entry
+from broker.relay import Facts
+from broker.sse import PING
+
+# --- Responses ---------------------------------------------------------------------------------
+
+
+class ResponsesRenderer:
+    """A response's events after sequence number ``starting_after`` (-1: all), the first stored
+    event read numbered from ``base``. An ``end``'s facts are its :class:`AttemptEnd`."""
+
+    dialect: ClassVar[str] = "responses"
+    raw: ClassVar[bool] = False
+    heartbeat: ClassVar[bytes] = PING
+    replaced: ClassVar[bytes] = REPLACED
+
+    def __init__(self, head: Head, starting_after: int, base: int = OPENING) -> None:
+        self.head, self.starting_after, self.base = head, starting_after, base
+
+    def opening(self) -> bytes:
+        """``response.created`` and ``response.in_progress``, those past ``starting_after``."""
+        if self.starting_after >= OPENING - 1:
+            return b""
+        opened = opening(self.head)
+        return b"".join(frame(e) for e in opened if e["sequence_number"] > self.starting_after)
+
+    def render(self, entries: Sequence[Entry], facts: Facts) -> bytes:
+        frames: list[bytes] = []
+        for entry in entries:
+            data = orjson.loads(entry.data)
+            count = expansion(entry.kind, data)
+            if not count:
+                continue
+            end: AttemptEnd | None = facts.get(entry.offset) if entry.kind == "end" else None
+            for event in expand(self.head, entry.kind, data, self.base, end):
+                if event["sequence_number"] > self.starting_after:
+                    frames.append(frame(event))
+            self.base += count
+        return b"".join(frames)
+
+    def closing(self) -> bytes:
+        return b""
+
+
+# --- Chat Completions --------------------------------------------------------------------------
+
+FINISH: Final = {"complete": "stop", "cancelled": "stop", "interrupted": "length"}
+DONE: Final = b"data: [DONE]\n\n"
+# The last frame of a read a newer one-viewer connection took over, in the SDKs' error shape.
+# (Attach tokens may not create, so none reads here; the door's reads are viewers all the same.)
+CHAT_REPLACED: Final = (
+    b'data: {"error":{"message":"a newer connection of this one-viewer token took over; do not '
+    b'reconnect","type":"invalid_request_error","param":null,"code":"viewer_replaced"}}\n\n'
+)
+
+
+def usage_of(record: dict[str, Any] | None) -> dict[str, int] | None:
+    """The broker's usage record as Chat Completions usage (None while unknown)."""
+    if not record:
+        return None
+    prompt = int(record.get("input_tokens") or 0)
+    completion = int(record.get("output_tokens") or 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def failure(reason: str) -> bytes:
+    """An error event in OpenAI's shape: the SDKs raise it from the stream."""
+    error = {
+        "message": f"the generation failed: {reason}",
+        "type": "server_error",
+        "param": None,
+        "code": reason,
+    }
+    return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+
+
+class ChatRenderer:
+    """One completion's chunks: ``attempt`` the role chunk, ``delta`` a content chunk, ``end``
+    the finish chunk (and the usage chunk with ``include_usage``), then ``[DONE]``. An
+    ``end``'s facts are the attempt's usage record, looked up when :attr:`needs_usage` (the
+    ``usage`` event came before the read's start)."""
+
+    dialect: ClassVar[str] = "chat"
+    raw: ClassVar[bool] = False
+    heartbeat: ClassVar[bytes] = PING
+    replaced: ClassVar[bytes] = CHAT_REPLACED
+
+    def __init__(self, completion_id: str, model: str, created: int, include_usage: bool) -> None:
+        self.id, self.model, self.created = completion_id, model, created
+        self.include_usage = include_usage
+        self.usage: dict[str, Any] | None = None
+
+    @property
+    def needs_usage(self) -> bool:
+        """Whether an ``end`` now needs the attempt's stored usage as its facts."""
+        return self.include_usage and self.usage is None
+
+    def opening(self) -> bytes:
+        return b""
+
+    def render(self, entries: Sequence[Entry], facts: Facts) -> bytes:
+        out: list[bytes] = []
+        for entry in entries:
+            data = orjson.loads(entry.data)
+            kind = entry.kind
+            if kind == "attempt":
+                out.append(self.chunk(entry.offset, {"role": "assistant", "content": ""}))
+            elif kind == "delta":
+                out.append(self.chunk(entry.offset, {"content": str(data.get("text", ""))}))
+            elif kind == "usage":
+                self.usage = data
+            elif kind == "end":
+                out += self._end(entry.offset, data, facts)
+        return b"".join(out)
+
+    def _end(self, offset: str, data: dict[str, Any], facts: Facts) -> list[bytes]:
+        status = str(data.get("status"))
+        if status not in FINISH:
+            return [failure(str(data.get("reason") or "failed"))]
+        out = [self.chunk(offset, {}, FINISH[status])]
+        if self.include_usage:
+            if self.usage is None:  # the usage event came before this read's start
+                self.usage = facts.get(offset)
+            out.append(self.usage_chunk(offset, usage_of(self.usage)))
+        return out
+
+    def closing(self) -> bytes:
+        return DONE
+
+    def chunk(self, offset: str, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "broker_offset": offset,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
+        return b"id: " + offset.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
+
+    def usage_chunk(self, offset: str, usage: dict[str, int] | None) -> bytes:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "broker_offset": offset,
+            "choices": [],
+            "usage": usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        }
+        return b"data: " + orjson.dumps(body) + b"\n\n"
