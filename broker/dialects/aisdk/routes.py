@@ -6,7 +6,7 @@ conversation, a user message is a turn, regenerate and continue are attempts of 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import functools
 from typing import TYPE_CHECKING, Annotated, Any, Final
 
 from fastapi import APIRouter, Header, Request
@@ -16,15 +16,15 @@ from broker import redis_calls as rc
 from broker.api.routes import Actor, Caller, body_schema, json_response, parse_body, runtime
 from broker.api.schemas import ID_PARAMETER, errors, resume_parameters, ui_stream_event
 from broker.auth import Principal
-from broker.dialects.aisdk.chunks import DONE, REPLACED, Renderer, encode
 from broker.dialects.aisdk.messages import ChatRequest
+from broker.dialects.aisdk.render import UIMessageRenderer
 from broker.errors import NotFound
-from broker.frames import ORIGIN, Cursor, Heartbeat
+from broker.frames import ORIGIN, Cursor, Entry
 from broker.keys import ID_PATTERN, scoped
 from broker.reader import FROM_NOW, FROM_START, Location, StartPoint
-from broker.sse import PING, EventStreamResponse, Sink
+from broker.relay import Read, relay
 from broker.turns import AttemptRequest
-from broker.viewer import FrameSource, as_viewer, refuse_other_stream
+from broker.viewer import refuse_other_stream
 from broker.vocabulary import FINAL_STATUSES
 
 if TYPE_CHECKING:
@@ -45,51 +45,21 @@ UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
 }
 
 
-class UIMessageStreamResponse(EventStreamResponse):
-    """An event stream with the headers the AI SDK's transport expects."""
-
-    def __init__(self, rt: Runtime, source: FrameSource) -> None:
-        super().__init__(
-            source,
-            send_timeout_s=rt.settings.sse_send_timeout_s,
-            extra_headers=UI_STREAM_HEADERS,
-        )
-
-
-async def _stream(rt: Runtime, principal: Principal, frames: _Frames) -> Response:
-    """The UI message stream of ``frames``, read by ``principal`` (see
-    :func:`broker.viewer.as_viewer`)."""
-    viewed = await as_viewer(
-        rt.deps, principal, frames.location, frames.run, replaced=REPLACED, dialect="aisdk"
-    )
-    return UIMessageStreamResponse(rt, viewed)
+async def _stream(
+    rt: Runtime, principal: Principal, location: Location, render_after: Cursor, emit_after: Cursor
+) -> Response:
+    """The UI message stream of ``location``: events past ``render_after`` are rendered, and
+    those past ``emit_after`` sent (the ones before only bring the renderer to where the client
+    stands); read by ``principal`` through the relay (see :mod:`broker.relay`)."""
+    renderer = UIMessageRenderer(location.turn_id, location.stream_id, emit_after)
+    facts = functools.partial(_final, rt, location)
+    read = Read(location, render_after, renderer, facts, headers=UI_STREAM_HEADERS)
+    return await relay(rt.deps, rt.streams, principal, read)
 
 
-class _Frames:
-    """The frames of one read: events past ``render_after`` are rendered, and those past
-    ``emit_after`` sent (the ones before only bring the renderer to where the client stands)."""
-
-    def __init__(
-        self, rt: Runtime, location: Location, render_after: Cursor, emit_after: Cursor
-    ) -> None:
-        self.rt, self.location = rt, location
-        self.render_after, self.emit_key = render_after, emit_after.key
-
-    async def run(self, sink: Sink) -> AsyncIterator[bytes]:
-        rt, location = self.rt, self.location
-        renderer = Renderer(location.turn_id, location.stream_id)
-        async for item in rt.streams.follow(location, self.render_after, sink):
-            if sink.over:
-                return  # the client left, whether or not its cancellation reached us
-            if isinstance(item, Heartbeat):
-                yield PING
-                continue
-            final = item.kind == "end" and await _at_rest(rt, location, item.attempt())
-            chunks = renderer.render(item, final=final)
-            if chunks and item.sort_key > self.emit_key:
-                yield encode(item.offset, chunks)
-        if renderer.finished:
-            yield DONE
+async def _final(rt: Runtime, location: Location, end: Entry) -> bool:
+    """The facts of an ``end``: whether the turn is at rest on its attempt."""
+    return await _at_rest(rt, location, end.attempt())
 
 
 async def _at_rest(rt: Runtime, location: Location, attempt: int) -> bool:
@@ -129,7 +99,7 @@ async def _replay(rt: Runtime, stream_id: str, principal: Principal) -> Response
     location = await rt.streams.locate(stream_id, principal.tenant)
     state = await rt.turns.get(location.turn_id, principal.tenant)
     after = await _chain_start(rt, location) if state["attempt"] > 1 else ORIGIN
-    return await _stream(rt, principal, _Frames(rt, location, after, after))
+    return await _stream(rt, principal, location, after, after)
 
 
 @router.post(
@@ -155,7 +125,7 @@ async def post_chat(request: Request, principal: Actor) -> Response:
             await rt.turns.start_attempt(
                 chat.turn_id, AttemptRequest(strategy="regenerate"), tenant
             )
-            return await _stream(rt, principal, _Frames(rt, location, after, after))
+            return await _stream(rt, principal, location, after, after)
     _, turn = await rt.turns.create(turn_request, tenant)
     return await _replay(rt, turn["stream_id"], principal)
 
@@ -202,7 +172,7 @@ async def resume_chat(
         return await _replay(rt, state["stream_id"], principal)
     if await rt.streams.finished_before(location, emit_after):
         return no_content
-    return await _stream(rt, principal, _Frames(rt, location, ORIGIN, emit_after))
+    return await _stream(rt, principal, location, ORIGIN, emit_after)
 
 
 @router.post("/v1/ui/chat/{chat_id}/stop", responses=errors(410))
@@ -227,4 +197,4 @@ async def continue_chat(request: Request, chat_id: str, principal: Actor) -> Res
     location = await rt.streams.locate(state["stream_id"], tenant)
     after = await rt.streams.resolve(location, FROM_NOW)
     await rt.turns.start_attempt(turn_id, AttemptRequest(strategy="continue"), tenant)
-    return await _stream(rt, principal, _Frames(rt, location, after, after))
+    return await _stream(rt, principal, location, after, after)

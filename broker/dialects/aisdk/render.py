@@ -1,0 +1,46 @@
+"""The AI SDK door's renderer: a turn's stored events as UI message stream frames (see
+:mod:`broker.dialects.aisdk.chunks` for the chunks of each event, and :mod:`broker.relay`).
+
+Pure: an ``end``'s facts say whether the turn is at rest on its attempt (then the message
+finishes, and ``[DONE]`` closes the read). Events up to ``emit_after`` are rendered but not
+sent: they bring the renderer to where a resuming client stands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from broker.dialects.aisdk.chunks import DONE, REPLACED, Renderer, encode
+from broker.frames import ORIGIN, Cursor, Entry
+from broker.relay import Facts
+from broker.sse import PING
+
+
+class UIMessageRenderer:
+    """The UI message stream of one turn's read, sent past ``emit_after``."""
+
+    dialect: ClassVar[str] = "aisdk"
+    raw: ClassVar[bool] = False
+    heartbeat: ClassVar[bytes] = PING
+    replaced: ClassVar[bytes] = REPLACED
+
+    def __init__(self, turn_id: str, stream_id: str, emit_after: Cursor = ORIGIN) -> None:
+        self.chunks = Renderer(turn_id, stream_id)
+        self.emit_key = emit_after.key
+
+    def opening(self) -> bytes:
+        return b""
+
+    def render(self, entries: Sequence[Entry], facts: Facts) -> bytes:
+        out: list[bytes] = []
+        for entry in entries:
+            final = entry.kind == "end" and bool(facts.get(entry.offset))
+            chunks = self.chunks.render(entry, final=final)
+            if chunks and entry.sort_key > self.emit_key:
+                out.append(encode(entry.offset, chunks))
+        return b"".join(out)
+
+    def closing(self) -> bytes:
+        """``[DONE]`` once the message finished."""
+        return DONE if self.chunks.finished else b""

@@ -1,0 +1,125 @@
+"""The AI SDK door's renderer as a table: the core's events (and whether an ``end`` leaves the
+turn at rest) in, the exact UI message stream bytes out. No socket, no Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from broker.dialects.aisdk.chunks import DONE, REPLACED
+from broker.dialects.aisdk.render import UIMessageRenderer
+from broker.frames import ORIGIN, Cursor, Entry
+from broker.relay import Facts
+from broker.sse import PING
+
+
+def entry(entry_id: str, kind: str, data: str) -> Entry:
+    return Entry.from_redis(entry_id, ["e", kind, "d", data])
+
+
+def frames(offset: str, *chunks: dict[str, Any]) -> bytes:
+    """One event's frames: the last carries its offset."""
+    out = [b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks]
+    out[-1] = f"id: {offset}\n".encode() + out[-1]
+    return b"".join(out)
+
+
+ATTEMPT = entry("1-0", "attempt", '{"attempt":1,"strategy":"initial"}')
+DELTA = entry("1-1", "delta", '{"attempt":1,"text":"Hi"}')
+USAGE = entry("1-2", "usage", '{"attempt":1,"input_tokens":3,"output_tokens":1}')
+END = entry("2-0", "end", '{"attempt":1,"status":"complete","reason":null}')
+CANCELLED = entry("2-0", "end", '{"attempt":1,"status":"cancelled","reason":"cancelled"}')
+O1, O2, O3 = ATTEMPT.offset, DELTA.offset, END.offset
+
+
+def facts(offset: str, status: str, **extra: Any) -> dict[str, Any]:
+    data = {"turnId": "t1", "streamId": "st1", "attempt": 1, "offset": offset, "status": status}
+    return {"type": "data-broker", "id": "broker", "data": {**data, **extra}}
+
+
+START = ({"type": "start", "messageId": "t1-reply"}, facts(O1, "streaming"))
+TEXT = {"type": "text-delta", "id": "1-1", "delta": "Hi"}
+DELTA_FRAMES = frames(
+    O2,
+    {"type": "text-start", "id": "1-1"},
+    {**TEXT, "providerMetadata": {"broker": {"offset": O2}}},
+)
+CLOSE = ({"type": "text-end", "id": "1-1"}, {"type": "finish-step"})
+
+
+@pytest.mark.parametrize(
+    ("emit_after", "batches", "expected", "closing"),
+    [
+        (
+            ORIGIN,
+            [([ATTEMPT, DELTA, USAGE], {})],
+            frames(O1, *START, {"type": "start-step"}) + DELTA_FRAMES,
+            b"",
+        ),
+        (
+            ORIGIN,
+            [([ATTEMPT, DELTA], {}), ([END], {O3: True})],
+            frames(O1, *START, {"type": "start-step"})
+            + DELTA_FRAMES
+            + frames(
+                O3,
+                *CLOSE,
+                facts(O3, "complete", reason=None),
+                {"type": "finish", "finishReason": "stop"},
+            ),
+            DONE,
+        ),
+        (  # an end after which another attempt follows: the message goes on
+            ORIGIN,
+            [([ATTEMPT, DELTA, END], {O3: False})],
+            frames(O1, *START, {"type": "start-step"})
+            + DELTA_FRAMES
+            + frames(O3, *CLOSE, facts(O3, "complete", reason=None)),
+            b"",
+        ),
+        (
+            ORIGIN,
+            [([ATTEMPT], {}), ([CANCELLED], {O3: True})],
+            frames(O1, *START, {"type": "start-step"})
+            + frames(
+                O3,
+                {"type": "finish-step"},
+                facts(O3, "cancelled", reason="cancelled"),
+                {"type": "abort", "reason": "cancelled"},
+            ),
+            DONE,
+        ),
+        (  # a resume after the delta: rendered up to there, sent past it
+            DELTA.cursor,
+            [([ATTEMPT, DELTA], {}), ([END], {O3: True})],
+            frames(
+                O3,
+                *CLOSE,
+                facts(O3, "complete", reason=None),
+                {"type": "finish", "finishReason": "stop"},
+            ),
+            DONE,
+        ),
+    ],
+    ids=["a first read", "complete", "another attempt follows", "cancel", "a resume"],
+)
+def test_ui_message_frames(
+    emit_after: Cursor,
+    batches: list[tuple[list[Entry], Facts]],
+    expected: bytes,
+    closing: bytes,
+) -> None:
+    renderer = UIMessageRenderer("t1", "st1", emit_after)
+    assert b"".join(renderer.render(entries, facts) for entries, facts in batches) == expected
+    assert renderer.closing() == closing
+
+
+def test_ui_message_fixed_frames() -> None:
+    renderer = UIMessageRenderer("t1", "st1")
+    assert (renderer.dialect, renderer.raw, renderer.heartbeat) == ("aisdk", False, PING)
+    assert renderer.opening() == b""
+    assert (
+        renderer.replaced == REPLACED == b'data: {"type":"error","errorText":"viewer_replaced"}\n\n'
+    )
