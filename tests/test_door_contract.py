@@ -29,6 +29,7 @@ import httpx
 import orjson
 import pytest
 
+from broker.metrics import DIALECTS
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.helpers import get_turn, start_turn, wait_final, wait_until
 from tests.test_attach_doors import DOORS as ATTACH_DOORS
@@ -378,6 +379,11 @@ def _chat_turn_id(broker: RunningBroker, turn: Turn) -> bool:
     """Cancel the stalled chat's turn (its id is the idempotency key)."""
     url = f"{broker.base_url}/v1/turns/{turn['key']}/cancel"
     return httpx.post(url, timeout=10).status_code == 200
+
+
+def test_the_contract_runs_every_door() -> None:
+    """Every door the viewers gauge knows is driven by this suite: a new door joins it."""
+    assert sorted(door.dialect for door in DOORS) == sorted(DIALECTS)
 
 
 def test_the_token_rules_cover_every_door() -> None:
