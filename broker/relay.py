@@ -17,6 +17,10 @@ A renderer whose bytes are the stored events' own SSE frames (:attr:`Renderer.ra
 door) is handed no event: the stream's feed writes the frames rendered once for every reader
 straight to the client, and the relay passes on the chunks it yields. Nothing is done per event
 there: that is the hot path.
+
+(The Durable Streams door's generation read does not come through here yet: its controls say
+when a read is up to date, which the reader does not tell, and its reads end after
+``BROKER_DS_SSE_MAX_S``. It is wrapped by :func:`broker.viewer.as_viewer` itself.)
 """
 
 from __future__ import annotations
