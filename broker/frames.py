@@ -89,6 +89,14 @@ class Heartbeat:
 HEARTBEAT: Final = Heartbeat()
 
 
+class CaughtUp:
+    """Yielded by a reader that asked for it when it has yielded every stored event, before it
+    waits for live ones: what it yielded last was the stream's tail."""
+
+
+CAUGHT_UP: Final = CaughtUp()
+
+
 class Chunk:
     """Consecutive events of one stream, with their SSE frames joined: one write to a client."""
 

@@ -30,7 +30,7 @@ from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.errors import BrokerError, Gone, NotFound
 from broker.fanout import Batch, Hub, HubClosed, Subscription
-from broker.frames import HEARTBEAT, ORIGIN, Chunk, Cursor, Entry, Heartbeat
+from broker.frames import CAUGHT_UP, HEARTBEAT, ORIGIN, CaughtUp, Chunk, Cursor, Entry, Heartbeat
 from broker.keys import STREAM_ID_PATTERN, unscoped
 from broker.offsets import NOW, START
 from broker.sse import Sink
@@ -414,11 +414,11 @@ class Streams:
         turn's final ``end`` (or until ``sink`` is over: see :meth:`follow_chunks`'s
         ``direct``)."""
         async for item in self.follow_chunks(location, after, sink, direct=False):
-            if isinstance(item, Heartbeat):
-                yield item
-            else:
+            if isinstance(item, Chunk):
                 for entry in item.entries:
                     yield entry
+            elif isinstance(item, Heartbeat):
+                yield item
 
     async def follow_chunks(
         self,
@@ -429,7 +429,8 @@ class Streams:
         direct: bool = True,
         heartbeat_s: float | None = None,
         opening: Opening | None = None,
-    ) -> AsyncGenerator[Chunk | Heartbeat, None]:
+        caught_up: bool = False,
+    ) -> AsyncGenerator[Chunk | Heartbeat | CaughtUp, None]:
         """:meth:`follow`, a chunk of consecutive events at a time (one write per chunk).
 
         With ``sink`` (the response), live batches that follow this reader's cursor while it
@@ -440,7 +441,8 @@ class Streams:
         the quiet time after which a heartbeat comes (by default ``BROKER_SSE_HEARTBEAT_S``).
         With the read's ``opening`` (see :meth:`opening`), a read that meets the turn's coming
         to rest on its own (:attr:`Opening.open`) does not look at the turn before the first
-        wait.
+        wait. With ``caught_up``, :data:`~broker.frames.CAUGHT_UP` comes before each wait for
+        live events (a reader that must say when it is at the stream's tail).
         """
         if sink is not None and not direct:
             sink = _Watched(sink)
@@ -483,6 +485,8 @@ class Streams:
                         yield chunk
                     return
                 first_look = False
+                if caught_up:
+                    yield CAUGHT_UP
                 subscription.cursor = read.cursor
                 batches = await subscription.get_all(heartbeat_s)
                 read.cursor = subscription.cursor  # moved on by the feed's direct writes

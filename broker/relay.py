@@ -17,14 +17,11 @@ A renderer whose bytes are the stored events' own SSE frames (:attr:`Renderer.ra
 door) is handed no event: the stream's feed writes the frames rendered once for every reader
 straight to the client, and the relay passes on the chunks it yields. Nothing is done per event
 there: that is the hot path.
-
-(The Durable Streams door's generation read does not come through here yet: its controls say
-when a read is up to date, which the reader does not tell, and its reads end after
-``BROKER_DS_SSE_MAX_S``. It is wrapped by :func:`broker.viewer.as_viewer` itself.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -33,7 +30,7 @@ from typing import Any, Final, Protocol
 
 from broker.auth import Principal
 from broker.deps import Deps
-from broker.frames import Cursor, Entry, Heartbeat
+from broker.frames import CaughtUp, Chunk, Cursor, Entry
 from broker.reader import Location, Opening, Streams
 from broker.sse import EventStreamResponse, Sink
 from broker.viewer import as_viewer
@@ -75,6 +72,11 @@ class Renderer(Protocol):
         """The bytes of consecutive events, in order (``facts``: of the ``end`` among them)."""
         ...
 
+    def caught_up(self) -> bytes:
+        """The bytes once the read has every stored event, before it waits for live ones (asked
+        for with :attr:`Read.caught_up` only)."""
+        ...
+
     def closing(self) -> bytes:
         """The bytes after the read's last event, when the read ends and the client is there."""
         ...
@@ -88,7 +90,9 @@ class Read:
     (None: nothing). ``opening`` is the reader's first round trip, when the door made it (see
     :class:`broker.reader.Opening`). ``heartbeat_s`` None is ``BROKER_SSE_HEARTBEAT_S``;
     ``batch_s`` holds the feed's live writes that long to send them in one (see
-    :class:`EventStreamResponse`).
+    :class:`EventStreamResponse`). With ``caught_up``, the renderer is told each time the read
+    reached the stream's tail (:meth:`Renderer.caught_up`). ``max_s`` ends the read at its
+    first batch or heartbeat after that long (the client resumes).
     """
 
     location: Location
@@ -99,6 +103,8 @@ class Read:
     heartbeat_s: float | None = None
     batch_s: float = 0.0
     headers: Sequence[tuple[bytes, bytes]] = ()
+    caught_up: bool = False
+    max_s: float | None = None
 
 
 async def relay(
@@ -136,7 +142,7 @@ async def _raw(streams: Streams, read: Read, sink: Sink) -> AsyncIterator[bytes]
     )
     async with contextlib.aclosing(follow) as items:
         async for item in items:
-            yield beat if isinstance(item, Heartbeat) else item.data
+            yield item.data if isinstance(item, Chunk) else beat
     closing = read.renderer.closing()
     if closing and not sink.over:
         yield closing
@@ -146,8 +152,9 @@ async def _rendered(streams: Streams, read: Read, sink: Sink) -> AsyncIterator[b
     """The door's own frames of each batch. A read's first event that renders to anything
     goes out alone, the rest of its batch after it: the client sees it sooner."""
     renderer, facts = read.renderer, read.facts
-    beat = renderer.heartbeat
     alone = True
+    loop = asyncio.get_running_loop()
+    ends_at = None if read.max_s is None else loop.time() + read.max_s
     # Not direct: the stream's feed would write native frames straight to the client.
     follow = streams.follow_chunks(
         read.location,
@@ -156,23 +163,26 @@ async def _rendered(streams: Streams, read: Read, sink: Sink) -> AsyncIterator[b
         direct=False,
         heartbeat_s=read.heartbeat_s,
         opening=read.opening,
+        caught_up=read.caught_up,
     )
     async with contextlib.aclosing(follow) as items:
         async for item in items:
             if sink.over:
                 return  # the client left, whether or not a cancellation says so
-            if isinstance(item, Heartbeat):
-                yield beat
-                continue
-            entries = item.entries
-            if alone:
-                first, entries = await _first(renderer, facts, entries)
-                if first:
-                    alone = False
-                    yield first
-            data = await render(renderer, facts, entries)
+            if isinstance(item, Chunk):
+                entries = item.entries
+                if alone:
+                    first, entries = await _first(renderer, facts, entries)
+                    if first:
+                        alone = False
+                        yield first
+                data = await render(renderer, facts, entries)
+            else:
+                data = renderer.caught_up() if isinstance(item, CaughtUp) else renderer.heartbeat
             if data:
                 yield data
+            if ends_at is not None and loop.time() >= ends_at:
+                break
     if not sink.over:
         closing = renderer.closing()
         if closing:

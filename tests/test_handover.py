@@ -18,7 +18,7 @@ from broker import redis_calls as rc
 from broker.connection import client, is_cluster_url
 from broker.deps import Deps
 from broker.fanout import QUEUE_LIMIT, TRIM_EVERY, Batch, Hub, _Feed
-from broker.frames import Chunk, Entry, Heartbeat
+from broker.frames import CaughtUp, Chunk, Entry, Heartbeat
 from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.reader import Location, Streams
@@ -217,7 +217,7 @@ class Live:
     keys: Keys
     key: str
     first: Entry
-    chunks: AsyncGenerator[Chunk | Heartbeat, None]
+    chunks: AsyncGenerator[Chunk | Heartbeat | CaughtUp, None]
     wait: asyncio.Future[Any]  # the reader's next chunk
     subscription: Any
     written: list[bytes] = dataclasses.field(default_factory=list)

@@ -43,6 +43,9 @@ class NativeRenderer:
     def render(self, entries: Sequence[Entry], facts: Facts) -> bytes:
         return b"".join(entry.frame for entry in entries)
 
+    def caught_up(self) -> bytes:
+        return b""
+
     def closing(self) -> bytes:
         return b""
 

@@ -41,6 +41,9 @@ class UIMessageRenderer:
                 out.append(encode(entry.offset, chunks))
         return b"".join(out)
 
+    def caught_up(self) -> bytes:
+        return b""
+
     def closing(self) -> bytes:
         """``[DONE]`` once the message finished."""
         return DONE if self.chunks.finished else b""

@@ -60,6 +60,9 @@ class ResponsesRenderer:
             self.base += count
         return b"".join(frames)
 
+    def caught_up(self) -> bytes:
+        return b""
+
     def closing(self) -> bytes:
         return b""
 
@@ -149,6 +152,9 @@ class ChatRenderer:
                 self.usage = facts.get(offset)
             out.append(self.usage_chunk(offset, usage_of(self.usage)))
         return out
+
+    def caught_up(self) -> bytes:
+        return b""
 
     def closing(self) -> bytes:
         return DONE
