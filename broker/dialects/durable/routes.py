@@ -25,9 +25,11 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
+from broker import relay as relays
 from broker.api.routes import Caller, Hangup, runtime, until_gone
 from broker.auth import Principal
 from broker.dialects.durable import wire
+from broker.dialects.durable.render import GenerationRenderer
 from broker.durable_store import (
     Appended,
     AppendRequest,
@@ -48,11 +50,11 @@ from broker.durable_store.protocol import (
     to_bytes,
 )
 from broker.errors import BadRequest, BrokerError, Forbidden, NotFound
-from broker.frames import ORIGIN, Cursor
+from broker.frames import ORIGIN, Cursor, Entry
 from broker.keys import STREAM_ID_PATTERN
 from broker.reader import FROM_NOW, Location, StartPoint
 from broker.sse import PING, EventStreamResponse, Sink
-from broker.viewer import REPLACED, FrameSource, admit, as_viewer, check_stream
+from broker.viewer import FrameSource, admit, check_stream
 
 if TYPE_CHECKING:
     from broker.app import Runtime
@@ -511,14 +513,21 @@ async def _read_generation(
     start = StartPoint.parse(offset)
     if live == "sse":
         cursor = await rt.streams.resolve(location, start)
-        generation = _GenerationLooks(rt, location, cursor)
-        source = functools.partial(_frames, rt, generation.look, request.query_params.get("cursor"))
-        # A replaced one-viewer read ends with the native ``replaced`` event (no id, unknown to
-        # the protocol's clients): the protocol has no word for it.
-        viewed = await as_viewer(
-            rt.deps, principal, location, source, replaced=REPLACED, dialect="durable"
+        opening = await rt.streams.opening(location, cursor)
+        token = wire.next_cursor(request.query_params.get("cursor"))
+        renderer = GenerationRenderer(cursor, token, finished=opening.finished)
+        read = relays.Read(
+            location,
+            cursor,
+            renderer,
+            functools.partial(_closes, rt, location),
+            opening=opening,
+            heartbeat_s=rt.settings.ds_long_poll_s,
+            headers=SSE_HEADERS,
+            caught_up=True,
+            max_s=rt.settings.ds_sse_max_s,
         )
-        return _sse_response(rt, viewed, GENERATION_TYPE)
+        return await relays.relay(rt.deps, rt.streams, principal, read)
     page = await rt.streams.page(location, start)
     if live == "long-poll" and not page["events"] and not page["closed"]:
         after = await rt.streams.resolve(location, start)
@@ -563,26 +572,6 @@ def _message(event: dict[str, Any]) -> bytes:
     return orjson.dumps({"id": event["id"], "event": event["event"], "data": event["data"]})
 
 
-class _GenerationLooks:
-    """The looks of an SSE read of a generation: a one-message array per broker event; closed
-    once the turn is at rest."""
-
-    def __init__(self, rt: Runtime, location: Location, after: Cursor) -> None:
-        self.rt, self.location = rt, location
-        self.start = StartPoint("start") if after.at_origin else StartPoint("offset", after)
-
-    async def look(self, wait_s: float) -> _Look:
-        page = await self.rt.streams.page(self.location, self.start, wait_s)
-        closed = await _settled(self.rt, self.location, page)
-        events = page["events"]
-        if events:
-            self.start = StartPoint.parse(events[-1]["id"])
-        return _Look(
-            [
-                (event["id"], wire.sse_event("data", wire.json_body([_message(event)]).decode()))
-                for event in events
-            ],
-            _next_offset(page),
-            page["up_to_date"],
-            closed,
-        )
+async def _closes(rt: Runtime, location: Location, end: Entry) -> bool:
+    """The facts of an ``end``: whether it closes the generation (nothing follows it)."""
+    return await rt.streams.finished_before(location, end.cursor)
