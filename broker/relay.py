@@ -4,8 +4,9 @@ It follows a generation from a cursor (the replay, then live; see :meth:`Streams
 and hands each batch of events to the door's :class:`Renderer`, and it owns every rule that all
 doors share, so that none can forget one: the attach token's rules and the viewers gauge, with
 the door's ``dialect`` label (:func:`broker.viewer.as_viewer`), batching, compression, send and
-disconnect timeouts (:class:`broker.sse.EventStreamResponse`), heartbeats, and the end of the
-read at the ``end`` event after which the turn is at rest (the reader's).
+disconnect timeouts (:class:`broker.sse.EventStreamResponse`), heartbeats, a door's longest
+read, and the end of the read at the ``end`` event after which the turn is at rest (the
+reader's).
 
 A door is a request translator plus a renderer: the renderer is a pure object, from the core's
 events to the door's bytes, with no I/O (its tests are tables, without a socket). What a door
@@ -92,7 +93,8 @@ class Read:
     ``batch_s`` holds the feed's live writes that long to send them in one (see
     :class:`EventStreamResponse`). With ``caught_up``, the renderer is told each time the read
     reached the stream's tail (:meth:`Renderer.caught_up`). ``max_s`` ends the read at its
-    first batch or heartbeat after that long (the client resumes).
+    first batch or heartbeat after that long (the client resumes). (A raw renderer's read
+    takes neither: the native door has no use for them.)
     """
 
     location: Location
