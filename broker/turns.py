@@ -16,14 +16,16 @@ from broker.canonical import canonical_json, fingerprint
 from broker.deps import Deps
 from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
 from broker.jobs import JobQueue
-from broker.keys import ID_PATTERN, scoped, unscoped
 from broker.providers import Providers
 from broker.vocabulary import (
     ACTIVE_STATUSES,
     FINAL_STATUSES,
+    ID_PATTERN,
     AttemptStatus,
     TurnStatus,
     encode_turn_ref,
+    scoped,
+    unscoped,
 )
 from broker.webhooks import NotifyRequest, Webhooks
 

@@ -56,7 +56,7 @@ RefusalReason = Literal["host", "port", "address"]
 REFUSAL_REASONS: tuple[RefusalReason, ...] = ("host", "port", "address")
 # What an address is, for the rule and for messages; only "global" goes without an allowance.
 AddressKind = Literal["global", "loopback", "private", "link-local", "unspecified", "multicast"]
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@|+:-]{0,127}$")  # as keys.TENANT_PATTERN
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@|+:-]{0,127}$")  # as vocabulary.TENANT_PATTERN
 
 
 class WebhookConfigError(ValueError):

@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
-from broker.keys import ID_PATTERN
 from broker.settings import Settings
+from broker.vocabulary import ID_PATTERN
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 # A request field whose valid values are this broker's providers or models: the document lists

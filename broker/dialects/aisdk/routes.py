@@ -20,12 +20,11 @@ from broker.dialects.aisdk.chunks import DONE, REPLACED, Renderer, encode
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.errors import NotFound
 from broker.frames import ORIGIN, Cursor, Heartbeat
-from broker.keys import ID_PATTERN, scoped
 from broker.reader import FROM_NOW, FROM_START, Location, StartPoint
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.turns import AttemptRequest
 from broker.viewer import FrameSource, as_viewer, refuse_other_stream
-from broker.vocabulary import FINAL_STATUSES
+from broker.vocabulary import FINAL_STATUSES, ID_PATTERN, scoped
 
 if TYPE_CHECKING:
     from broker.app import Runtime

@@ -44,10 +44,10 @@ from broker.errors import (
     TooManyRequests,
 )
 from broker.frames import ORIGIN, Cursor
-from broker.keys import STREAM_ID_PATTERN
 from broker.reader import FROM_NOW, Location, StartPoint
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.viewer import REPLACED, FrameSource, admit, as_viewer, check_stream
+from broker.vocabulary import STREAM_ID_PATTERN
 
 if TYPE_CHECKING:
     from broker.app import Runtime

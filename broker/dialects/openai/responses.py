@@ -51,13 +51,12 @@ from broker.dialects.openai.requests import (
 )
 from broker.errors import BadRequest, BrokerError
 from broker.frames import ORIGIN, Cursor, Heartbeat
-from broker.keys import ID_PATTERN, scoped, unscoped
 from broker.numbers import whole_number
 from broker.reader import Location
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.turns import TurnRequest
 from broker.viewer import admit, as_viewer
-from broker.vocabulary import ACTIVE_STATUSES, TurnStatus
+from broker.vocabulary import ACTIVE_STATUSES, ID_PATTERN, TurnStatus, scoped, unscoped
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
