@@ -103,6 +103,12 @@ class Keys:
         """Redis Stream: the turn's events; entry ids are the wire offsets."""
         return f"{self.tag(conversation_id)}:events:{turn_id}"
 
+    def responses_seq(self, conversation_id: str, turn_id: str) -> str:
+        """Sorted set, a cache expiring with the stream: checkpoints of the OpenAI Responses
+        numbering of the turn's events (entry id, scored by the sequence number that follows
+        it), left by ``seek_sequence.lua``."""
+        return f"{self.events(conversation_id, turn_id)}:responses-seq"
+
     def tombstone(self, conversation_id: str, turn_id: str) -> str:
         """String: marks a finished turn, outliving its data, so its id cannot start a new turn."""
         return f"{self.tag(conversation_id)}:tombstone:{turn_id}"

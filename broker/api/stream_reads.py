@@ -24,20 +24,20 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Final
 
-from redis.exceptions import RedisError
 from starlette.datastructures import Headers, QueryParams
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.api.errors import broker_error_response, internal_error, redis_unavailable
 from broker.api.limits import header_bytes
-from broker.api.routes import authenticate, checked_read, sse_read
+from broker.api.routes import checked_read, sse_read
 from broker.api.security import headers_for, with_headers
 from broker.compression import CODING, negotiate
-from broker.errors import BrokerError
+from broker.errors import REDIS_UNAVAILABLE, BrokerError
+from broker.http import authenticate
 
 if TYPE_CHECKING:
-    from broker.app import Runtime
+    from broker.http import Services
 
 # The route's path, as the framework's router matches it: one segment, not empty.
 PATH: Final = re.compile(r"/v1/streams/([^/]+)")
@@ -58,7 +58,7 @@ class StreamReads:
         if params.get("format") == "json":
             await self.app(scope, receive, send)
             return
-        response = await _answer(scope, scope["app"].state.runtime, stream_id, params)
+        response = await _answer(scope, scope["app"].state.services, stream_id, params)
         await response(scope, receive, send)
 
 
@@ -72,7 +72,7 @@ class FrontReads:
         self.compression = compression
         self.cors = cors
 
-    async def answer(self, scope: Scope, rt: Runtime) -> Response | None:
+    async def answer(self, scope: Scope, svc: Services) -> Response | None:
         """The response to a plain SSE read (an error's too), or None for any other request."""
         stream_id = _stream_id(scope)
         if stream_id is None or not self._alone(scope):
@@ -82,7 +82,7 @@ class FrontReads:
             return None
         if self.compression:  # as broker.compression's middleware chooses it
             scope[CODING] = negotiate(Headers(scope=scope).get("accept-encoding"))
-        response = await _answer(scope, rt, stream_id, params)
+        response = await _answer(scope, svc, stream_id, params)
         response.raw_headers = with_headers(response.raw_headers, headers_for(scope["path"]))
         return response
 
@@ -105,13 +105,13 @@ def _stream_id(scope: Scope) -> str | None:
     return matched.group(1) if matched else None
 
 
-async def _answer(scope: Scope, rt: Runtime, stream_id: str, params: QueryParams) -> Response:
+async def _answer(scope: Scope, svc: Services, stream_id: str, params: QueryParams) -> Response:
     """The read's response, or the JSON error the app's handlers would have answered."""
     headers = Headers(scope=scope)
     try:
-        principal = authenticate(rt, scope, headers.get("authorization"), params.get("token"))
+        principal = authenticate(svc, scope, headers.get("authorization"), params.get("token"))
         read = checked_read(
-            rt,
+            svc,
             stream_id,
             principal,
             format=params.get("format"),
@@ -121,10 +121,10 @@ async def _answer(scope: Scope, rt: Runtime, stream_id: str, params: QueryParams
             batch_ms=params.get("batch_ms"),
             last_event_id=headers.get("last-event-id"),
         )
-        return await sse_read(rt, stream_id, principal, read)
+        return await sse_read(svc, stream_id, principal, read)
     except BrokerError as exc:
         return broker_error_response(exc)
-    except (RedisError, ConnectionError) as exc:
-        return redis_unavailable("GET", scope["path"], exc, rt.metrics)
+    except REDIS_UNAVAILABLE as exc:
+        return redis_unavailable("GET", scope["path"], exc, svc.metrics)
     except Exception:
         return internal_error("GET", scope["path"])

@@ -17,14 +17,13 @@ import dataclasses
 import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import orjson
 from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-from broker.api.routes import Caller, Hangup, runtime, until_gone
 from broker.auth import Principal
 from broker.dialects.durable import wire
 from broker.dialects.durable.store import (
@@ -44,13 +43,11 @@ from broker.errors import (
     TooManyRequests,
 )
 from broker.frames import ORIGIN, Cursor
+from broker.http import Caller, Hangup, Services, services, until_gone
 from broker.reader import FROM_NOW, Location, StartPoint
 from broker.sse import PING, EventStreamResponse, Sink
-from broker.viewer import REPLACED, FrameSource, admit, as_viewer, check_stream
+from broker.viewer import REPLACED, FrameSource, admit, check_stream
 from broker.vocabulary import STREAM_ID_PATTERN
-
-if TYPE_CHECKING:
-    from broker.app import Runtime
 
 PREFIX: Final = "/ds/v1/stream"
 MAX_PATH: Final = 1_024
@@ -90,7 +87,7 @@ class StaleEpoch(BrokerError):
     status = 403
 
 
-def _store(rt: Runtime) -> DurableStore:
+def _store(rt: Services) -> DurableStore:
     return rt.durable
 
 
@@ -104,7 +101,7 @@ def _checked_path(path: str) -> str:
 
 def _writer(request: Request, principal: Principal) -> Principal:
     if principal.stream_id is not None:
-        runtime(request).metrics.auth_failures.labels("forbidden").inc()
+        services(request).metrics.auth_failures.labels("forbidden").inc()
         raise Forbidden("an attach token only reads its generation's stream", code="read_only")
     return principal
 
@@ -119,7 +116,7 @@ def _writable(
     principal = _writer(request, principal)
     if _generation(path):
         raise MethodNotAllowed(refusal)
-    store = _store(runtime(request))
+    store = _store(services(request))
     return store, store.keys(principal.tenant, path)
 
 
@@ -310,8 +307,8 @@ class QuotaExceeded(BrokerError):
 def _refusal(request: Request, result: str, values: tuple[str, ...]) -> BrokerError:
     """What a tenant's quota refused (``rate`` or ``quota``), counted; any other reply is the
     broker's own error."""
-    settings = runtime(request).settings
-    metrics = runtime(request).metrics
+    settings = services(request).settings
+    metrics = services(request).metrics
     if result == "rate":
         metrics.ds_refusals.labels("rate").inc()
         retry_after_s = math.ceil(int(values[0]) / 1000)
@@ -463,7 +460,7 @@ async def delete_stream(request: Request, path: str, principal: Caller) -> Respo
 @router.head(PREFIX + "/{path:path}")
 async def stream_metadata(request: Request, path: str, principal: Caller) -> Response:
     """The stream's content type, tail offset, TTL or expiry and closure, without a body."""
-    rt = runtime(request)
+    rt = services(request)
     path = _checked_path(path)
     if _generation(path):
         location = await _locate(rt, path, principal)
@@ -502,7 +499,7 @@ async def stream_metadata(request: Request, path: str, principal: Caller) -> Res
 @router.get(PREFIX + "/{path:path}")
 async def read_stream(request: Request, path: str, principal: Caller) -> Response:
     """Read from ``offset``: catch-up (default), ``live=long-poll`` or ``live=sse``."""
-    rt = runtime(request)
+    rt = services(request)
     path = _checked_path(path)
     params = request.query_params
     live = params.get("live")
@@ -603,12 +600,12 @@ def _page(
 def _cacheable(request: Request) -> str:
     """Catch-up reads may be cached (the bytes at an offset never change): by anyone on an
     open broker, by the caller's own cache only on a secured one."""
-    scope = "private" if runtime(request).auth.enabled else "public"
+    scope = "private" if services(request).auth.enabled else "public"
     return f"{scope}, max-age=60, stale-while-revalidate=300"
 
 
 def _sse(
-    rt: Runtime,
+    rt: Services,
     look: Callable[[float], Awaitable[_Look | None]],
     cursor: str | None,
     content_type: str,
@@ -616,7 +613,7 @@ def _sse(
     return _sse_response(rt, functools.partial(_frames, rt, look, cursor), content_type)
 
 
-def _sse_response(rt: Runtime, source: FrameSource, content_type: str) -> Response:
+def _sse_response(rt: Services, source: FrameSource, content_type: str) -> Response:
     extra = list(SSE_HEADERS)
     if not wire.is_text(content_type):
         extra.append((b"stream-sse-data-encoding", b"base64"))
@@ -637,7 +634,7 @@ class _Look:
 
 
 async def _frames(
-    rt: Runtime,
+    rt: Services,
     look: Callable[[float], Awaitable[_Look | None]],
     cursor: str | None,
     sink: Sink,
@@ -715,13 +712,13 @@ class _OwnLooks:
 # --- generation streams, read-only -------------------------------------------------------------
 
 
-async def _locate(rt: Runtime, stream_id: str, principal: Principal) -> Location:
+async def _locate(rt: Services, stream_id: str, principal: Principal) -> Location:
     check_stream(rt.metrics, principal, stream_id)
     return await rt.streams.locate(stream_id, principal.tenant)
 
 
 async def _read_generation(
-    rt: Runtime,
+    rt: Services,
     request: Request,
     stream_id: str,
     principal: Principal,
@@ -738,7 +735,7 @@ async def _read_generation(
         source = functools.partial(_frames, rt, generation.look, request.query_params.get("cursor"))
         # A replaced one-viewer read ends with the native ``replaced`` event (no id, unknown to
         # the protocol's clients): the protocol has no word for it.
-        viewed = await as_viewer(rt.deps, principal, location, source, replaced=REPLACED)
+        viewed = await rt.as_viewer(principal, location, source, replaced=REPLACED)
         return _sse_response(rt, viewed, GENERATION_TYPE)
     page = await rt.streams.page(location, start)
     if live == "long-poll" and not page["events"] and not page["closed"]:
@@ -767,7 +764,7 @@ def _next_offset(page: dict[str, Any]) -> str:
     return ORIGIN.offset if offset == "-1" else offset
 
 
-async def _settled(rt: Runtime, location: Location, page: dict[str, Any]) -> bool:
+async def _settled(rt: Services, location: Location, page: dict[str, Any]) -> bool:
     """Whether a generation's page ends its stream. A page that ends with an ``end`` read as the
     turn came to rest says "open" (its status was read first): look once more, so that the
     client learns of the close with the ``end`` itself."""
@@ -788,7 +785,7 @@ class _GenerationLooks:
     """The looks of an SSE read of a generation: a one-message array per broker event; closed
     once the turn is at rest."""
 
-    def __init__(self, rt: Runtime, location: Location, after: Cursor) -> None:
+    def __init__(self, rt: Services, location: Location, after: Cursor) -> None:
         self.rt, self.location = rt, location
         self.start = StartPoint("start") if after.at_origin else StartPoint("offset", after)
 

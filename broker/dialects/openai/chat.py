@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import orjson
 from fastapi import APIRouter, Request
@@ -32,21 +32,16 @@ from broker.dialects.openai.responses import (
     Stored,
     answer,
     create_turn,
-    json_response,
     load,
     parse,
-    runtime,
     settle,
     to_turn,
     turn_id_of,
 )
 from broker.frames import ORIGIN, Cursor, Heartbeat
+from broker.http import Services, json_response, services
 from broker.offsets import START
 from broker.sse import PING, EventStreamResponse, Sink
-from broker.viewer import as_viewer
-
-if TYPE_CHECKING:
-    from broker.app import Runtime
 
 router = APIRouter(tags=["openai"])
 
@@ -126,14 +121,13 @@ class _Chunks:
 
 
 async def _frames(
-    rt: Runtime, stored: Stored, after: Cursor, include_usage: bool, sink: Sink
+    svc: Services, stored: Stored, after: Cursor, include_usage: bool, sink: Sink
 ) -> AsyncIterator[bytes]:
     render = _Chunks(stored, include_usage)
     location = stored.location
     usage: dict[str, Any] | None = None
-    turn_key = rt.keys.turn(location.conversation_id, location.turn_id)
     # Not direct: the stream's feed would write native frames straight to the client.
-    follow = rt.streams.follow_chunks(location, after, sink, direct=False)
+    follow = svc.streams.follow_chunks(location, after, sink, direct=False)
     async with contextlib.aclosing(follow) as items:
         async for item in items:
             if sink.over:
@@ -158,13 +152,20 @@ async def _frames(
                     out.append(render.chunk(entry.offset, {}, FINISH[status]))
                     if include_usage:
                         if usage is None:  # the usage event came before this read's start
-                            raw = await rt.redis.hget(turn_key, f"attempt:{data.get('attempt')}")
-                            usage = (orjson.loads(raw) if raw else {}).get("usage")
+                            usage = await _stored_usage(svc, stored, data.get("attempt"))
                         out.append(render.usage(entry.offset, _usage(usage)))
             if out:
                 yield b"".join(out)
     if not sink.over:
         yield DONE
+
+
+async def _stored_usage(svc: Services, stored: Stored, attempt: object) -> dict[str, Any] | None:
+    """The usage an attempt's record kept (None: none, or no such attempt)."""
+    location = stored.location
+    n = attempt if isinstance(attempt, int) else 0
+    record = await svc.turns.attempt_record(location.conversation_id, location.turn_id, n)
+    return record.usage if record is not None else None
 
 
 def _completion(stored: Stored) -> Response:
@@ -225,7 +226,7 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
     reattach to it."""
 
     async def work(principal: Principal) -> Response:
-        rt = runtime(request)
+        svc = services(request)
         body, _ = await parse(request, ChatRequest)
         turn_id = turn_id_of(request, body.metadata, "chatcmpl-")
         params = turn_params(
@@ -239,18 +240,18 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
         # Where a stream reattaches: from the start, or after the event it names (there is no
         # `now` here); 400 for a malformed offset, before any turn starts.
         after = Cursor.after_offset(resume) if body.stream and resume != START else ORIGIN
-        turn = to_turn(rt, turn_id, turn_id, body.model, chat_messages(body), params)
-        await create_turn(rt, turn, principal.tenant, "messages")
-        stored = await load(rt, turn_id, principal.tenant)
+        turn = to_turn(svc, turn_id, turn_id, body.model, chat_messages(body), params)
+        await create_turn(svc, turn, principal.tenant, "messages")
+        stored = await load(svc, turn_id, principal.tenant)
         if not body.stream:
-            await settle(rt, stored.location)
-            return _completion(await load(rt, turn_id, principal.tenant))
+            await settle(svc, stored.location)
+            return _completion(await load(svc, turn_id, principal.tenant))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        source = functools.partial(_frames, rt, stored, after, include_usage)
-        viewed = await as_viewer(rt.deps, principal, stored.location, source, replaced=REPLACED)
+        source = functools.partial(_frames, svc, stored, after, include_usage)
+        viewed = await svc.as_viewer(principal, stored.location, source, replaced=REPLACED)
         return EventStreamResponse(
             viewed,
-            send_timeout_s=rt.settings.sse_send_timeout_s,
+            send_timeout_s=svc.settings.sse_send_timeout_s,
             extra_headers=[(k.encode(), v.encode()) for k, v in _headers(stored).items()],
         )
 

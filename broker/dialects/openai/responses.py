@@ -8,28 +8,24 @@ continues that response's conversation, sending its canonical history plus the n
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from importlib import resources
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ValidationError
-from redis.exceptions import RedisError
 from starlette.responses import Response
 
-from broker import redis_calls as rc
-from broker.api.routes import actor, bearer, caller
 from broker.api.schemas import ID_PARAMETER, json_schema, response_event
 from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response, from_broker_error
 from broker.dialects.openai.events import (
+    EXPANSION,
     OPENING,
     REPLACED,
     STATUS,
@@ -49,41 +45,24 @@ from broker.dialects.openai.requests import (
     resolve_model,
     turn_params,
 )
-from broker.errors import BadRequest, BrokerError
-from broker.frames import ORIGIN, Cursor, Heartbeat
+from broker.errors import REDIS_UNAVAILABLE, BadRequest, BrokerError
+from broker.frames import ORIGIN, Heartbeat
+from broker.http import Services, actor, bearer, caller, json_response, services
 from broker.numbers import whole_number
 from broker.reader import Location
 from broker.sse import PING, EventStreamResponse, Sink
+from broker.turn_records import StoredRequest
 from broker.turns import TurnRequest
-from broker.viewer import admit, as_viewer
-from broker.vocabulary import ACTIVE_STATUSES, ID_PATTERN, TurnStatus, scoped, unscoped
-
-if TYPE_CHECKING:
-    from redis.commands.core import AsyncScript
-
-    from broker.app import Runtime
+from broker.viewer import admit
+from broker.vocabulary import ACTIVE_STATUSES, ID_PATTERN, TurnStatus, unscoped
 
 router = APIRouter(tags=["openai"])
 
-# A resume's seek leaves a checkpoint every EVERY stored events (see seek_sequence.lua).
-CHECKPOINTS = "responses-seq"
 INTEGER = re.compile(r"-?[0-9]+")
-EVERY = 64
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for the running attempt to end
 BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
 
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
-
-_SEEK_SOURCE = resources.files(__package__).joinpath("seek_sequence.lua").read_text("utf-8")
-
-
-def runtime(request: Request) -> Runtime:
-    rt: Runtime = request.app.state.runtime
-    return rt
-
-
-def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(data), status, headers=headers, media_type="application/json")
 
 
 async def answer(
@@ -98,8 +77,8 @@ async def answer(
         return await work(principal)
     except BrokerError as exc:
         return from_broker_error(exc)
-    except (RedisError, ConnectionError):
-        runtime(request).metrics.redis_errors.inc()
+    except REDIS_UNAVAILABLE:
+        services(request).metrics.redis_errors.inc()
         return error_response(503, "Redis is unavailable; retry shortly", "redis_unavailable")
 
 
@@ -137,14 +116,14 @@ def turn_id_of(request: Request, metadata: dict[str, str] | None, prefix: str) -
 
 
 def to_turn(
-    rt: Runtime,
+    svc: Services,
     conversation_id: str,
     turn_id: str,
     model: str,
     messages: list[dict[str, Any]],
     params: dict[str, Any],
 ) -> TurnRequest:
-    provider, model_name = resolve_model(rt.providers, model)
+    provider, model_name = resolve_model(svc.providers, model)
     try:
         return TurnRequest.model_validate(
             {
@@ -171,10 +150,10 @@ PARAM_OF_CODE = {
 }
 
 
-async def create_turn(rt: Runtime, turn: TurnRequest, tenant: str | None, messages: str) -> None:
+async def create_turn(svc: Services, turn: TurnRequest, tenant: str | None, messages: str) -> None:
     """:meth:`Turns.create`, its 400s naming the parameter (``messages``: the input's name)."""
     try:
-        await rt.turns.create(turn, tenant)
+        await svc.turns.create(turn, tenant)
     except BadRequest as exc:
         if exc.code not in PARAM_OF_CODE or isinstance(exc, ParamError):
             raise
@@ -183,7 +162,7 @@ async def create_turn(rt: Runtime, turn: TurnRequest, tenant: str | None, messag
 
 
 async def sent_before(
-    rt: Runtime,
+    svc: Services,
     turn_id: str,
     tenant: str | None,
     conversation_id: str,
@@ -192,16 +171,13 @@ async def sent_before(
     """The messages turn ``turn_id`` was created with, when it exists in ``conversation_id`` and
     ended them with ``new_input``: a repeated request must meet the same fingerprint, though the
     conversation's history now holds the turn itself."""
-    conversation = await rc.get(rt.redis, rt.keys.turn_index(scoped(tenant, turn_id)))
-    if conversation is None:
+    found = await svc.turns.find(turn_id, tenant)
+    if found is None:
         return None
-    raw = await rc.hget(rt.redis, rt.keys.turn(conversation, turn_id), "request")
-    if raw is None:
-        return None
-    request: dict[str, Any] = orjson.loads(raw)
-    messages: list[dict[str, Any]] = request.get("messages") or []
+    request = found.request
+    messages = list(request.messages)
     tail = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
-    if request.get("conversation_id") != conversation_id or not new_input:
+    if request.conversation_id != conversation_id or not new_input:
         return None
     if tail[-len(new_input) :] != new_input:
         return None
@@ -214,18 +190,18 @@ async def sent_before(
 class Stored:
     """One response as stored: its turn's state, location and the request it was made with."""
 
-    def __init__(self, state: dict[str, Any], location: Location, request: dict[str, Any]) -> None:
+    def __init__(self, state: dict[str, Any], location: Location, request: StoredRequest) -> None:
         self.state = state
         self.location = location
         self.request = request
 
     @property
     def head(self) -> Head:
-        params = self.request.get("params") or {}
-        model = self.request.get("model") or self.request.get("provider") or "simulated"
-        prefix = self.request.get("provider")
-        if prefix and prefix != "simulated":
-            model = f"{prefix}/{model}"
+        request = self.request
+        params = request.params
+        model = request.model or request.provider or "simulated"
+        if request.provider and request.provider != "simulated":
+            model = f"{request.provider}/{model}"
         return Head(
             response_id=self.state["turn_id"],
             model=str(model),
@@ -239,69 +215,35 @@ class Stored:
         )
 
 
-async def load(rt: Runtime, response_id: str, tenant: str | None) -> Stored:
-    state = await rt.turns.get(response_id, tenant)
-    location = await rt.streams.locate(state["stream_id"], tenant)
-    raw = await rc.hget(
-        rt.redis, rt.keys.turn(location.conversation_id, location.turn_id), "request"
-    )
-    return Stored(state, location, orjson.loads(raw) if raw else {})
+async def load(svc: Services, response_id: str, tenant: str | None) -> Stored:
+    state = await svc.turns.get(response_id, tenant)
+    location = await svc.streams.locate(state["stream_id"], tenant)
+    request = await svc.turns.request(location.conversation_id, location.turn_id)
+    return Stored(state, location, request)
 
 
-async def load_for_reading(rt: Runtime, response_id: str, tenant: str | None) -> Stored:
+async def load_for_reading(svc: Services, response_id: str, tenant: str | None) -> Stored:
     """What a read of the response's events needs, in two round trips (a resume waits for
     them); the full :func:`load` answers the unknown and expired ones with their error."""
-    if ID_PATTERN.fullmatch(response_id):
-        index = rt.keys.turn_index(scoped(tenant, response_id))
-        conversation_id = await rc.get(rt.redis, index)
-        if conversation_id is not None:
-            turn_key = rt.keys.turn(conversation_id, response_id)
-            stream_id, created_ms, raw = await rc.hmget(
-                rt.redis, turn_key, ["stream_id", "created_ms", "request"]
-            )
-            if stream_id is not None and created_ms is not None:
-                state = {
-                    "turn_id": response_id,
-                    "stream_id": stream_id,
-                    "created_ms": int(created_ms),
-                }
-                location = Location(stream_id, conversation_id, response_id)
-                return Stored(state, location, orjson.loads(raw) if raw else {})
-    return await load(rt, response_id, tenant)
+    found = await svc.turns.find(response_id, tenant)
+    if found is None:
+        return await load(svc, response_id, tenant)
+    state = {"turn_id": response_id, "stream_id": found.stream_id, "created_ms": found.created_ms}
+    location = Location(found.stream_id, found.conversation_id, response_id)
+    return Stored(state, location, found.request)
 
 
-async def attempt_end(rt: Runtime, location: Location, attempt: int) -> AttemptEnd:
-    """An attempt's own text, usage and reason, as stored when it ended."""
-    turn_key = rt.keys.turn(location.conversation_id, location.turn_id)
-    text, raw = await rc.hmget(rt.redis, turn_key, [f"text:{attempt}", f"attempt:{attempt}"])
-    record: dict[str, Any] = orjson.loads(raw) if raw else {}
-    own = text or ""
-    if record.get("strategy") == "continue" and record.get("from"):
-        # A continue's text starts with the partial it continues: its item holds the rest.
-        base = await rc.hget(rt.redis, turn_key, f"text:{record['from']}") or ""
-        if own.startswith(base):
-            own = own[len(base) :]
-    return AttemptEnd(own, text or "", record.get("usage"), record.get("reason"))
+async def attempt_end(svc: Services, location: Location, attempt: int) -> AttemptEnd:
+    """An attempt's own text, usage and reason, as stored when it ended (a continue's item
+    holds the rest of the partial it continues, and its response the whole answer)."""
+    ended = await svc.turns.attempt(location.conversation_id, location.turn_id, attempt)
+    record = ended.record
+    usage = record.usage if record is not None else None
+    reason = record.reason if record is not None else None
+    return AttemptEnd(ended.own_text, ended.text, usage, reason)
 
 
-async def text_so_far(rt: Runtime, location: Location, attempt: int) -> str:
-    """The delivered text of a running attempt, from its stream."""
-    key = rt.keys.events(location.conversation_id, location.turn_id)
-    parts: list[str] = []
-    start = "-"
-    while True:
-        page = await rc.xrange(rt.redis, key, start)
-        if not page:
-            return "".join(parts)
-        for _entry_id, fields in page:
-            if fields.get("e") == "delta":
-                data = orjson.loads(fields.get("d", "{}"))
-                if data.get("attempt") == attempt:
-                    parts.append(str(data.get("text", "")))
-        start = "(" + page[-1][0]
-
-
-async def response_object(rt: Runtime, stored: Stored) -> dict[str, Any]:
+async def response_object(svc: Services, stored: Stored) -> dict[str, Any]:
     """The response as ``GET /v1/responses/{id}`` shows it: the answer so far, usage once known."""
     state, head = stored.state, stored.head
     status = STATUS.get(state["status"], "failed")
@@ -311,7 +253,8 @@ async def response_object(rt: Runtime, stored: Stored) -> dict[str, Any]:
     usage = None
     error = None
     if state["status"] in ACTIVE_STATUSES:
-        text = await text_so_far(rt, stored.location, current)
+        location = stored.location
+        text = await svc.turns.text_so_far(location.conversation_id, location.turn_id, current)
         output.append(message_item(head.response_id, current, text, "in_progress"))
     else:
         canonical = state["canonical"]
@@ -326,33 +269,8 @@ async def response_object(rt: Runtime, stored: Stored) -> dict[str, Any]:
     return head.response(status, output, usage=usage, error=error)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Seek:
-    """``seek_sequence``'s reply: the cursor a read resumes at, and the sequence number of the
-    first expansion of the entry that follows it."""
-
-    after: Cursor
-    base: int
-
-
-def seek_script(rt: Runtime) -> AsyncScript:
-    return rt.redis.register_script(_SEEK_SOURCE)
-
-
-async def seek_sequence(rt: Runtime, location: Location, starting_after: int) -> Seek:
-    """Where a read after sequence number ``starting_after`` resumes (``seek_sequence.lua``;
-    KEYS and ARGV as its header says)."""
-    key = rt.keys.events(location.conversation_id, location.turn_id)
-    # The checkpoints share the stream's hash tag: one slot, as every script needs.
-    reply = await seek_script(rt)(
-        keys=[key, f"{key}:{CHECKPOINTS}"],
-        args=[starting_after, OPENING, EVERY, rt.settings.stream_ttl_ms],
-    )
-    return Seek(Cursor.after(str(reply[0])), int(reply[1]))
-
-
 async def events(
-    rt: Runtime, stored: Stored, starting_after: int, sink: Sink
+    svc: Services, stored: Stored, starting_after: int, sink: Sink
 ) -> AsyncIterator[bytes]:
     """The response's events after sequence number ``starting_after`` (-1: all), live, to the
     turn's final ``end``."""
@@ -362,11 +280,13 @@ async def events(
         opened = [e for e in opening(head) if e["sequence_number"] > starting_after]
         yield b"".join(frame(e) for e in opened)
     else:
-        seek = await seek_sequence(rt, location, starting_after)
+        seek = await svc.sequences.seek(
+            location, starting_after, first=OPENING, expansion=EXPANSION
+        )
         after, base = seek.after, seek.base
     alone = True
     # Not direct: the stream's feed would write native frames straight to the client.
-    follow = rt.streams.follow_chunks(location, after, sink, direct=False)
+    follow = svc.streams.follow_chunks(location, after, sink, direct=False)
     async with contextlib.aclosing(follow) as items:
         async for item in items:
             if sink.over:
@@ -387,7 +307,7 @@ async def events(
                     continue
                 end = None
                 if entry.kind == "end":
-                    end = await attempt_end(rt, location, int(data.get("attempt") or 0))
+                    end = await attempt_end(svc, location, int(data.get("attempt") or 0))
                 for event in expand(head, entry.kind, data, base, end):
                     if event["sequence_number"] > starting_after:
                         frames.append(frame(event))
@@ -397,20 +317,20 @@ async def events(
 
 
 async def stream_response(
-    rt: Runtime, stored: Stored, starting_after: int, principal: Principal
+    svc: Services, stored: Stored, starting_after: int, principal: Principal
 ) -> Response:
     """The response's events after ``starting_after``, read by ``principal`` (see
     :func:`broker.viewer.as_viewer`)."""
-    source = functools.partial(events, rt, stored, starting_after)
-    viewed = await as_viewer(rt.deps, principal, stored.location, source, replaced=REPLACED)
-    return EventStreamResponse(viewed, send_timeout_s=rt.settings.sse_send_timeout_s)
+    source = functools.partial(events, svc, stored, starting_after)
+    viewed = await svc.as_viewer(principal, stored.location, source, replaced=REPLACED)
+    return EventStreamResponse(viewed, send_timeout_s=svc.settings.sse_send_timeout_s)
 
 
-async def settle(rt: Runtime, location: Location, within_s: float | None = None) -> None:
+async def settle(svc: Services, location: Location, within_s: float | None = None) -> None:
     """Wait until the turn is at rest (the stream's final ``end``), or ``within_s`` passed (seen
     at the next event or heartbeat: no cancellation is relied on)."""
     deadline = None if within_s is None else time.monotonic() + within_s
-    async with contextlib.aclosing(rt.streams.follow_chunks(location, ORIGIN)) as items:
+    async with contextlib.aclosing(svc.streams.follow_chunks(location, ORIGIN)) as items:
         async for _ in items:
             if deadline is not None and time.monotonic() > deadline:
                 return
@@ -443,7 +363,7 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
     """Create a response (a turn); with ``stream``, its events; with ``background``, at once."""
 
     async def work(principal: Principal) -> Response:
-        rt = runtime(request)
+        svc = services(request)
         body, _ = await parse(request, ResponsesRequest)
         if body.store is False:
             raise ParamError("store=false is not supported: every response is stored", "store")
@@ -451,30 +371,30 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
         messages = input_messages(body)
         if body.previous_response_id is not None:
             try:
-                scoped_conversation = await rt.turns.locate(
+                scoped_conversation = await svc.turns.locate(
                     body.previous_response_id, principal.tenant
                 )
             except BrokerError as exc:
                 raise ParamError(exc.message, "previous_response_id", code=exc.code) from None
             conversation_id = unscoped(scoped_conversation)[1]
-            sent = await sent_before(rt, turn_id, principal.tenant, conversation_id, messages)
+            sent = await sent_before(svc, turn_id, principal.tenant, conversation_id, messages)
             if sent is not None:
                 messages = sent  # a repeat: the history it was sent with, not today's
             else:
-                history = await rt.turns.history(conversation_id, principal.tenant)
+                history = await svc.turns.history(conversation_id, principal.tenant)
                 messages = [*history["messages"], *messages]
         else:
             conversation_id = turn_id
         params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
-        turn = to_turn(rt, conversation_id, turn_id, body.model, messages, params)
-        await create_turn(rt, turn, principal.tenant, "input")
-        stored = await load(rt, turn_id, principal.tenant)
+        turn = to_turn(svc, conversation_id, turn_id, body.model, messages, params)
+        await create_turn(svc, turn, principal.tenant, "input")
+        stored = await load(svc, turn_id, principal.tenant)
         if body.stream:
-            return await stream_response(rt, stored, -1, principal)
+            return await stream_response(svc, stored, -1, principal)
         if not body.background:
-            await settle(rt, stored.location)
-            stored = await load(rt, turn_id, principal.tenant)
-        return json_response(await response_object(rt, stored))
+            await settle(svc, stored.location)
+            stored = await load(svc, turn_id, principal.tenant)
+        return json_response(await response_object(svc, stored))
 
     return await answer(request, work)
 
@@ -531,18 +451,18 @@ async def retrieve_response(
     """The response object; with ``stream=true``, its events after ``starting_after``."""
 
     async def work(principal: Principal) -> Response:
-        rt = runtime(request)
+        svc = services(request)
         streaming = _bool_param(stream, "stream")
         after = _int_param(starting_after, "starting_after")
         if streaming:
-            stored = await load_for_reading(rt, response_id, principal.tenant)
-            return await stream_response(rt, stored, -1 if after is None else after, principal)
+            stored = await load_for_reading(svc, response_id, principal.tenant)
+            return await stream_response(svc, stored, -1 if after is None else after, principal)
         if after is not None:
             raise BadRequest("starting_after needs stream=true", code="bad_request")
-        stored = await load(rt, response_id, principal.tenant)
+        stored = await load(svc, response_id, principal.tenant)
         # An attach token reads its own response only; a one-viewer token over SSE only.
-        admit(rt.metrics, principal, stored.location.stream_id, sse=False)
-        return json_response(await response_object(rt, stored))
+        admit(svc.metrics, principal, stored.location.stream_id, sse=False)
+        return json_response(await response_object(svc, stored))
 
     return await answer(request, work, reading=True)
 
@@ -557,13 +477,13 @@ async def cancel_response(
     """The stop button: the response ends ``cancelled``, keeping its text. Idempotent."""
 
     async def work(principal: Principal) -> Response:
-        rt = runtime(request)
-        await rt.turns.cancel(response_id, principal.tenant)
-        stored = await load(rt, response_id, principal.tenant)
+        svc = services(request)
+        await svc.turns.cancel(response_id, principal.tenant)
+        stored = await load(svc, response_id, principal.tenant)
         if stored.state["status"] == TurnStatus.STREAMING:
             # The worker running it stops at its next append: answer with the final state.
-            await settle(rt, stored.location, CANCEL_WAIT_S)
-            stored = await load(rt, response_id, principal.tenant)
-        return json_response(await response_object(rt, stored))
+            await settle(svc, stored.location, CANCEL_WAIT_S)
+            stored = await load(svc, response_id, principal.tenant)
+        return json_response(await response_object(svc, stored))
 
     return await answer(request, work)
