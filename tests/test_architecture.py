@@ -1,13 +1,20 @@
 """The layers of docs/architecture.md hold: each room imports only the rooms below it or beside
 it that the document allows, and every module of the package has a room in the document.
 
-Imports are read from the source (an import under ``if TYPE_CHECKING:`` is for annotations only,
-and does not count). A new module fails here until it is given a room, here and in the document.
+Imports are read from the source. For the layers, an import under ``if TYPE_CHECKING:`` is for
+annotations only, and does not count; for circles it counts (a circle of annotations is still a
+circle of concepts, and one unguarded import away from a circular import at run time). A new
+module fails here until it is given a room, here and in the document.
+
+The HTTP layer (``api/``, ``dialects/``, ``http.py``) touches no Redis: it reads no ``.redis``,
+``.keys`` or ``.deps`` attribute and imports neither the Redis client nor the key builder, the
+Redis calls, the scripts or the dependencies; it asks the core (``Turns``, ``Streams``, ...).
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,7 +46,13 @@ GROUND = {
     "broker.webhook_config",
 }
 SHARED = {"broker.admission", "broker.auth", "broker.jobs", "broker.webhooks"}
-READING = {"broker.fanout", "broker.frames", "broker.reader", "broker.viewer"}
+READING = {
+    "broker.fanout",
+    "broker.frames",
+    "broker.reader",
+    "broker.sequence_index",
+    "broker.viewer",
+}
 WRITING = {
     "broker.generation",
     "broker.lease",
@@ -51,7 +64,7 @@ WRITING = {
     "broker.tools",
     "broker.worker",
 }
-TURNS = {"broker.turns"}
+TURNS = {"broker.turns", "broker.turn_records"}
 ASSEMBLY = {"broker.app", "broker.__main__"}
 
 # Which rooms a room may import at run time (besides itself).
@@ -80,7 +93,7 @@ def room(module: str) -> str | None:
             return name
     if module == "broker.providers" or module.startswith("broker.providers."):
         return "providers"
-    if module.startswith(("broker.api", "broker.dialects")):
+    if module == "broker.http" or module.startswith(("broker.api", "broker.dialects")):
         return "http"
     return None
 
@@ -151,7 +164,15 @@ def test_imports_follow_the_layers(module: str) -> None:
 def test_the_api_side_never_loads_the_generation_side() -> None:
     """What an API-role process imports for turns and reads holds nothing of the worker."""
     reached: set[str] = set()
-    todo = ["broker.turns", "broker.reader", "broker.viewer", "broker.api.routes"]
+    todo = [
+        "broker.turns",
+        "broker.reader",
+        "broker.viewer",
+        "broker.http",
+        "broker.api.routes",
+        "broker.dialects.openai",
+        "broker.dialects.aisdk",
+    ]
     while todo:
         module = todo.pop()
         if module in reached or module not in MODULES:
@@ -159,3 +180,183 @@ def test_the_api_side_never_loads_the_generation_side() -> None:
         reached.add(module)
         todo.extend(runtime_imports(MODULES[module]))
     assert sorted(reached & WRITING) == []
+
+
+# --- the HTTP layer touches no Redis ---------------------------------------------------------
+
+# What the HTTP layer may not import: the Redis client, and the core's Redis plumbing.
+REDIS_MODULES = ("redis", "broker.keys", "broker.redis_calls", "broker.deps", "broker.scripts")
+# Attributes that are Redis, or carry it (a ``Deps`` holds the client and the key builder).
+REDIS_ATTRIBUTES = {"redis", "keys", "deps"}
+# Durable Streams' own streams (streams a client creates and appends to) are still a second
+# system inside dialects/durable/: their store reads Redis itself, and the routes hand its
+# ``StreamKeys`` around. They move to a room of their own beside the core (a service with
+# typed results), and these entries go with them.
+ALLOWED_REDIS = {
+    "broker.dialects.durable.store": "the own streams' store, to move out of dialects/",
+    "broker.dialects.durable.routes": "the own streams' routes pass the store's StreamKeys",
+}
+# ``Services`` keeps the process's ``Deps`` (private) for the viewer rules and readiness: the
+# type only, for its annotation; it reads neither Redis nor a key itself.
+ALLOWED_REDIS_IMPORTS = {("broker.http", "broker.deps")}
+
+
+def http_layer(module: str) -> bool:
+    return room(module) == "http"
+
+
+def all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, those for type checking included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            for alias in node.names:  # ``from broker import redis_calls``
+                if f"{node.module}.{alias.name}" in MODULES:
+                    found.add(f"{node.module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def redis_uses(path: Path) -> list[str]:
+    """The Redis attribute uses of ``path``, each as ``line: .name``."""
+    return [
+        f"{node.lineno}: .{node.attr}"
+        for node in ast.walk(ast.parse(path.read_text("utf-8")))
+        if isinstance(node, ast.Attribute) and node.attr in REDIS_ATTRIBUTES
+    ]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if http_layer(m)))
+def test_the_http_layer_reads_no_redis_attribute(module: str) -> None:
+    if module in ALLOWED_REDIS:
+        return
+    assert redis_uses(MODULES[module]) == [], (
+        f"{module} reads Redis itself: ask the core (Turns, Streams, SequenceIndex) instead"
+    )
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if http_layer(m)))
+def test_the_http_layer_imports_no_redis(module: str) -> None:
+    if module in ALLOWED_REDIS:
+        return
+    wrong = sorted(
+        imported
+        for imported in all_imports(MODULES[module])
+        if imported.startswith(REDIS_MODULES) and (module, imported) not in ALLOWED_REDIS_IMPORTS
+    )
+    assert wrong == [], f"{module} imports Redis plumbing: ask the core instead"
+
+
+def test_the_rules_catch_what_they_forbid(tmp_path: Path) -> None:
+    """The checks above can fail: a handler that reads Redis is seen."""
+    handler = tmp_path / "handler.py"
+    handler.write_text(
+        "from redis.asyncio import Redis\n"
+        "from broker.keys import Keys\n"
+        "async def h(rt):\n"
+        "    return await rt.redis.get(rt.keys.turn('c', 't'))\n",
+        "utf-8",
+    )
+    assert redis_uses(handler) == ["4: .redis", "4: .keys"]
+    assert {"redis.asyncio", "broker.keys"} <= all_imports(handler)
+
+
+# --- no import circles ------------------------------------------------------------------------
+
+# Import edges left out of the circle check, each with its reason. Services names the Durable
+# Streams store in an annotation; the store sits inside the dialect whose package imports its
+# routes, which import Services. The store moves out of dialects/, and the entry with it.
+ALLOWED_EDGES = {("broker.http", "broker.dialects.durable.store")}
+
+
+def ancestors(module: str) -> list[str]:
+    """The packages Python imports before ``module``: ``a.b.c`` -> ``a``, ``a.b``."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module's imports among the package's modules, type-only ones included.
+
+    Importing ``a.b.c`` runs ``a/b/__init__.py`` first, so an import of it is an edge to the
+    packages above it too, except those the importer is inside (already being imported).
+    """
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        own = set(ancestors(module)) | ({module} if path.name == "__init__.py" else set())
+        edges: set[str] = set()
+        for imported in all_imports(path):
+            if (module, imported) in ALLOWED_EDGES:
+                continue
+            for target in [*ancestors(imported), imported]:
+                if target in MODULES and target not in own and target != module:
+                    edges.add(target)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> Iterator[list[str]]:
+    """One circle through each group of modules that import each other, as a path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group: set[str] = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.add(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    for group in groups:
+        yield shortest_circle(graph, group)
+
+
+def shortest_circle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """A shortest circle through the group's first module, found breadth first."""
+    start = min(group)
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        module = todo.pop(0)
+        for target in sorted(graph[module] & group):
+            if target == start:
+                return [*paths[module], start]
+            if target not in paths:
+                paths[target] = [*paths[module], target]
+                todo.append(target)
+    raise AssertionError(f"no circle in {sorted(group)}")
+
+
+def test_no_import_circles() -> None:
+    found = [" -> ".join(circle) for circle in cycles(import_graph())]
+    assert found == [], "modules import each other (type-only imports included):\n" + "\n".join(
+        found
+    )
+
+
+def test_a_circle_is_reported_with_its_path() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert list(cycles(graph)) == [["a", "b", "c", "a"]]
+    assert list(cycles({"a": {"b"}, "b": set()})) == []
