@@ -14,6 +14,7 @@ Redis calls, the scripts or the dependencies; it asks the core (``Turns``, ``Str
 from __future__ import annotations
 
 import ast
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -360,3 +361,13 @@ def test_a_circle_is_reported_with_its_path() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
     assert list(cycles(graph)) == [["a", "b", "c", "a"]]
     assert list(cycles({"a": {"b"}, "b": set()})) == []
+
+
+def test_the_handlers_services_hold_no_redis() -> None:
+    """What the assembly hands the doors has no Redis client, key builder or dependencies in
+    the open (``Services`` keeps the dependencies private, for the viewer rules)."""
+    from broker.http import Services
+
+    names = {field.name for field in dataclasses.fields(Services)}
+    assert names & (REDIS_ATTRIBUTES | {"blocking_redis", "replica_reads", "scripts"}) == set()
+    assert {"turns", "streams", "sequences"} <= names
