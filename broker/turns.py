@@ -557,7 +557,8 @@ class Turns:
                     keys.turn(conversation_id, turn_id),
                     [f"text:{canonical}", f"attempt:{canonical}"],
                 )
-                attempt_status = orjson.loads(record or "{}").get("status")
+                decoded = AttemptRecord.decode(record)
+                attempt_status = decoded.status if decoded is not None else None
                 answer: dict[str, Any] = {"role": "assistant", "content": text or ""}
                 if attempt_status != AttemptStatus.COMPLETE:
                     answer["partial"] = True
