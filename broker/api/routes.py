@@ -127,10 +127,10 @@ async def promote_attempt(request: Request, turn_id: str, principal: Actor) -> R
 async def mint_attach_token(request: Request, turn_id: str, principal: Actor) -> Response:
     """A signed, read-only token for the turn's stream: for EventSource, second devices, links."""
     token_request = await parse_body(request, AttachTokenRequest, optional=True)
-    svc = services(request)
-    state = await svc.turns.get(turn_id, principal.tenant)
+    rt = services(request)
+    state = await rt.turns.get(turn_id, principal.tenant)
     stream_id = state["stream_id"]
-    minted = svc.auth.mint_attach(
+    minted = rt.auth.mint_attach(
         principal.tenant,
         stream_id,
         token_request.ttl_s,
@@ -153,9 +153,9 @@ async def mint_attach_token(request: Request, turn_id: str, principal: Actor) ->
 @api_router.get("/v1/turns/{turn_id}/tool-calls", response_model=ToolCalls, responses=errors(410))
 async def tool_calls(request: Request, turn_id: str, principal: Actor) -> Response:
     """The ledger rows of a turn's tool calls, for audit."""
-    svc = services(request)
-    conversation_id = await svc.turns.locate(turn_id, principal.tenant)
-    rows = await svc.ledger.rows(conversation_id, turn_id)
+    rt = services(request)
+    conversation_id = await rt.turns.locate(turn_id, principal.tenant)
+    rows = await rt.ledger.rows(conversation_id, turn_id)
     return json_response({"turn_id": turn_id, "tool_calls": rows})
 
 
@@ -214,9 +214,9 @@ async def read_stream(
 
     The SSE form is served below the framework (:mod:`broker.api.stream_reads`), by the same
     checks and the same response: this route documents both, and serves the JSON pages."""
-    svc = services(request)
+    rt = services(request)
     read = checked_read(
-        svc,
+        rt,
         stream_id,
         principal,
         format=format,
@@ -227,9 +227,9 @@ async def read_stream(
         last_event_id=request.headers.get("last-event-id"),
     )
     if not read.json:
-        return await sse_read(svc, stream_id, principal, read)
-    location = await svc.streams.locate(stream_id, principal.tenant, start=read.start)
-    page = svc.streams.page(location, read.start, read.wait_s)
+        return await sse_read(rt, stream_id, principal, read)
+    location = await rt.streams.locate(stream_id, principal.tenant, start=read.start)
+    page = rt.streams.page(location, read.start, read.wait_s)
     if read.wait_s <= 0:
         return json_response(await page)
     waited = await until_gone(request, page)
@@ -248,7 +248,7 @@ class StreamRead:
 
 
 def checked_read(
-    svc: Services,
+    rt: Services,
     stream_id: str,
     principal: Principal,
     *,
@@ -264,10 +264,10 @@ def checked_read(
     if format not in (None, "sse", "json"):
         raise BadRequest("format must be sse or json", code="bad_format")
     json = format == "json"
-    wait_s = long_poll_wait(wait, svc.settings.long_poll_max_s, json=json)
-    heartbeat_s = heartbeat_period(heartbeat, svc.settings, sse=not json)
-    batch_s = batch_period(batch_ms, svc.settings.sse_batch_max_ms, sse=not json)
-    admit(svc.metrics, principal, stream_id, sse=not json)
+    wait_s = long_poll_wait(wait, rt.settings.long_poll_max_s, json=json)
+    heartbeat_s = heartbeat_period(heartbeat, rt.settings, sse=not json)
+    batch_s = batch_period(batch_ms, rt.settings.sse_batch_max_ms, sse=not json)
+    admit(rt.metrics, principal, stream_id, sse=not json)
     # 400 for a malformed offset before anything else. Last-Event-ID wins over ?offset=, but a
     # malformed ?offset= is refused even then: it is bad input all the same.
     start = StartPoint.parse(offset)
@@ -277,13 +277,13 @@ def checked_read(
 
 
 async def sse_read(
-    svc: Services, stream_id: str, principal: Principal, read: StreamRead
+    rt: Services, stream_id: str, principal: Principal, read: StreamRead
 ) -> Response:
     """The SSE response of a checked read: 404 or 410 when its stream is unknown or expired,
     204 when nothing will ever follow its start."""
     # An SSE read learns whether the data still exists from its opening round trip.
-    location = await svc.streams.locate(stream_id, principal.tenant, start=read.start, check=False)
-    return await svc.event_stream(location, read.start, principal, read.heartbeat_s, read.batch_s)
+    location = await rt.streams.locate(stream_id, principal.tenant, start=read.start, check=False)
+    return await rt.event_stream(location, read.start, principal, read.heartbeat_s, read.batch_s)
 
 
 def heartbeat_period(raw: str | None, settings: Settings, *, sse: bool) -> float | None:

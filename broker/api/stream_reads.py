@@ -72,7 +72,7 @@ class FrontReads:
         self.compression = compression
         self.cors = cors
 
-    async def answer(self, scope: Scope, svc: Services) -> Response | None:
+    async def answer(self, scope: Scope, rt: Services) -> Response | None:
         """The response to a plain SSE read (an error's too), or None for any other request."""
         stream_id = _stream_id(scope)
         if stream_id is None or not self._alone(scope):
@@ -82,7 +82,7 @@ class FrontReads:
             return None
         if self.compression:  # as broker.compression's middleware chooses it
             scope[CODING] = negotiate(Headers(scope=scope).get("accept-encoding"))
-        response = await _answer(scope, svc, stream_id, params)
+        response = await _answer(scope, rt, stream_id, params)
         response.raw_headers = with_headers(response.raw_headers, headers_for(scope["path"]))
         return response
 
@@ -105,13 +105,13 @@ def _stream_id(scope: Scope) -> str | None:
     return matched.group(1) if matched else None
 
 
-async def _answer(scope: Scope, svc: Services, stream_id: str, params: QueryParams) -> Response:
+async def _answer(scope: Scope, rt: Services, stream_id: str, params: QueryParams) -> Response:
     """The read's response, or the JSON error the app's handlers would have answered."""
     headers = Headers(scope=scope)
     try:
-        principal = authenticate(svc, scope, headers.get("authorization"), params.get("token"))
+        principal = authenticate(rt, scope, headers.get("authorization"), params.get("token"))
         read = checked_read(
-            svc,
+            rt,
             stream_id,
             principal,
             format=params.get("format"),
@@ -121,10 +121,10 @@ async def _answer(scope: Scope, svc: Services, stream_id: str, params: QueryPara
             batch_ms=params.get("batch_ms"),
             last_event_id=headers.get("last-event-id"),
         )
-        return await sse_read(svc, stream_id, principal, read)
+        return await sse_read(rt, stream_id, principal, read)
     except BrokerError as exc:
         return broker_error_response(exc)
     except REDIS_UNAVAILABLE as exc:
-        return redis_unavailable("GET", scope["path"], exc, svc.metrics)
+        return redis_unavailable("GET", scope["path"], exc, rt.metrics)
     except Exception:
         return internal_error("GET", scope["path"])

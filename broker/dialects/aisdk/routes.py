@@ -51,19 +51,19 @@ UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
 class UIMessageStreamResponse(EventStreamResponse):
     """An event stream with the headers the AI SDK's transport expects."""
 
-    def __init__(self, svc: Services, source: FrameSource) -> None:
+    def __init__(self, rt: Services, source: FrameSource) -> None:
         super().__init__(
             source,
-            send_timeout_s=svc.settings.sse_send_timeout_s,
+            send_timeout_s=rt.settings.sse_send_timeout_s,
             extra_headers=UI_STREAM_HEADERS,
         )
 
 
-async def _stream(svc: Services, principal: Principal, frames: _Frames) -> Response:
+async def _stream(rt: Services, principal: Principal, frames: _Frames) -> Response:
     """The UI message stream of ``frames``, read by ``principal`` (see
     :func:`broker.viewer.as_viewer`)."""
-    viewed = await svc.as_viewer(principal, frames.location, frames.run, replaced=REPLACED)
-    return UIMessageStreamResponse(svc, viewed)
+    viewed = await rt.as_viewer(principal, frames.location, frames.run, replaced=REPLACED)
+    return UIMessageStreamResponse(rt, viewed)
 
 
 class _Frames:
@@ -71,21 +71,21 @@ class _Frames:
     ``emit_after`` sent (the ones before only bring the renderer to where the client stands)."""
 
     def __init__(
-        self, svc: Services, location: Location, render_after: Cursor, emit_after: Cursor
+        self, rt: Services, location: Location, render_after: Cursor, emit_after: Cursor
     ) -> None:
-        self.svc, self.location = svc, location
+        self.rt, self.location = rt, location
         self.render_after, self.emit_key = render_after, emit_after.key
 
     async def run(self, sink: Sink) -> AsyncIterator[bytes]:
-        svc, location = self.svc, self.location
+        rt, location = self.rt, self.location
         renderer = Renderer(location.turn_id, location.stream_id)
-        async for item in svc.streams.follow(location, self.render_after, sink):
+        async for item in rt.streams.follow(location, self.render_after, sink):
             if sink.over:
                 return  # the client left, whether or not its cancellation reached us
             if isinstance(item, Heartbeat):
                 yield PING
                 continue
-            final = item.kind == "end" and await svc.turns.at_rest(
+            final = item.kind == "end" and await rt.turns.at_rest(
                 location.conversation_id, location.turn_id, item.attempt()
             )
             chunks = renderer.render(item, final=final)
@@ -95,13 +95,13 @@ class _Frames:
             yield DONE
 
 
-async def _chain_start(svc: Services, location: Location) -> Cursor:
+async def _chain_start(rt: Services, location: Location) -> Cursor:
     """Where a full replay starts: before the last initial or regenerate attempt, so that a
     replay shows the answer the turn has now, not the ones it replaced."""
     start, previous = ORIGIN, ORIGIN
     page_start = FROM_START
     while True:
-        page = await svc.streams.page(location, page_start)
+        page = await rt.streams.page(location, page_start)
         for event in page["events"]:
             if event["event"] == "attempt" and event["data"].get("strategy") != "continue":
                 start = previous
@@ -111,19 +111,19 @@ async def _chain_start(svc: Services, location: Location) -> Cursor:
         page_start = StartPoint.parse(page["next_offset"])
 
 
-async def _latest_turn(svc: Services, chat_id: str, tenant: str | None) -> str | None:
+async def _latest_turn(rt: Services, chat_id: str, tenant: str | None) -> str | None:
     """The chat's newest turn, if it has one."""
     if not ID_PATTERN.fullmatch(chat_id):
         raise NotFound(f"unknown chat {chat_id[:80]!r}")
-    return await svc.turns.latest(chat_id, tenant)
+    return await rt.turns.latest(chat_id, tenant)
 
 
-async def _replay(svc: Services, stream_id: str, principal: Principal) -> Response:
+async def _replay(rt: Services, stream_id: str, principal: Principal) -> Response:
     """The whole answer of a turn, from its ``start``."""
-    location = await svc.streams.locate(stream_id, principal.tenant)
-    state = await svc.turns.get(location.turn_id, principal.tenant)
-    after = await _chain_start(svc, location) if state["attempt"] > 1 else ORIGIN
-    return await _stream(svc, principal, _Frames(svc, location, after, after))
+    location = await rt.streams.locate(stream_id, principal.tenant)
+    state = await rt.turns.get(location.turn_id, principal.tenant)
+    after = await _chain_start(rt, location) if state["attempt"] > 1 else ORIGIN
+    return await _stream(rt, principal, _Frames(rt, location, after, after))
 
 
 @router.post(
@@ -134,24 +134,24 @@ async def _replay(svc: Services, stream_id: str, principal: Principal) -> Respon
 async def post_chat(request: Request, principal: Actor) -> Response:
     """Send a message (a turn) or regenerate the answer to one (an attempt); the answer streams
     as UI message chunks. The same user message sent again attaches to its turn."""
-    svc = services(request)
+    rt = services(request)
     chat = await parse_body(request, ChatRequest)
     turn_request = chat.turn_request()
     tenant = principal.tenant
     if chat.trigger == "regenerate-message":
         try:
-            state = await svc.turns.get(chat.turn_id, tenant)
+            state = await rt.turns.get(chat.turn_id, tenant)
         except NotFound:
             pass  # never answered here: this is its first answer
         else:
-            location = await svc.streams.locate(state["stream_id"], tenant)
-            after = await svc.streams.resolve(location, FROM_NOW)
-            await svc.turns.start_attempt(
+            location = await rt.streams.locate(state["stream_id"], tenant)
+            after = await rt.streams.resolve(location, FROM_NOW)
+            await rt.turns.start_attempt(
                 chat.turn_id, AttemptRequest(strategy="regenerate"), tenant
             )
-            return await _stream(svc, principal, _Frames(svc, location, after, after))
-    _, turn = await svc.turns.create(turn_request, tenant)
-    return await _replay(svc, turn["stream_id"], principal)
+            return await _stream(rt, principal, _Frames(rt, location, after, after))
+    _, turn = await rt.turns.create(turn_request, tenant)
+    return await _replay(rt, turn["stream_id"], principal)
 
 
 @router.get(
@@ -171,54 +171,54 @@ async def resume_chat(
     """Resume the chat's running answer: a full replay from ``start``, or with ``Last-Event-ID``
     (``?offset=``) the frames after it; 204 when no answer runs (or nothing follows). An attach
     token resumes its own turn's chat, while that turn is the chat's newest."""
-    svc = services(request)
+    rt = services(request)
     # 400 for a malformed one, first; Last-Event-ID wins, but a malformed ?offset= is refused.
     emit_after = Cursor.after_offset(offset) if offset else None
     if last_event_id:
         emit_after = Cursor.after_offset(last_event_id)
     if principal.stream_id is not None:
         # Nothing of another chat is looked at: not even whether it runs an answer.
-        own = await svc.streams.locate(principal.stream_id, principal.tenant)
+        own = await rt.streams.locate(principal.stream_id, principal.tenant)
         if own.conversation_id != scoped(principal.tenant, chat_id):
-            refuse_other_stream(svc.metrics)
-    turn_id = await _latest_turn(svc, chat_id, principal.tenant)
+            refuse_other_stream(rt.metrics)
+    turn_id = await _latest_turn(rt, chat_id, principal.tenant)
     no_content = Response(status_code=204, headers={"Cache-Control": "no-store"})
     if turn_id is None:
         return no_content
     try:
-        state = await svc.turns.get(turn_id, principal.tenant)
+        state = await rt.turns.get(turn_id, principal.tenant)
     except NotFound:
         return no_content  # being created this instant, or gone
-    location = await svc.streams.locate(state["stream_id"], principal.tenant)
+    location = await rt.streams.locate(state["stream_id"], principal.tenant)
     if emit_after is None:
         if state["status"] in FINAL_STATUSES:
             return no_content
-        return await _replay(svc, state["stream_id"], principal)
-    if await svc.streams.finished_before(location, emit_after):
+        return await _replay(rt, state["stream_id"], principal)
+    if await rt.streams.finished_before(location, emit_after):
         return no_content
-    return await _stream(svc, principal, _Frames(svc, location, ORIGIN, emit_after))
+    return await _stream(rt, principal, _Frames(rt, location, ORIGIN, emit_after))
 
 
 @router.post("/v1/ui/chat/{chat_id}/stop", responses=errors(410))
 async def stop_chat(request: Request, chat_id: str, principal: Actor) -> Response:
     """The stop button: cancel the chat's newest turn, keeping its partial answer."""
-    svc = services(request)
-    turn_id = await _latest_turn(svc, chat_id, principal.tenant)
+    rt = services(request)
+    turn_id = await _latest_turn(rt, chat_id, principal.tenant)
     if turn_id is None:
         raise NotFound(f"chat {chat_id!r} has no turn")
-    return json_response(await svc.turns.cancel(turn_id, principal.tenant))
+    return json_response(await rt.turns.cancel(turn_id, principal.tenant))
 
 
 @router.post("/v1/ui/chat/{chat_id}/continue", responses={**UI_STREAM, **errors(409, 410, 422)})
 async def continue_chat(request: Request, chat_id: str, principal: Actor) -> Response:
     """Continue the chat's interrupted answer: its frames append to the same message."""
-    svc = services(request)
+    rt = services(request)
     tenant = principal.tenant
-    turn_id = await _latest_turn(svc, chat_id, tenant)
+    turn_id = await _latest_turn(rt, chat_id, tenant)
     if turn_id is None:
         raise NotFound(f"chat {chat_id!r} has no turn")
-    state = await svc.turns.get(turn_id, tenant)
-    location = await svc.streams.locate(state["stream_id"], tenant)
-    after = await svc.streams.resolve(location, FROM_NOW)
-    await svc.turns.start_attempt(turn_id, AttemptRequest(strategy="continue"), tenant)
-    return await _stream(svc, principal, _Frames(svc, location, after, after))
+    state = await rt.turns.get(turn_id, tenant)
+    location = await rt.streams.locate(state["stream_id"], tenant)
+    after = await rt.streams.resolve(location, FROM_NOW)
+    await rt.turns.start_attempt(turn_id, AttemptRequest(strategy="continue"), tenant)
+    return await _stream(rt, principal, _Frames(rt, location, after, after))

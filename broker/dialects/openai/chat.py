@@ -121,13 +121,13 @@ class _Chunks:
 
 
 async def _frames(
-    svc: Services, stored: Stored, after: Cursor, include_usage: bool, sink: Sink
+    rt: Services, stored: Stored, after: Cursor, include_usage: bool, sink: Sink
 ) -> AsyncIterator[bytes]:
     render = _Chunks(stored, include_usage)
     location = stored.location
     usage: dict[str, Any] | None = None
     # Not direct: the stream's feed would write native frames straight to the client.
-    follow = svc.streams.follow_chunks(location, after, sink, direct=False)
+    follow = rt.streams.follow_chunks(location, after, sink, direct=False)
     async with contextlib.aclosing(follow) as items:
         async for item in items:
             if sink.over:
@@ -152,7 +152,7 @@ async def _frames(
                     out.append(render.chunk(entry.offset, {}, FINISH[status]))
                     if include_usage:
                         if usage is None:  # the usage event came before this read's start
-                            usage = await _stored_usage(svc, stored, data.get("attempt"))
+                            usage = await _stored_usage(rt, stored, data.get("attempt"))
                         out.append(render.usage(entry.offset, _usage(usage)))
             if out:
                 yield b"".join(out)
@@ -160,11 +160,11 @@ async def _frames(
         yield DONE
 
 
-async def _stored_usage(svc: Services, stored: Stored, attempt: object) -> dict[str, Any] | None:
+async def _stored_usage(rt: Services, stored: Stored, attempt: object) -> dict[str, Any] | None:
     """The usage an attempt's record kept (None: none, or no such attempt)."""
     location = stored.location
     n = attempt if isinstance(attempt, int) else 0
-    record = await svc.turns.attempt_record(location.conversation_id, location.turn_id, n)
+    record = await rt.turns.attempt_record(location.conversation_id, location.turn_id, n)
     return record.usage if record is not None else None
 
 
@@ -226,7 +226,7 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
     reattach to it."""
 
     async def work(principal: Principal) -> Response:
-        svc = services(request)
+        rt = services(request)
         body, _ = await parse(request, ChatRequest)
         turn_id = turn_id_of(request, body.metadata, "chatcmpl-")
         params = turn_params(
@@ -240,18 +240,18 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
         # Where a stream reattaches: from the start, or after the event it names (there is no
         # `now` here); 400 for a malformed offset, before any turn starts.
         after = Cursor.after_offset(resume) if body.stream and resume != START else ORIGIN
-        turn = to_turn(svc, turn_id, turn_id, body.model, chat_messages(body), params)
-        await create_turn(svc, turn, principal.tenant, "messages")
-        stored = await load(svc, turn_id, principal.tenant)
+        turn = to_turn(rt, turn_id, turn_id, body.model, chat_messages(body), params)
+        await create_turn(rt, turn, principal.tenant, "messages")
+        stored = await load(rt, turn_id, principal.tenant)
         if not body.stream:
-            await settle(svc, stored.location)
-            return _completion(await load(svc, turn_id, principal.tenant))
+            await settle(rt, stored.location)
+            return _completion(await load(rt, turn_id, principal.tenant))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        source = functools.partial(_frames, svc, stored, after, include_usage)
-        viewed = await svc.as_viewer(principal, stored.location, source, replaced=REPLACED)
+        source = functools.partial(_frames, rt, stored, after, include_usage)
+        viewed = await rt.as_viewer(principal, stored.location, source, replaced=REPLACED)
         return EventStreamResponse(
             viewed,
-            send_timeout_s=svc.settings.sse_send_timeout_s,
+            send_timeout_s=rt.settings.sse_send_timeout_s,
             extra_headers=[(k.encode(), v.encode()) for k, v in _headers(stored).items()],
         )
 

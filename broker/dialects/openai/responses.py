@@ -116,14 +116,14 @@ def turn_id_of(request: Request, metadata: dict[str, str] | None, prefix: str) -
 
 
 def to_turn(
-    svc: Services,
+    rt: Services,
     conversation_id: str,
     turn_id: str,
     model: str,
     messages: list[dict[str, Any]],
     params: dict[str, Any],
 ) -> TurnRequest:
-    provider, model_name = resolve_model(svc.providers, model)
+    provider, model_name = resolve_model(rt.providers, model)
     try:
         return TurnRequest.model_validate(
             {
@@ -150,10 +150,10 @@ PARAM_OF_CODE = {
 }
 
 
-async def create_turn(svc: Services, turn: TurnRequest, tenant: str | None, messages: str) -> None:
+async def create_turn(rt: Services, turn: TurnRequest, tenant: str | None, messages: str) -> None:
     """:meth:`Turns.create`, its 400s naming the parameter (``messages``: the input's name)."""
     try:
-        await svc.turns.create(turn, tenant)
+        await rt.turns.create(turn, tenant)
     except BadRequest as exc:
         if exc.code not in PARAM_OF_CODE or isinstance(exc, ParamError):
             raise
@@ -162,7 +162,7 @@ async def create_turn(svc: Services, turn: TurnRequest, tenant: str | None, mess
 
 
 async def sent_before(
-    svc: Services,
+    rt: Services,
     turn_id: str,
     tenant: str | None,
     conversation_id: str,
@@ -171,7 +171,7 @@ async def sent_before(
     """The messages turn ``turn_id`` was created with, when it exists in ``conversation_id`` and
     ended them with ``new_input``: a repeated request must meet the same fingerprint, though the
     conversation's history now holds the turn itself."""
-    found = await svc.turns.find(turn_id, tenant)
+    found = await rt.turns.find(turn_id, tenant)
     if found is None:
         return None
     request = found.request
@@ -215,35 +215,35 @@ class Stored:
         )
 
 
-async def load(svc: Services, response_id: str, tenant: str | None) -> Stored:
-    state = await svc.turns.get(response_id, tenant)
-    location = await svc.streams.locate(state["stream_id"], tenant)
-    request = await svc.turns.request(location.conversation_id, location.turn_id)
+async def load(rt: Services, response_id: str, tenant: str | None) -> Stored:
+    state = await rt.turns.get(response_id, tenant)
+    location = await rt.streams.locate(state["stream_id"], tenant)
+    request = await rt.turns.request(location.conversation_id, location.turn_id)
     return Stored(state, location, request)
 
 
-async def load_for_reading(svc: Services, response_id: str, tenant: str | None) -> Stored:
+async def load_for_reading(rt: Services, response_id: str, tenant: str | None) -> Stored:
     """What a read of the response's events needs, in two round trips (a resume waits for
     them); the full :func:`load` answers the unknown and expired ones with their error."""
-    found = await svc.turns.find(response_id, tenant)
+    found = await rt.turns.find(response_id, tenant)
     if found is None:
-        return await load(svc, response_id, tenant)
+        return await load(rt, response_id, tenant)
     state = {"turn_id": response_id, "stream_id": found.stream_id, "created_ms": found.created_ms}
     location = Location(found.stream_id, found.conversation_id, response_id)
     return Stored(state, location, found.request)
 
 
-async def attempt_end(svc: Services, location: Location, attempt: int) -> AttemptEnd:
+async def attempt_end(rt: Services, location: Location, attempt: int) -> AttemptEnd:
     """An attempt's own text, usage and reason, as stored when it ended (a continue's item
     holds the rest of the partial it continues, and its response the whole answer)."""
-    ended = await svc.turns.attempt(location.conversation_id, location.turn_id, attempt)
+    ended = await rt.turns.attempt(location.conversation_id, location.turn_id, attempt)
     record = ended.record
     usage = record.usage if record is not None else None
     reason = record.reason if record is not None else None
     return AttemptEnd(ended.own_text, ended.text, usage, reason)
 
 
-async def response_object(svc: Services, stored: Stored) -> dict[str, Any]:
+async def response_object(rt: Services, stored: Stored) -> dict[str, Any]:
     """The response as ``GET /v1/responses/{id}`` shows it: the answer so far, usage once known."""
     state, head = stored.state, stored.head
     status = STATUS.get(state["status"], "failed")
@@ -254,7 +254,7 @@ async def response_object(svc: Services, stored: Stored) -> dict[str, Any]:
     error = None
     if state["status"] in ACTIVE_STATUSES:
         location = stored.location
-        text = await svc.turns.text_so_far(location.conversation_id, location.turn_id, current)
+        text = await rt.turns.text_so_far(location.conversation_id, location.turn_id, current)
         output.append(message_item(head.response_id, current, text, "in_progress"))
     else:
         canonical = state["canonical"]
@@ -270,7 +270,7 @@ async def response_object(svc: Services, stored: Stored) -> dict[str, Any]:
 
 
 async def events(
-    svc: Services, stored: Stored, starting_after: int, sink: Sink
+    rt: Services, stored: Stored, starting_after: int, sink: Sink
 ) -> AsyncIterator[bytes]:
     """The response's events after sequence number ``starting_after`` (-1: all), live, to the
     turn's final ``end``."""
@@ -280,13 +280,11 @@ async def events(
         opened = [e for e in opening(head) if e["sequence_number"] > starting_after]
         yield b"".join(frame(e) for e in opened)
     else:
-        seek = await svc.sequences.seek(
-            location, starting_after, first=OPENING, expansion=EXPANSION
-        )
+        seek = await rt.sequences.seek(location, starting_after, first=OPENING, expansion=EXPANSION)
         after, base = seek.after, seek.base
     alone = True
     # Not direct: the stream's feed would write native frames straight to the client.
-    follow = svc.streams.follow_chunks(location, after, sink, direct=False)
+    follow = rt.streams.follow_chunks(location, after, sink, direct=False)
     async with contextlib.aclosing(follow) as items:
         async for item in items:
             if sink.over:
@@ -307,7 +305,7 @@ async def events(
                     continue
                 end = None
                 if entry.kind == "end":
-                    end = await attempt_end(svc, location, int(data.get("attempt") or 0))
+                    end = await attempt_end(rt, location, int(data.get("attempt") or 0))
                 for event in expand(head, entry.kind, data, base, end):
                     if event["sequence_number"] > starting_after:
                         frames.append(frame(event))
@@ -317,20 +315,20 @@ async def events(
 
 
 async def stream_response(
-    svc: Services, stored: Stored, starting_after: int, principal: Principal
+    rt: Services, stored: Stored, starting_after: int, principal: Principal
 ) -> Response:
     """The response's events after ``starting_after``, read by ``principal`` (see
     :func:`broker.viewer.as_viewer`)."""
-    source = functools.partial(events, svc, stored, starting_after)
-    viewed = await svc.as_viewer(principal, stored.location, source, replaced=REPLACED)
-    return EventStreamResponse(viewed, send_timeout_s=svc.settings.sse_send_timeout_s)
+    source = functools.partial(events, rt, stored, starting_after)
+    viewed = await rt.as_viewer(principal, stored.location, source, replaced=REPLACED)
+    return EventStreamResponse(viewed, send_timeout_s=rt.settings.sse_send_timeout_s)
 
 
-async def settle(svc: Services, location: Location, within_s: float | None = None) -> None:
+async def settle(rt: Services, location: Location, within_s: float | None = None) -> None:
     """Wait until the turn is at rest (the stream's final ``end``), or ``within_s`` passed (seen
     at the next event or heartbeat: no cancellation is relied on)."""
     deadline = None if within_s is None else time.monotonic() + within_s
-    async with contextlib.aclosing(svc.streams.follow_chunks(location, ORIGIN)) as items:
+    async with contextlib.aclosing(rt.streams.follow_chunks(location, ORIGIN)) as items:
         async for _ in items:
             if deadline is not None and time.monotonic() > deadline:
                 return
@@ -363,7 +361,7 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
     """Create a response (a turn); with ``stream``, its events; with ``background``, at once."""
 
     async def work(principal: Principal) -> Response:
-        svc = services(request)
+        rt = services(request)
         body, _ = await parse(request, ResponsesRequest)
         if body.store is False:
             raise ParamError("store=false is not supported: every response is stored", "store")
@@ -371,30 +369,30 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
         messages = input_messages(body)
         if body.previous_response_id is not None:
             try:
-                scoped_conversation = await svc.turns.locate(
+                scoped_conversation = await rt.turns.locate(
                     body.previous_response_id, principal.tenant
                 )
             except BrokerError as exc:
                 raise ParamError(exc.message, "previous_response_id", code=exc.code) from None
             conversation_id = unscoped(scoped_conversation)[1]
-            sent = await sent_before(svc, turn_id, principal.tenant, conversation_id, messages)
+            sent = await sent_before(rt, turn_id, principal.tenant, conversation_id, messages)
             if sent is not None:
                 messages = sent  # a repeat: the history it was sent with, not today's
             else:
-                history = await svc.turns.history(conversation_id, principal.tenant)
+                history = await rt.turns.history(conversation_id, principal.tenant)
                 messages = [*history["messages"], *messages]
         else:
             conversation_id = turn_id
         params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
-        turn = to_turn(svc, conversation_id, turn_id, body.model, messages, params)
-        await create_turn(svc, turn, principal.tenant, "input")
-        stored = await load(svc, turn_id, principal.tenant)
+        turn = to_turn(rt, conversation_id, turn_id, body.model, messages, params)
+        await create_turn(rt, turn, principal.tenant, "input")
+        stored = await load(rt, turn_id, principal.tenant)
         if body.stream:
-            return await stream_response(svc, stored, -1, principal)
+            return await stream_response(rt, stored, -1, principal)
         if not body.background:
-            await settle(svc, stored.location)
-            stored = await load(svc, turn_id, principal.tenant)
-        return json_response(await response_object(svc, stored))
+            await settle(rt, stored.location)
+            stored = await load(rt, turn_id, principal.tenant)
+        return json_response(await response_object(rt, stored))
 
     return await answer(request, work)
 
@@ -451,18 +449,18 @@ async def retrieve_response(
     """The response object; with ``stream=true``, its events after ``starting_after``."""
 
     async def work(principal: Principal) -> Response:
-        svc = services(request)
+        rt = services(request)
         streaming = _bool_param(stream, "stream")
         after = _int_param(starting_after, "starting_after")
         if streaming:
-            stored = await load_for_reading(svc, response_id, principal.tenant)
-            return await stream_response(svc, stored, -1 if after is None else after, principal)
+            stored = await load_for_reading(rt, response_id, principal.tenant)
+            return await stream_response(rt, stored, -1 if after is None else after, principal)
         if after is not None:
             raise BadRequest("starting_after needs stream=true", code="bad_request")
-        stored = await load(svc, response_id, principal.tenant)
+        stored = await load(rt, response_id, principal.tenant)
         # An attach token reads its own response only; a one-viewer token over SSE only.
-        admit(svc.metrics, principal, stored.location.stream_id, sse=False)
-        return json_response(await response_object(svc, stored))
+        admit(rt.metrics, principal, stored.location.stream_id, sse=False)
+        return json_response(await response_object(rt, stored))
 
     return await answer(request, work, reading=True)
 
@@ -477,13 +475,13 @@ async def cancel_response(
     """The stop button: the response ends ``cancelled``, keeping its text. Idempotent."""
 
     async def work(principal: Principal) -> Response:
-        svc = services(request)
-        await svc.turns.cancel(response_id, principal.tenant)
-        stored = await load(svc, response_id, principal.tenant)
+        rt = services(request)
+        await rt.turns.cancel(response_id, principal.tenant)
+        stored = await load(rt, response_id, principal.tenant)
         if stored.state["status"] == TurnStatus.STREAMING:
             # The worker running it stops at its next append: answer with the final state.
-            await settle(svc, stored.location, CANCEL_WAIT_S)
-            stored = await load(svc, response_id, principal.tenant)
-        return json_response(await response_object(svc, stored))
+            await settle(rt, stored.location, CANCEL_WAIT_S)
+            stored = await load(rt, response_id, principal.tenant)
+        return json_response(await response_object(rt, stored))
 
     return await answer(request, work)
