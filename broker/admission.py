@@ -18,8 +18,7 @@ from redis.exceptions import RedisError
 from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.errors import TooManyRequests
-from broker.keys import unscoped
-from broker.vocabulary import ACTIVE_STATUSES, encode_attempt_ref
+from broker.vocabulary import ACTIVE_STATUSES, encode_attempt_ref, unscoped
 
 log = logging.getLogger("broker.admission")
 

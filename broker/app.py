@@ -34,18 +34,13 @@ from starlette.types import Receive, Scope, Send
 from broker import __version__
 from broker import redis_calls as rc
 from broker.admission import Admission
-from broker.api import (
-    BodySizeLimit,
-    HeaderSizeLimit,
-    SecurityHeaders,
-    api_router,
-    cors_origins,
-    install_error_handlers,
-    ops_router,
-)
 from broker.api.connections import ConnectionLimits, guarded, uncapped_addresses
 from broker.api.docs import install_docs
+from broker.api.errors import install_error_handlers
+from broker.api.limits import BodySizeLimit, HeaderSizeLimit
 from broker.api.openapi import install_components
+from broker.api.routes import api_router, ops_router
+from broker.api.security import SecurityHeaders, cors_origins
 from broker.api.stream_reads import FrontReads, StreamReads
 from broker.auth import Authenticator
 from broker.compression import Compression
@@ -65,6 +60,7 @@ from broker.dialects.openai import router as openai_router
 from broker.durable_store import DurableStore
 from broker.embedded_redis import EmbeddedRedis
 from broker.fanout import FEED_BLOCK_MS, Hub
+from broker.http import Services
 from broker.jobs import JobQueue
 from broker.keys import Keys
 from broker.ledger import Dispatcher, Ledger
@@ -74,6 +70,7 @@ from broker.notifier import Notifier
 from broker.periodic import Periodic
 from broker.providers import Providers
 from broker.reader import Streams
+from broker.sequence_index import SequenceIndex
 from broker.settings import Settings
 from broker.sse import RawSend
 from broker.tools import ToolRegistry
@@ -93,7 +90,10 @@ WEBHOOK_DRAIN_S = 2.0
 
 
 class Runtime:
-    """Everything one broker process holds; built by :meth:`start`, torn down by :meth:`close`."""
+    """Everything one broker process holds; built by :meth:`start`, torn down by :meth:`close`.
+
+    The assembly keeps it; the doors' handlers get :attr:`services` (:class:`broker.http.Services`),
+    which holds no Redis client and no key builder."""
 
     def __init__(
         self,
@@ -140,6 +140,20 @@ class Runtime:
         self.ledger = Ledger(self.deps)
         self.http = httpx.AsyncClient(follow_redirects=False)
         self.dispatcher = Dispatcher(tools, self.ledger, self.http, settings, metrics)
+        self.sequences = SequenceIndex(self.deps)
+        # What the doors' handlers get: the core's objects, no Redis client, no key builder.
+        self.services = Services(
+            settings=settings,
+            metrics=metrics,
+            auth=self.auth,
+            providers=self.providers,
+            turns=self.turns,
+            streams=self.streams,
+            sequences=self.sequences,
+            ledger=self.ledger,
+            durable=self.durable,
+            _deps=self.deps,
+        )
         self.worker: Worker | None = None
         self._pool_trim: Periodic | None = None
         self._readers_at_trim = 0  # the live readers at the last trim
@@ -294,7 +308,7 @@ class BrokerApp(FastAPI):
         # quiet read stays suspended in each for as long as it lasts.
         front = self.front
         if front is not None and scope["type"] == "http":
-            response = await front.answer(scope, self.state.runtime)
+            response = await front.answer(scope, self.state.services)
             if response is not None:
                 await response(scope, receive, send)
                 return
@@ -309,7 +323,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         rt = runtime if runtime is not None else await Runtime.start(settings, tools)
-        app.state.runtime = rt
+        app.state.runtime = rt  # the assembly's own (the server's drain, the tests)
+        app.state.services = rt.services  # the handlers'
         app.state.metrics = rt.metrics
         try:
             yield

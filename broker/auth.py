@@ -26,8 +26,8 @@ from typing import Any, Literal
 import jwt
 
 from broker.errors import Forbidden, Unauthorized
-from broker.keys import STREAM_ID_PATTERN, TENANT_PATTERN
 from broker.settings import Settings, SettingsError
+from broker.vocabulary import STREAM_ID_PATTERN, TENANT_PATTERN
 
 ATTACH_AUDIENCE = "broker-attach"
 ATTACH_ALGORITHM = "HS256"

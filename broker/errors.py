@@ -36,7 +36,8 @@ The classes marked with a module live next to the code that raises them. ``Setti
 A class without a status never reaches a client as itself: the worker turns lease, stop and
 stream errors into turn outcomes and upstream and tool errors into ``error`` events, and the
 command line prints start-up errors in one line. A Redis error that reaches the HTTP layer is
-answered 503 ``redis_unavailable`` by the error handlers.
+answered 503 ``redis_unavailable`` by the error handlers (:data:`REDIS_UNAVAILABLE` names
+what counts as one, so that no door imports the Redis client to catch it).
 
 Deliberately outside the tree: control flow that never leaves the broker's own rooms and is
 never an error of the broker: ``generation._Retry`` (a silent retry unwinding an upstream call),
@@ -47,7 +48,12 @@ disconnection would).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Final
+
+from redis.exceptions import RedisError
+
+# What a call to Redis raises when Redis did not answer: the HTTP layer's 503.
+REDIS_UNAVAILABLE: Final[tuple[type[Exception], ...]] = (RedisError, ConnectionError)
 
 
 class BrokerError(Exception):

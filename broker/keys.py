@@ -29,31 +29,9 @@ and no key is global by accident:
 
 from __future__ import annotations
 
-import re
 import zlib
 
-# Ids chosen by clients become part of key names and hash tags: keep them to a safe alphabet.
-ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-STREAM_ID_PATTERN = re.compile(r"^st_[0-9a-f]{32}$")
-# Tenant names never hold "/", so "<tenant>/<id>" splits one way only (client ids hold no "/").
-TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@|+:-]{0,127}$")
-OPEN_TENANT = "-"  # the rate and stream limits' name for every caller of an open broker
-
-
-def scoped(tenant: str | None, ident: str) -> str:
-    """A client-chosen id inside its tenant: ``<tenant>/<id>``; unchanged when the broker is open.
-
-    Conversations and turn ids are named by clients, so two tenants may pick the same ones: the
-    scoped form keeps their keys apart, and a tenant can only ever name ids of its own.
-    """
-    return ident if tenant is None else f"{tenant}/{ident}"
-
-
-def unscoped(scoped_id: str) -> tuple[str | None, str]:
-    """``(tenant, id)`` from :func:`scoped`'s form (tenant ``None`` for an open broker's ids)."""
-    tenant, slash, ident = scoped_id.partition("/")
-    return (tenant, ident) if slash else (None, scoped_id)
-
+from broker.vocabulary import OPEN_TENANT
 
 JOB_GROUP = "workers"
 
@@ -116,6 +94,12 @@ class Keys:
     def events(self, conversation_id: str, turn_id: str) -> str:
         """Redis Stream: the turn's events; entry ids are the wire offsets."""
         return f"{self.tag(conversation_id)}:events:{turn_id}"
+
+    def responses_seq(self, conversation_id: str, turn_id: str) -> str:
+        """Sorted set, a cache expiring with the stream: checkpoints of the OpenAI Responses
+        numbering of the turn's events (entry id, scored by the sequence number that follows
+        it), left by ``seek_sequence.lua``."""
+        return f"{self.events(conversation_id, turn_id)}:responses-seq"
 
     def tombstone(self, conversation_id: str, turn_id: str) -> str:
         """String: marks a finished turn, outliving its data, so its id cannot start a new turn."""

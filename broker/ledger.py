@@ -35,11 +35,12 @@ from broker import redis_calls as rc
 from broker.canonical import fingerprint
 from broker.deps import Deps
 from broker.errors import FencedWrite
-from broker.keys import Keys, unscoped
+from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.periodic import Periodic
 from broker.settings import Settings
 from broker.tools import Tool, ToolError, ToolRegistry, invoke
+from broker.vocabulary import unscoped
 
 log = logging.getLogger("broker.ledger")
 

@@ -54,10 +54,10 @@ from broker import __version__
 from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.jobs import Job, JobQueue
-from broker.keys import JOB_GROUP, unscoped
+from broker.keys import JOB_GROUP
 from broker.offsets import from_entry_id
 from broker.scripts import WebhookTake
-from broker.vocabulary import FINAL_STATUSES, AttemptStatus, TurnStatus
+from broker.vocabulary import FINAL_STATUSES, AttemptStatus, TurnStatus, unscoped
 from broker.webhook_config import RefusalReason, WebhookConfig, sign, webhook_id
 
 log = logging.getLogger("broker.notifier")

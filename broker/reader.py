@@ -31,10 +31,9 @@ from broker.deps import Deps
 from broker.errors import BrokerError, Gone, NotFound
 from broker.fanout import Batch, Hub, HubClosed, Subscription
 from broker.frames import CAUGHT_UP, HEARTBEAT, ORIGIN, CaughtUp, Chunk, Cursor, Entry, Heartbeat
-from broker.keys import STREAM_ID_PATTERN, unscoped
 from broker.offsets import NOW, START
 from broker.sse import Sink
-from broker.vocabulary import FINAL_STATUSES, decode_turn_ref
+from broker.vocabulary import FINAL_STATUSES, STREAM_ID_PATTERN, decode_turn_ref, unscoped
 
 PageKey = tuple[str, str, str, int]  # a page asked of Redis: key, after, until, count
 PAGE_CACHE_EVENTS: Final = 8_192  # events of full pages a process keeps (see _Pages; ~4 MiB)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any, Final, Literal
 
@@ -53,6 +53,7 @@ NAMES = (
     "release_viewer",
     "release_lease",
     "take_webhook",
+    "seek_sequence",
     "ds_create",
     "ds_append",
     "ds_delete",
@@ -137,6 +138,16 @@ class WebhookTake:
     wait_ms: int = 0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SeekReply:
+    """``seek_sequence``: where a Responses read resumes (``done``), or where a walk stopped at
+    its bound (the next call starts there)."""
+
+    after: str  # the entry id to read after ("0-0": the start)
+    base: int  # the sequence number of the first expansion of the entry that follows it
+    done: bool
+
+
 def _text(reply: Sequence[Any], index: int) -> str:
     return "" if len(reply) <= index or reply[index] is None else str(reply[index])
 
@@ -197,9 +208,13 @@ class Scripts:
         if not await self.loaded():
             await self.load()
 
-    async def __call__(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(
+        self, name: str, keys: list[str], args: list[Any], *, replicated: bool = True
+    ) -> Any:
+        """Run script ``name``; with ``replicated`` off, without waiting for the replicas (for
+        a script whose writes are a cache)."""
         try:
-            if self.replica_acks > 0:
+            if self.replica_acks > 0 and replicated:
                 return await self._call_replicated(name, keys, args)
             return await self._scripts[name](keys=keys, args=args)
         except ResponseError as exc:
@@ -478,3 +493,28 @@ class Scripts:
         return WebhookTake(
             "take", int(reply[1]), _text(reply, 2), _text(reply, 3), int(_text(reply, 4) or 0)
         )
+
+    async def seek_sequence(
+        self,
+        *,
+        events_key: str,
+        checkpoints: str,
+        starting_after: int,
+        first: int,
+        every: int,
+        ttl_ms: int,
+        limit: int,
+        expansion: Mapping[str, int],
+        resume: tuple[str, int] | None = None,
+    ) -> SeekReply:
+        """One bounded step of a seek (``resume``: where the last step stopped). Its writes are
+        checkpoints, a cache: no wait for the replicas."""
+        start, base = resume if resume is not None else ("", 0)
+        table = [item for pair in expansion.items() for item in pair]
+        reply = await self(
+            "seek_sequence",
+            [events_key, checkpoints],
+            [starting_after, first, every, ttl_ms, limit, start, base, *table],
+            replicated=False,
+        )
+        return SeekReply(str(reply[0]), int(reply[1]), int(reply[2]) == 1)

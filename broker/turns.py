@@ -16,14 +16,22 @@ from broker.canonical import canonical_json, fingerprint
 from broker.deps import Deps
 from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
 from broker.jobs import JobQueue
-from broker.keys import ID_PATTERN, scoped, unscoped
 from broker.providers import Providers
+from broker.turn_records import (
+    Attempt,
+    AttemptRecord,
+    StoredRequest,
+    TurnHead,
+    links,
+    turn_state,
+)
 from broker.vocabulary import (
-    ACTIVE_STATUSES,
     FINAL_STATUSES,
+    ID_PATTERN,
     AttemptStatus,
     TurnStatus,
     encode_turn_ref,
+    scoped,
 )
 from broker.webhooks import NotifyRequest, Webhooks
 
@@ -110,18 +118,6 @@ class CanonicalRequest(BaseModel):
     expected: Annotated[int, Field(ge=1), WHOLE] | None = Field(
         default=None, description="the canonical attempt the client saw (null: none)"
     )
-
-
-ATTEMPT_FIELDS = ("n", "strategy", "status", "reason", "canonical", "usage")
-
-
-def links(turn_id: str, stream_id: str) -> dict[str, str]:
-    return {
-        "self": f"/v1/turns/{turn_id}",
-        "stream": f"/v1/streams/{stream_id}",
-        "cancel": f"/v1/turns/{turn_id}/cancel",
-        "attempts": f"/v1/turns/{turn_id}/attempts",
-    }
 
 
 class Turns:
@@ -336,7 +332,86 @@ class Turns:
         conversation_id, meta = await self._locate(turn_id, tenant)
         if meta["status"] == TurnStatus.QUEUED and meta.get("enqueued") != "1":
             await self._rescue(conversation_id, turn_id, int(meta["attempt"]))
-        return _state(turn_id, conversation_id, meta)
+        return turn_state(turn_id, conversation_id, meta)
+
+    # The reads every door needs, typed: no door reads a turn's hash fields itself.
+
+    async def find(self, turn_id: str, tenant: str | None) -> TurnHead | None:
+        """The caller's turn ``turn_id`` in two round trips, or None (a malformed id, unknown,
+        expired, or being created this instant); :meth:`get` says which, with its error."""
+        if not ID_PATTERN.fullmatch(turn_id):
+            return None
+        conversation_id = await rc.get(self._redis, self._keys.turn_index(scoped(tenant, turn_id)))
+        if conversation_id is None:
+            return None
+        stream_id, created_ms, raw = await rc.hmget(
+            self._redis,
+            self._keys.turn(conversation_id, turn_id),
+            ["stream_id", "created_ms", "request"],
+        )
+        if stream_id is None or created_ms is None:
+            return None
+        request = StoredRequest.decode(raw)
+        return TurnHead(turn_id, conversation_id, stream_id, int(created_ms), request)
+
+    async def request(self, conversation_id: str, turn_id: str) -> StoredRequest:
+        """The request the turn (of the scoped ``conversation_id``) was made with."""
+        key = self._keys.turn(conversation_id, turn_id)
+        return StoredRequest.decode(await rc.hget(self._redis, key, "request"))
+
+    async def attempt_record(
+        self, conversation_id: str, turn_id: str, attempt: int
+    ) -> AttemptRecord | None:
+        """Attempt ``attempt``'s record; None when the turn has no such attempt (or expired)."""
+        key = self._keys.turn(conversation_id, turn_id)
+        return AttemptRecord.decode(await rc.hget(self._redis, key, f"attempt:{attempt}"))
+
+    async def attempt(self, conversation_id: str, turn_id: str, attempt: int) -> Attempt:
+        """Attempt ``attempt``'s record and text, as stored when it ended (a continue's own
+        text is what follows the partial it continued)."""
+        key = self._keys.turn(conversation_id, turn_id)
+        text, raw = await rc.hmget(self._redis, key, [f"text:{attempt}", f"attempt:{attempt}"])
+        record = AttemptRecord.decode(raw)
+        whole = text or ""
+        own = whole
+        if record is not None and record.continues:
+            base = await rc.hget(self._redis, key, f"text:{record.continues}") or ""
+            if own.startswith(base):
+                own = own[len(base) :]
+        return Attempt(record, whole, own)
+
+    async def at_rest(self, conversation_id: str, turn_id: str, attempt: int) -> bool:
+        """Whether the turn is at rest on ``attempt``: that attempt ended and no other is queued
+        after it (an expired turn is at rest too)."""
+        key = self._keys.turn(conversation_id, turn_id)
+        status, current = await rc.hmget(self._redis, key, ["status", "attempt"])
+        return status is None or (status in FINAL_STATUSES and current == str(attempt))
+
+    async def latest(self, client_conversation_id: str, tenant: str | None) -> str | None:
+        """The id of the caller's conversation's newest turn, if it has one (none for a
+        malformed id)."""
+        if not ID_PATTERN.fullmatch(client_conversation_id):
+            return None
+        key = self._keys.conversation_turns(scoped(tenant, client_conversation_id))
+        newest = await self._redis.zrevrange(key, 0, 0)
+        return str(newest[0]) if newest else None
+
+    async def text_so_far(self, conversation_id: str, turn_id: str, attempt: int) -> str:
+        """The text ``attempt`` delivered so far: its deltas on the turn's stream, in order (a
+        running attempt's text is stored on the turn only once it ends)."""
+        key = self._keys.events(conversation_id, turn_id)
+        parts: list[str] = []
+        start = "-"
+        while True:
+            page = await rc.xrange(self._redis, key, start)
+            if not page:
+                return "".join(parts)
+            for _entry_id, fields in page:
+                if fields.get("e") == "delta":
+                    data = orjson.loads(fields.get("d", "{}"))
+                    if data.get("attempt") == attempt:
+                        parts.append(str(data.get("text", "")))
+            start = "(" + page[-1][0]
 
     async def start_attempt(
         self, turn_id: str, request: AttemptRequest, tenant: str | None = None
@@ -372,7 +447,7 @@ class Turns:
         meta = await rc.hgetall(self._redis, keys.turn(conversation_id, turn_id))
         await self._enqueue(conversation_id, turn_id, attempt)
         log.info("turn %s: attempt %d (%s) queued", turn_id, attempt, request.strategy)
-        return _state(turn_id, conversation_id, meta)
+        return turn_state(turn_id, conversation_id, meta)
 
     async def cancel(self, turn_id: str, tenant: str | None = None) -> dict[str, Any]:
         """The stop button: idempotent; a finished turn just reports its state."""
@@ -482,7 +557,8 @@ class Turns:
                     keys.turn(conversation_id, turn_id),
                     [f"text:{canonical}", f"attempt:{canonical}"],
                 )
-                attempt_status = orjson.loads(record or "{}").get("status")
+                decoded = AttemptRecord.decode(record)
+                attempt_status = decoded.status if decoded is not None else None
                 answer: dict[str, Any] = {"role": "assistant", "content": text or ""}
                 if attempt_status != AttemptStatus.COMPLETE:
                     answer["partial"] = True
@@ -508,36 +584,3 @@ def _new_input(messages: list[dict[str, Any]], *, first: bool) -> list[dict[str,
 
 def _sendable(message: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in message.items() if v is not None}
-
-
-def _state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict[str, Any]:
-    current = int(meta["attempt"])
-    attempts = []
-    for n in range(1, current + 1):
-        raw = meta.get(f"attempt:{n}")
-        if not raw:
-            continue
-        record = orjson.loads(raw)
-        attempt = {field: record.get(field) for field in ATTEMPT_FIELDS}
-        attempt["canonical"] = bool(attempt["canonical"])
-        if n == current and meta["status"] in ACTIVE_STATUSES:
-            attempt["status"] = meta["status"]
-        if record.get("strategy") == "continue":
-            attempt["continues"] = record.get("from")
-        attempts.append(attempt)
-    canonical = None
-    if meta.get("canonical"):
-        n = int(meta["canonical"])
-        canonical = {"attempt": n, "text": meta.get(f"text:{n}", "")}
-    stream_id = meta["stream_id"]
-    return {
-        "turn_id": turn_id,
-        "conversation_id": unscoped(conversation_id)[1],
-        "stream_id": stream_id,
-        "status": meta["status"],
-        "attempt": current,
-        "attempts": attempts,
-        "canonical": canonical,
-        "created_ms": int(meta["created_ms"]),
-        "links": links(turn_id, stream_id),
-    }

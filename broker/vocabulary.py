@@ -1,4 +1,5 @@
-"""The broker's words: turn and attempt statuses, and the space-joined ids stored in Redis.
+"""The broker's words: turn and attempt statuses, the ids clients name (their alphabet, their
+tenant scoping), and the space-joined ids stored in Redis.
 
 The ground floor: this module imports nothing of the broker, and every room may import it. The
 status words are stored in Redis and sent on the wire, so each is a ``StrEnum`` whose value is
@@ -8,6 +9,7 @@ equal to its member.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Final
 
@@ -77,3 +79,26 @@ def decode_attempt_ref(data: str) -> tuple[str, str, int]:
         return parts[0], parts[1], int(parts[2])
     except (IndexError, ValueError):
         return "", "", 0
+
+
+# Ids chosen by clients become part of key names and hash tags: keep them to a safe alphabet.
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+STREAM_ID_PATTERN = re.compile(r"^st_[0-9a-f]{32}$")
+# Tenant names never hold "/", so "<tenant>/<id>" splits one way only (client ids hold no "/").
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@|+:-]{0,127}$")
+OPEN_TENANT = "-"  # the rate and stream limits' name for every caller of an open broker
+
+
+def scoped(tenant: str | None, ident: str) -> str:
+    """A client-chosen id inside its tenant: ``<tenant>/<id>``; unchanged when the broker is open.
+
+    Conversations and turn ids are named by clients, so two tenants may pick the same ones: the
+    scoped form keeps their keys apart, and a tenant can only ever name ids of its own.
+    """
+    return ident if tenant is None else f"{tenant}/{ident}"
+
+
+def unscoped(scoped_id: str) -> tuple[str | None, str]:
+    """``(tenant, id)`` from :func:`scoped`'s form (tenant ``None`` for an open broker's ids)."""
+    tenant, slash, ident = scoped_id.partition("/")
+    return (tenant, ident) if slash else (None, scoped_id)

@@ -28,12 +28,9 @@ import ipaddress
 import re
 import socket
 import urllib.parse
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from broker.errors import BadRequest, NotAllowed
-
-if TYPE_CHECKING:
-    from broker.settings import Settings
 
 SECRET_PREFIX = "whsec_"
 # The Standard Webhooks advice for a secret's size.
@@ -56,7 +53,7 @@ RefusalReason = Literal["host", "port", "address"]
 REFUSAL_REASONS: tuple[RefusalReason, ...] = ("host", "port", "address")
 # What an address is, for the rule and for messages; only "global" goes without an allowance.
 AddressKind = Literal["global", "loopback", "private", "link-local", "unspecified", "multicast"]
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@|+:-]{0,127}$")  # as keys.TENANT_PATTERN
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@|+:-]{0,127}$")  # as vocabulary.TENANT_PATTERN
 
 
 class WebhookConfigError(ValueError):
@@ -282,6 +279,22 @@ def is_localhost(host: str) -> bool:
     return host == "localhost" or host.endswith(".localhost")
 
 
+class WebhookSettings(Protocol):
+    """The settings :meth:`WebhookConfig.from_settings` reads (``broker.settings.Settings``
+    has them; named here so that this module, which the settings import, imports none back)."""
+
+    @property
+    def webhook_secret(self) -> str | None: ...
+    @property
+    def webhook_url(self) -> str | None: ...
+    @property
+    def webhook_urls(self) -> str | None: ...
+    @property
+    def webhook_hosts(self) -> str | None: ...
+    @property
+    def webhook_allow_private(self) -> int: ...
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class WebhookConfig:
     """The parsed webhook settings. ``key`` is None when webhooks are off (no secret)."""
@@ -294,7 +307,7 @@ class WebhookConfig:
     allow_private: bool = False  # BROKER_WEBHOOK_ALLOW_PRIVATE: loopback and private addresses
 
     @classmethod
-    def from_settings(cls, settings: Settings, *, secured: bool) -> WebhookConfig:
+    def from_settings(cls, settings: WebhookSettings, *, secured: bool) -> WebhookConfig:
         """Parsed from settings that were checked at start (their values parse)."""
         secret = settings.webhook_secret
         return cls(

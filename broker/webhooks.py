@@ -20,7 +20,8 @@ from redis.asyncio import Redis
 
 from broker import redis_calls as rc
 from broker.jobs import JobQueue
-from broker.keys import Keys, unscoped
+from broker.keys import Keys
+from broker.vocabulary import unscoped
 from broker.webhook_config import MAX_URL_CHARS, WebhookConfig
 
 QUEUE = "webhooks"

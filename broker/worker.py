@@ -36,12 +36,12 @@ from broker.deps import Deps
 from broker.errors import FencedWrite, LeaseLost
 from broker.generation import LEASE_LOST, SHUTDOWN, STOP, Generation, Run
 from broker.jobs import Job, JobQueue
-from broker.keys import scoped, unscoped
 from broker.lease import TurnWriter
 from broker.ledger import Dispatcher
 from broker.periodic import Periodic
 from broker.providers import Providers
 from broker.retry import RetryPolicy
+from broker.vocabulary import scoped, unscoped
 
 log = logging.getLogger("broker.worker")
 

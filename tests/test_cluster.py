@@ -12,12 +12,13 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from broker.deps import Deps
-from broker.keys import Keys, scoped
+from broker.keys import Keys
 from broker.lease import TurnWriter
 from broker.ledger import Ledger, Slot
 from broker.metrics import Metrics
 from broker.scripts import Scripts
 from broker.settings import Settings
+from broker.vocabulary import scoped
 from tests.conftest import CLUSTER_MODE
 from tests.redis_cluster import LocalCluster
 

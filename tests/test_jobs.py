@@ -18,7 +18,8 @@ from redis.asyncio import Redis
 from broker import jobs as jobs_module
 from broker.connection import as_cluster
 from broker.jobs import Job, JobQueue
-from broker.keys import JOB_GROUP, Keys, job_partition, scoped
+from broker.keys import JOB_GROUP, Keys, job_partition
+from broker.vocabulary import scoped
 from tests.conftest import BrokerFactory
 from tests.helpers import start_turn, wait_final
 

@@ -438,7 +438,7 @@ def test_resuming_at_any_point_of_a_long_response_sends_exactly_what_follows(
                 for e in sdk.responses.retrieve(created.id, stream=True, starting_after=after)
             ]
             assert got == full[after + 1 :], after
-    key = broker.runtime.keys.events(created.id, created.id) + ":responses-seq"
+    key = broker.runtime.keys.responses_seq(created.id, created.id)
     assert raw_redis.zcard(key) >= 700 // 64 - 1  # the walks left checkpoints behind
     assert raw_redis.pttl(key) > 0  # and they expire
 

@@ -1,16 +1,8 @@
-"""The HTTP API: routes, error mapping, size guards and security headers."""
+"""The HTTP API: the native v1 routes, and the layers every door shares (error mapping, size
+guards and connection limits, security headers, OpenAPI schemas), one module each.
 
-from broker.api.errors import install_error_handlers
-from broker.api.limits import BodySizeLimit, HeaderSizeLimit
-from broker.api.routes import api_router, ops_router
-from broker.api.security import SecurityHeaders, cors_origins
+The package imports none of them itself, so that a module importing one layer does not load the
+native routes with it.
+"""
 
-__all__ = [
-    "BodySizeLimit",
-    "HeaderSizeLimit",
-    "SecurityHeaders",
-    "api_router",
-    "cors_origins",
-    "install_error_handlers",
-    "ops_router",
-]
+__all__: list[str] = []

@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from broker.errors import BrokerError
+from broker.errors import REDIS_UNAVAILABLE, BrokerError
 
 if TYPE_CHECKING:
     from broker.metrics import Metrics
@@ -89,8 +88,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(ClientDisconnect, client_left)
-    app.add_exception_handler(RedisError, redis_error)
-    app.add_exception_handler(ConnectionError, redis_error)
+    for unavailable in REDIS_UNAVAILABLE:
+        app.add_exception_handler(unavailable, redis_error)
     app.add_exception_handler(Exception, unexpected)
 
 

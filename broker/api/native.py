@@ -16,10 +16,10 @@ from typing import ClassVar
 from starlette.responses import Response
 
 from broker.auth import Principal
-from broker.deps import Deps
 from broker.frames import Entry
-from broker.reader import Location, StartPoint, Streams
-from broker.relay import Facts, Read, relay
+from broker.http import Services
+from broker.reader import Location, StartPoint
+from broker.relay import Facts, Read
 from broker.sse import PING, opening_frame
 from broker.viewer import REPLACED
 
@@ -51,8 +51,7 @@ class NativeRenderer:
 
 
 async def event_stream(
-    deps: Deps,
-    streams: Streams,
+    rt: Services,
     location: Location,
     start: StartPoint,
     principal: Principal,
@@ -63,14 +62,14 @@ async def event_stream(
     nothing will ever follow that point. A one-viewer token's earlier connection, if any, is let
     go. ``batch_s`` holds live events that long to send them in one write (see
     :mod:`broker.sse`)."""
-    cursor = await streams.resolve(location, start)
-    opening = await streams.opening(location, cursor)
+    cursor = await rt.streams.resolve(location, start)
+    opening = await rt.streams.opening(location, cursor)
     if opening.status is None and not opening.stored_past:
         # No turn and nothing past the cursor: its data expired (410), or never was (404); the
         # located stream's data was not looked for before (see Streams.locate's ``check``).
-        await streams.locate(location.stream_id, principal.tenant, start=start)
+        await rt.streams.locate(location.stream_id, principal.tenant, start=start)
     else:
-        streams.count_resume(start)
+        rt.streams.count_resume(start)
     if opening.finished:
         # Nothing will ever follow this point. 204 tells EventSource to stop reconnecting;
         # a 200 that closes at once would make it reconnect every retry period for ever.
@@ -80,8 +79,8 @@ async def event_stream(
     # A client that named its start already holds it: a second event with that id would only
     # look like a duplicate to it.
     announce = cursor.offset if start.kind == "now" else None
-    renderer = NativeRenderer(deps.settings.sse_retry_ms, announce)
+    renderer = NativeRenderer(rt.settings.sse_retry_ms, announce)
     read = Read(
         location, cursor, renderer, opening=opening, heartbeat_s=heartbeat_s, batch_s=batch_s
     )
-    return await relay(deps, streams, principal, read)
+    return await rt.relay(principal, read)

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import enum
 import math
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated
 
-import orjson
-from fastapi import APIRouter, Depends, Query, Request, Security
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import APIRouter, Query, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import PlainTextResponse, Response
-from starlette.types import Scope
 
-from broker.api.errors import describe_validation
-from broker.api.limits import hold_share
 from broker.api.native import event_stream
 from broker.api.schemas import (
     AttachToken,
@@ -29,85 +21,32 @@ from broker.api.schemas import (
     TurnCreated,
     TurnState,
     errors,
-    json_schema,
     stream_parameters,
     stream_responses,
 )
-from broker.auth import Principal, require_actor
-from broker.errors import BadRequest, Forbidden, Unauthorized
-from broker.metrics import AUTH_FAILURES
+from broker.auth import Principal
+from broker.errors import BadRequest
+from broker.http import (
+    Actor,
+    Caller,
+    Hangup,
+    Services,
+    body_schema,
+    json_response,
+    parse_body,
+    services,
+    until_gone,
+)
 from broker.numbers import whole_number
 from broker.reader import StartPoint
 from broker.turns import WHOLE, AttemptRequest, CanonicalRequest, TurnRequest
 from broker.viewer import admit
 
 if TYPE_CHECKING:
-    from broker.app import Runtime
     from broker.settings import Settings
-
-BodyT = TypeVar("BodyT", bound=BaseModel)
-T = TypeVar("T")
 
 api_router = APIRouter()
 ops_router = APIRouter()
-
-bearer = HTTPBearer(
-    auto_error=False,
-    scheme_name="bearer",
-    description="An API key, a JWT, or an attach token (read-only, one stream).",
-)
-
-
-def runtime(request: Request) -> Runtime:
-    rt: Runtime = request.app.state.runtime
-    return rt
-
-
-async def caller(
-    request: Request,
-    _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
-) -> Principal:
-    """Who sends the request; 401 when the broker needs credentials and these are refused."""
-    return authenticate(
-        runtime(request),
-        request.scope,
-        request.headers.get("authorization"),
-        request.query_params.get("token"),
-    )
-
-
-def authenticate(
-    rt: Runtime, scope: Scope, authorization: str | None, token: str | None
-) -> Principal:
-    """The principal of an ``Authorization`` header or ``?token=``; 401, counted, when the
-    broker needs credentials and these are refused; 429 when the caller's tenant has all its
-    share of the process's connections (``limits.hold_share``: every door passes here)."""
-    try:
-        principal = rt.auth.authenticate(authorization, token)
-    except Unauthorized as exc:
-        missing = authorization is None and token is None
-        reason = (
-            "missing" if missing else exc.code if exc.code in AUTH_FAILURES else "bad_credentials"
-        )
-        rt.metrics.auth_failures.labels(reason).inc()
-        raise
-    hold_share(scope, principal.tenant)
-    return principal
-
-
-Caller = Annotated[Principal, Depends(caller)]
-
-
-async def actor(request: Request, principal: Caller) -> Principal:
-    """A caller that may act on turns: an attach token is refused (403)."""
-    try:
-        return require_actor(principal)
-    except Forbidden:
-        runtime(request).metrics.auth_failures.labels("forbidden").inc()
-        raise
-
-
-Actor = Annotated[Principal, Depends(actor)]
 
 
 class AttachTokenRequest(BaseModel):
@@ -126,33 +65,6 @@ class AttachTokenRequest(BaseModel):
     )
 
 
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
-
-
-async def parse_body(request: Request, model: type[BodyT], *, optional: bool = False) -> BodyT:
-    """The request body as ``model``: 400 with a readable message for anything else."""
-    raw = await request.body()
-    if optional and not raw.strip():
-        return model()
-    try:
-        payload = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}", code="bad_json") from None
-    if not isinstance(payload, dict):
-        raise BadRequest("body must be a JSON object")
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        raise BadRequest(describe_validation(exc.errors())) from None
-
-
-def body_schema(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
-    """OpenAPI for a body we parse ourselves (so that errors keep our shape)."""
-    schema = {"content": {"application/json": {"schema": json_schema(model)}}}
-    return {"requestBody": {"required": required, **schema}}
-
-
 @api_router.post(
     "/v1/turns",
     openapi_extra=body_schema(TurnRequest),
@@ -166,7 +78,7 @@ def body_schema(model: type[BaseModel], *, required: bool = True) -> dict[str, A
 async def create_turn(request: Request, principal: Actor) -> Response:
     """Start a turn; the same ``turn_id`` with the same request returns the existing turn."""
     turn_request = await parse_body(request, TurnRequest)
-    created, turn = await runtime(request).turns.create(turn_request, principal.tenant)
+    created, turn = await services(request).turns.create(turn_request, principal.tenant)
     return json_response(turn, 201 if created else 200)
 
 
@@ -183,14 +95,14 @@ async def start_attempt(request: Request, turn_id: str, principal: Actor) -> Res
     Answers the turn as the request left it: ``queued``, the new attempt last.
     """
     attempt_request = await parse_body(request, AttemptRequest)
-    turns = runtime(request).turns
+    turns = services(request).turns
     return json_response(await turns.start_attempt(turn_id, attempt_request, principal.tenant), 201)
 
 
 @api_router.post("/v1/turns/{turn_id}/cancel", response_model=TurnState, responses=errors(410))
 async def cancel_turn(request: Request, turn_id: str, principal: Actor) -> Response:
     """The stop button: ends the running attempt `cancelled`, keeping its text. Idempotent."""
-    return json_response(await runtime(request).turns.cancel(turn_id, principal.tenant))
+    return json_response(await services(request).turns.cancel(turn_id, principal.tenant))
 
 
 @api_router.post(
@@ -202,7 +114,7 @@ async def cancel_turn(request: Request, turn_id: str, principal: Actor) -> Respo
 async def promote_attempt(request: Request, turn_id: str, principal: Actor) -> Response:
     """Choose which attempt is the turn's answer, by compare-and-set on the current one."""
     canonical_request = await parse_body(request, CanonicalRequest)
-    turns = runtime(request).turns
+    turns = services(request).turns
     return json_response(await turns.promote(turn_id, canonical_request, principal.tenant))
 
 
@@ -216,7 +128,7 @@ async def promote_attempt(request: Request, turn_id: str, principal: Actor) -> R
 async def mint_attach_token(request: Request, turn_id: str, principal: Actor) -> Response:
     """A signed, read-only token for the turn's stream: for EventSource, second devices, links."""
     token_request = await parse_body(request, AttachTokenRequest, optional=True)
-    rt = runtime(request)
+    rt = services(request)
     state = await rt.turns.get(turn_id, principal.tenant)
     stream_id = state["stream_id"]
     minted = rt.auth.mint_attach(
@@ -242,7 +154,7 @@ async def mint_attach_token(request: Request, turn_id: str, principal: Actor) ->
 @api_router.get("/v1/turns/{turn_id}/tool-calls", response_model=ToolCalls, responses=errors(410))
 async def tool_calls(request: Request, turn_id: str, principal: Actor) -> Response:
     """The ledger rows of a turn's tool calls, for audit."""
-    rt = runtime(request)
+    rt = services(request)
     conversation_id = await rt.turns.locate(turn_id, principal.tenant)
     rows = await rt.ledger.rows(conversation_id, turn_id)
     return json_response({"turn_id": turn_id, "tool_calls": rows})
@@ -255,13 +167,13 @@ async def conversation_messages(
     request: Request, conversation_id: str, principal: Actor
 ) -> Response:
     """The conversation as the next request must send it: canonical answers only."""
-    return json_response(await runtime(request).turns.history(conversation_id, principal.tenant))
+    return json_response(await services(request).turns.history(conversation_id, principal.tenant))
 
 
 @api_router.get("/v1/turns/{turn_id}", response_model=TurnState, responses=errors(410))
 async def get_turn(request: Request, turn_id: str, principal: Actor) -> Response:
     """The turn's status, attempts and canonical text."""
-    return json_response(await runtime(request).turns.get(turn_id, principal.tenant))
+    return json_response(await services(request).turns.get(turn_id, principal.tenant))
 
 
 @api_router.get(
@@ -303,7 +215,7 @@ async def read_stream(
 
     The SSE form is served below the framework (:mod:`broker.api.stream_reads`), by the same
     checks and the same response: this route documents both, and serves the JSON pages."""
-    rt = runtime(request)
+    rt = services(request)
     read = checked_read(
         rt,
         stream_id,
@@ -337,7 +249,7 @@ class StreamRead:
 
 
 def checked_read(
-    rt: Runtime,
+    rt: Services,
     stream_id: str,
     principal: Principal,
     *,
@@ -365,14 +277,14 @@ def checked_read(
     return StreamRead(json, start, wait_s, heartbeat_s, batch_s)
 
 
-async def sse_read(rt: Runtime, stream_id: str, principal: Principal, read: StreamRead) -> Response:
+async def sse_read(
+    rt: Services, stream_id: str, principal: Principal, read: StreamRead
+) -> Response:
     """The SSE response of a checked read: 404 or 410 when its stream is unknown or expired,
     204 when nothing will ever follow its start."""
     # An SSE read learns whether the data still exists from its opening round trip.
     location = await rt.streams.locate(stream_id, principal.tenant, start=read.start, check=False)
-    return await event_stream(
-        rt.deps, rt.streams, location, read.start, principal, read.heartbeat_s, read.batch_s
-    )
+    return await event_stream(rt, location, read.start, principal, read.heartbeat_s, read.batch_s)
 
 
 def heartbeat_period(raw: str | None, settings: Settings, *, sse: bool) -> float | None:
@@ -423,35 +335,6 @@ def long_poll_wait(raw: str | None, max_s: float, *, json: bool) -> float:
     return float(seconds)
 
 
-class Hangup(enum.Enum):
-    """What :func:`until_gone` answers when the client hung up before the work was done."""
-
-    HUNG_UP = "hung up"
-
-
-async def until_gone(request: Request, work: Coroutine[Any, Any, T]) -> T | Hangup:
-    """What ``work`` (a long poll's wait) returns, or ``Hangup.HUNG_UP`` as soon as its client
-    hangs up: the work is then cancelled, and a wait gives its place on the feed back."""
-    working = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({working, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if working.done():
-        return working.result()
-    # A wait unsubscribes however its task ends: a cancellation swallowed by the Redis client
-    # only lets it run out its time.
-    working.cancel()
-    return Hangup.HUNG_UP
-
-
-async def disconnected(request: Request) -> None:
-    """Returns once the client has gone (a GET's body is empty: the next message is that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 @ops_router.get("/healthz", response_model=Status)
 async def healthz() -> Response:
     """Liveness: the process answers."""
@@ -465,9 +348,8 @@ async def healthz() -> Response:
 )
 async def readyz(request: Request) -> Response:
     """Readiness: Redis answers and every Lua script is loaded."""
-    scripts = runtime(request).scripts
     try:
-        await scripts.ready()
+        await services(request).ready()
     except Exception as exc:  # any failure means "not ready", never a 500
         # The exception's class only: its text may name hosts and paths.
         message = f"not ready: Redis answered {type(exc).__name__}"
@@ -482,6 +364,6 @@ async def readyz(request: Request) -> Response:
 )
 async def metrics(request: Request) -> Response:
     """Prometheus text format (behind ``Bearer <BROKER_METRICS_TOKEN>`` when that is set)."""
-    runtime(request).auth.check_metrics(request.headers.get("authorization"))
-    body = generate_latest(runtime(request).metrics.registry)
+    services(request).auth.check_metrics(request.headers.get("authorization"))
+    body = generate_latest(services(request).metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

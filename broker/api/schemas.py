@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from broker.keys import ID_PATTERN
+from broker.vocabulary import ID_PATTERN
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 # Schemas that routes reference by hand (bodies we parse ourselves): added to the document.

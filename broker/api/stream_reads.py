@@ -24,20 +24,20 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Final
 
-from redis.exceptions import RedisError
 from starlette.datastructures import Headers, QueryParams
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.api.errors import broker_error_response, internal_error, redis_unavailable
 from broker.api.limits import header_bytes
-from broker.api.routes import authenticate, checked_read, sse_read
+from broker.api.routes import checked_read, sse_read
 from broker.api.security import headers_for, with_headers
 from broker.compression import CODING, negotiate
-from broker.errors import BrokerError
+from broker.errors import REDIS_UNAVAILABLE, BrokerError
+from broker.http import authenticate
 
 if TYPE_CHECKING:
-    from broker.app import Runtime
+    from broker.http import Services
 
 # The route's path, as the framework's router matches it: one segment, not empty.
 PATH: Final = re.compile(r"/v1/streams/([^/]+)")
@@ -58,7 +58,7 @@ class StreamReads:
         if params.get("format") == "json":
             await self.app(scope, receive, send)
             return
-        response = await _answer(scope, scope["app"].state.runtime, stream_id, params)
+        response = await _answer(scope, scope["app"].state.services, stream_id, params)
         await response(scope, receive, send)
 
 
@@ -72,7 +72,7 @@ class FrontReads:
         self.compression = compression
         self.cors = cors
 
-    async def answer(self, scope: Scope, rt: Runtime) -> Response | None:
+    async def answer(self, scope: Scope, rt: Services) -> Response | None:
         """The response to a plain SSE read (an error's too), or None for any other request."""
         stream_id = _stream_id(scope)
         if stream_id is None or not self._alone(scope):
@@ -105,7 +105,7 @@ def _stream_id(scope: Scope) -> str | None:
     return matched.group(1) if matched else None
 
 
-async def _answer(scope: Scope, rt: Runtime, stream_id: str, params: QueryParams) -> Response:
+async def _answer(scope: Scope, rt: Services, stream_id: str, params: QueryParams) -> Response:
     """The read's response, or the JSON error the app's handlers would have answered."""
     headers = Headers(scope=scope)
     try:
@@ -124,7 +124,7 @@ async def _answer(scope: Scope, rt: Runtime, stream_id: str, params: QueryParams
         return await sse_read(rt, stream_id, principal, read)
     except BrokerError as exc:
         return broker_error_response(exc)
-    except (RedisError, ConnectionError) as exc:
+    except REDIS_UNAVAILABLE as exc:
         return redis_unavailable("GET", scope["path"], exc, rt.metrics)
     except Exception:
         return internal_error("GET", scope["path"])

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.api.errors import describe_validation
 from broker.errors import BadRequest
-from broker.keys import ID_PATTERN
 from broker.turns import Message, TurnRequest
+from broker.vocabulary import ID_PATTERN
 
 TEXT_PART_TYPES = frozenset({"text"})
 

@@ -7,28 +7,31 @@ conversation, a user message is a turn, regenerate and continue are attempts of 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Annotated, Any, Final
+from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Header, Request
 from starlette.responses import Response
 
-from broker import redis_calls as rc
-from broker.api.routes import Actor, Caller, body_schema, json_response, parse_body, runtime
 from broker.api.schemas import ID_PARAMETER, errors, resume_parameters, ui_stream_event
 from broker.auth import Principal
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.dialects.aisdk.render import UIMessageRenderer
 from broker.errors import NotFound
 from broker.frames import ORIGIN, Cursor, Entry
-from broker.keys import ID_PATTERN, scoped
+from broker.http import (
+    Actor,
+    Caller,
+    Services,
+    body_schema,
+    json_response,
+    parse_body,
+    services,
+)
 from broker.reader import FROM_NOW, FROM_START, Location, StartPoint
-from broker.relay import Read, relay
+from broker.relay import Read
 from broker.turns import AttemptRequest
 from broker.viewer import refuse_other_stream
-from broker.vocabulary import FINAL_STATUSES
-
-if TYPE_CHECKING:
-    from broker.app import Runtime
+from broker.vocabulary import FINAL_STATUSES, ID_PATTERN, scoped
 
 router = APIRouter(tags=["AI SDK UI messages"])
 
@@ -46,7 +49,7 @@ UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
 
 
 async def _stream(
-    rt: Runtime, principal: Principal, location: Location, render_after: Cursor, emit_after: Cursor
+    rt: Services, principal: Principal, location: Location, render_after: Cursor, emit_after: Cursor
 ) -> Response:
     """The UI message stream of ``location``: events past ``render_after`` are rendered, and
     those past ``emit_after`` sent (the ones before only bring the renderer to where the client
@@ -54,22 +57,15 @@ async def _stream(
     renderer = UIMessageRenderer(location.turn_id, location.stream_id, emit_after)
     facts = functools.partial(_final, rt, location)
     read = Read(location, render_after, renderer, facts, headers=UI_STREAM_HEADERS)
-    return await relay(rt.deps, rt.streams, principal, read)
+    return await rt.relay(principal, read)
 
 
-async def _final(rt: Runtime, location: Location, end: Entry) -> bool:
+async def _final(rt: Services, location: Location, end: Entry) -> bool:
     """The facts of an ``end``: whether the turn is at rest on its attempt."""
-    return await _at_rest(rt, location, end.attempt())
+    return await rt.turns.at_rest(location.conversation_id, location.turn_id, end.attempt())
 
 
-async def _at_rest(rt: Runtime, location: Location, attempt: int) -> bool:
-    """Whether the turn is final on ``attempt`` (no other attempt queued after it)."""
-    key = rt.keys.turn(location.conversation_id, location.turn_id)
-    status, current = await rc.hmget(rt.redis, key, ["status", "attempt"])
-    return status is None or (status in FINAL_STATUSES and current == str(attempt))
-
-
-async def _chain_start(rt: Runtime, location: Location) -> Cursor:
+async def _chain_start(rt: Services, location: Location) -> Cursor:
     """Where a full replay starts: before the last initial or regenerate attempt, so that a
     replay shows the answer the turn has now, not the ones it replaced."""
     start, previous = ORIGIN, ORIGIN
@@ -85,16 +81,14 @@ async def _chain_start(rt: Runtime, location: Location) -> Cursor:
         page_start = StartPoint.parse(page["next_offset"])
 
 
-async def _latest_turn(rt: Runtime, chat_id: str, tenant: str | None) -> str | None:
+async def _latest_turn(rt: Services, chat_id: str, tenant: str | None) -> str | None:
     """The chat's newest turn, if it has one."""
     if not ID_PATTERN.fullmatch(chat_id):
         raise NotFound(f"unknown chat {chat_id[:80]!r}")
-    key = rt.keys.conversation_turns(scoped(tenant, chat_id))
-    newest = await rt.redis.zrevrange(key, 0, 0)
-    return str(newest[0]) if newest else None
+    return await rt.turns.latest(chat_id, tenant)
 
 
-async def _replay(rt: Runtime, stream_id: str, principal: Principal) -> Response:
+async def _replay(rt: Services, stream_id: str, principal: Principal) -> Response:
     """The whole answer of a turn, from its ``start``."""
     location = await rt.streams.locate(stream_id, principal.tenant)
     state = await rt.turns.get(location.turn_id, principal.tenant)
@@ -110,7 +104,7 @@ async def _replay(rt: Runtime, stream_id: str, principal: Principal) -> Response
 async def post_chat(request: Request, principal: Actor) -> Response:
     """Send a message (a turn) or regenerate the answer to one (an attempt); the answer streams
     as UI message chunks. The same user message sent again attaches to its turn."""
-    rt = runtime(request)
+    rt = services(request)
     chat = await parse_body(request, ChatRequest)
     turn_request = chat.turn_request()
     tenant = principal.tenant
@@ -147,7 +141,7 @@ async def resume_chat(
     """Resume the chat's running answer: a full replay from ``start``, or with ``Last-Event-ID``
     (``?offset=``) the frames after it; 204 when no answer runs (or nothing follows). An attach
     token resumes its own turn's chat, while that turn is the chat's newest."""
-    rt = runtime(request)
+    rt = services(request)
     # 400 for a malformed one, first; Last-Event-ID wins, but a malformed ?offset= is refused.
     emit_after = Cursor.after_offset(offset) if offset else None
     if last_event_id:
@@ -178,7 +172,7 @@ async def resume_chat(
 @router.post("/v1/ui/chat/{chat_id}/stop", responses=errors(410))
 async def stop_chat(request: Request, chat_id: str, principal: Actor) -> Response:
     """The stop button: cancel the chat's newest turn, keeping its partial answer."""
-    rt = runtime(request)
+    rt = services(request)
     turn_id = await _latest_turn(rt, chat_id, principal.tenant)
     if turn_id is None:
         raise NotFound(f"chat {chat_id!r} has no turn")
@@ -188,7 +182,7 @@ async def stop_chat(request: Request, chat_id: str, principal: Actor) -> Respons
 @router.post("/v1/ui/chat/{chat_id}/continue", responses={**UI_STREAM, **errors(409, 410, 422)})
 async def continue_chat(request: Request, chat_id: str, principal: Actor) -> Response:
     """Continue the chat's interrupted answer: its frames append to the same message."""
-    rt = runtime(request)
+    rt = services(request)
     tenant = principal.tenant
     turn_id = await _latest_turn(rt, chat_id, tenant)
     if turn_id is None:

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import orjson
 from fastapi import APIRouter, Request
@@ -26,7 +26,6 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 
 from broker import relay as relays
-from broker.api.routes import Caller, Hangup, runtime, until_gone
 from broker.auth import Principal
 from broker.dialects.durable import wire
 from broker.dialects.durable.render import GenerationRenderer
@@ -51,13 +50,11 @@ from broker.durable_store.protocol import (
 )
 from broker.errors import BadRequest, BrokerError, Forbidden, NotFound
 from broker.frames import ORIGIN, Cursor, Entry
-from broker.keys import STREAM_ID_PATTERN
+from broker.http import Caller, Hangup, Services, services, until_gone
 from broker.reader import FROM_NOW, Location, StartPoint
 from broker.sse import PING, EventStreamResponse, Sink
 from broker.viewer import FrameSource, admit, check_stream
-
-if TYPE_CHECKING:
-    from broker.app import Runtime
+from broker.vocabulary import STREAM_ID_PATTERN
 
 PREFIX: Final = "/ds/v1/stream"
 GENERATION_TYPE: Final = JSON_TYPE
@@ -82,13 +79,13 @@ class NotSupported(BrokerError):
     status = 501
 
 
-def _store(rt: Runtime) -> DurableStore:
+def _store(rt: Services) -> DurableStore:
     return rt.durable
 
 
 def _writer(request: Request, principal: Principal) -> Principal:
     if principal.stream_id is not None:
-        runtime(request).metrics.auth_failures.labels("forbidden").inc()
+        services(request).metrics.auth_failures.labels("forbidden").inc()
         raise Forbidden("an attach token only reads its generation's stream", code="read_only")
     return principal
 
@@ -170,7 +167,7 @@ async def create_stream(request: Request, path: str, principal: Caller) -> Respo
         request, path, principal, "a generation's stream is written by its worker only"
     )
     location = _location(request, path)
-    made = await _store(runtime(request)).create(
+    made = await _store(services(request)).create(
         tenant, path, _create_request(request.headers), request.body
     )
     response = Response(
@@ -208,7 +205,7 @@ async def append_stream(request: Request, path: str, principal: Caller) -> Respo
     )
     close = wire.flag(headers.get("stream-closed"))
     body = await request.body()
-    done = await _store(runtime(request)).append(
+    done = await _store(services(request)).append(
         tenant,
         path,
         AppendRequest(
@@ -243,7 +240,7 @@ async def delete_stream(request: Request, path: str, principal: Caller) -> Respo
     tenant = _writable(
         request, path, principal, "a generation's stream is deleted by its retention only"
     )
-    await _store(runtime(request)).delete(tenant, path)
+    await _store(services(request)).delete(tenant, path)
     return Response(status_code=204)
 
 
@@ -253,7 +250,7 @@ async def delete_stream(request: Request, path: str, principal: Caller) -> Respo
 @router.head(PREFIX + "/{path:path}")
 async def stream_metadata(request: Request, path: str, principal: Caller) -> Response:
     """The stream's content type, tail offset, TTL or expiry and closure, without a body."""
-    rt = runtime(request)
+    rt = services(request)
     path = checked_path(path)
     if _generation(path):
         location = await _locate(rt, path, principal)
@@ -287,7 +284,7 @@ async def stream_metadata(request: Request, path: str, principal: Caller) -> Res
 @router.get(PREFIX + "/{path:path}")
 async def read_stream(request: Request, path: str, principal: Caller) -> Response:
     """Read from ``offset``: catch-up (default), ``live=long-poll`` or ``live=sse``."""
-    rt = runtime(request)
+    rt = services(request)
     path = checked_path(path)
     params = request.query_params
     live = params.get("live")
@@ -382,12 +379,12 @@ def _page(
 def _cacheable(request: Request) -> str:
     """Catch-up reads may be cached (the bytes at an offset never change): by anyone on an
     open broker, by the caller's own cache only on a secured one."""
-    scope = "private" if runtime(request).auth.enabled else "public"
+    scope = "private" if services(request).auth.enabled else "public"
     return f"{scope}, max-age=60, stale-while-revalidate=300"
 
 
 def _sse(
-    rt: Runtime,
+    rt: Services,
     look: Callable[[float], Awaitable[_Look | None]],
     cursor: str | None,
     content_type: str,
@@ -395,7 +392,7 @@ def _sse(
     return _sse_response(rt, functools.partial(_frames, rt, look, cursor), content_type)
 
 
-def _sse_response(rt: Runtime, source: FrameSource, content_type: str) -> Response:
+def _sse_response(rt: Services, source: FrameSource, content_type: str) -> Response:
     extra = list(SSE_HEADERS)
     if not wire.is_text(content_type):
         extra.append((b"stream-sse-data-encoding", b"base64"))
@@ -416,7 +413,7 @@ class _Look:
 
 
 async def _frames(
-    rt: Runtime,
+    rt: Services,
     look: Callable[[float], Awaitable[_Look | None]],
     cursor: str | None,
     sink: Sink,
@@ -494,13 +491,13 @@ class _OwnLooks:
 # --- generation streams, read-only -------------------------------------------------------------
 
 
-async def _locate(rt: Runtime, stream_id: str, principal: Principal) -> Location:
+async def _locate(rt: Services, stream_id: str, principal: Principal) -> Location:
     check_stream(rt.metrics, principal, stream_id)
     return await rt.streams.locate(stream_id, principal.tenant)
 
 
 async def _read_generation(
-    rt: Runtime,
+    rt: Services,
     request: Request,
     stream_id: str,
     principal: Principal,
@@ -527,7 +524,7 @@ async def _read_generation(
             caught_up=True,
             max_s=rt.settings.ds_sse_max_s,
         )
-        return await relays.relay(rt.deps, rt.streams, principal, read)
+        return await rt.relay(principal, read)
     page = await rt.streams.page(location, start)
     if live == "long-poll" and not page["events"] and not page["closed"]:
         after = await rt.streams.resolve(location, start)
@@ -555,7 +552,7 @@ def _next_offset(page: dict[str, Any]) -> str:
     return ORIGIN.offset if offset == "-1" else offset
 
 
-async def _settled(rt: Runtime, location: Location, page: dict[str, Any]) -> bool:
+async def _settled(rt: Services, location: Location, page: dict[str, Any]) -> bool:
     """Whether a generation's page ends its stream. A page that ends with an ``end`` read as the
     turn came to rest says "open" (its status was read first): look once more, so that the
     client learns of the close with the ``end`` itself."""
@@ -572,6 +569,6 @@ def _message(event: dict[str, Any]) -> bytes:
     return orjson.dumps({"id": event["id"], "event": event["event"], "data": event["data"]})
 
 
-async def _closes(rt: Runtime, location: Location, end: Entry) -> bool:
+async def _closes(rt: Services, location: Location, end: Entry) -> bool:
     """The facts of an ``end``: whether it closes the generation (nothing follows it)."""
     return await rt.streams.finished_before(location, end.cursor)

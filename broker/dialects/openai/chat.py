@@ -15,9 +15,8 @@ that failed ends with an error event in OpenAI's shape instead (the SDKs raise i
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -31,21 +30,17 @@ from broker.dialects.openai.responses import (
     Stored,
     answer,
     create_turn,
-    json_response,
     load,
     parse,
-    runtime,
     settle,
     to_turn,
     turn_id_of,
 )
 from broker.frames import ORIGIN, Cursor, Entry
+from broker.http import Services, json_response, services
 from broker.offsets import START
 from broker.reader import Location
-from broker.relay import Read, relay
-
-if TYPE_CHECKING:
-    from broker.app import Runtime
+from broker.relay import Read
 
 router = APIRouter(tags=["openai"])
 
@@ -58,15 +53,15 @@ def _headers(stored: Stored) -> dict[str, str]:
 
 
 async def _usage_record(
-    rt: Runtime, location: Location, renderer: ChatRenderer, end: Entry
+    rt: Services, location: Location, renderer: ChatRenderer, end: Entry
 ) -> dict[str, Any] | None:
     """The facts of an ``end``: the attempt's stored usage, when the renderer needs it."""
     if not renderer.needs_usage:
         return None
-    turn_key = rt.keys.turn(location.conversation_id, location.turn_id)
-    raw = await rt.redis.hget(turn_key, f"attempt:{end.attempt()}")
-    usage: dict[str, Any] | None = (orjson.loads(raw) if raw else {}).get("usage")
-    return usage
+    record = await rt.turns.attempt_record(
+        location.conversation_id, location.turn_id, end.attempt()
+    )
+    return record.usage if record is not None else None
 
 
 def _completion(stored: Stored) -> Response:
@@ -127,7 +122,7 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
     reattach to it."""
 
     async def work(principal: Principal) -> Response:
-        rt = runtime(request)
+        rt = services(request)
         body, _ = await parse(request, ChatRequest)
         turn_id = turn_id_of(request, body.metadata, "chatcmpl-")
         params = turn_params(
@@ -157,6 +152,6 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
             functools.partial(_usage_record, rt, stored.location, renderer),
             headers=[(k.encode(), v.encode()) for k, v in _headers(stored).items()],
         )
-        return await relay(rt.deps, rt.streams, principal, read)
+        return await rt.relay(principal, read)
 
     return await answer(request, work)

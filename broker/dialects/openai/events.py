@@ -2,8 +2,9 @@
 
 Sequence numbers follow from the stored events alone. A read opens with ``response.created``
 (0) and ``response.in_progress`` (1); then each stored event, in stream order, expands to a fixed
-number of Responses events decided by its type (the table :data:`EXPANSION`, mirrored in
-``seek_sequence.lua``, which finds a resume point in one round trip):
+number of Responses events decided by its type (the table :data:`EXPANSION`, the one
+definition: ``seek_sequence.lua``, which finds a resume point inside Redis, receives it with
+every call):
 
 ==========  ===  ==============================================================================
 stored      n    Responses events
@@ -53,15 +54,20 @@ STATUS: Final = {
 }
 
 
+# How many Responses events a stored event becomes, by its type, or by its type and attempt
+# (``attempt:1`` wins over ``attempt`` for attempt 1); a type not named becomes none. The seek
+# script receives this table as it is (see broker/sequence_index.py).
+EXPANSION: Final = {"attempt:1": 2, "attempt": 3, "delta": 1, "end": 4}
+# The types whose count depends on the attempt.
+_BY_ATTEMPT: Final = frozenset(name.partition(":")[0] for name in EXPANSION if ":" in name)
+
+
 def expansion(kind: str, data: dict[str, Any]) -> int:
-    """How many Responses events one stored event becomes (see the module's table)."""
-    if kind == "delta":
-        return 1
-    if kind == "end":
-        return 4
-    if kind == "attempt":
-        return 2 if data.get("attempt") == 1 else 3
-    return 0
+    """How many Responses events one stored event becomes (:data:`EXPANSION`)."""
+    count = EXPANSION.get(kind, 0)
+    if kind in _BY_ATTEMPT:
+        count = EXPANSION.get(f"{kind}:{data.get('attempt')}", count)
+    return count
 
 
 def item_id(response_id: str, attempt: int) -> str:

@@ -7,9 +7,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.errors import BadRequest
-from broker.keys import ID_PATTERN
 from broker.providers import Providers
 from broker.turns import WHOLE, WholeNumber
+from broker.vocabulary import ID_PATTERN
 
 ID_REGEX = ID_PATTERN.pattern
 

@@ -8,28 +8,23 @@ continues that response's conversation, sending its canonical history plus the n
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from importlib import resources
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ValidationError
-from redis.exceptions import RedisError
 from starlette.responses import Response
 
-from broker import redis_calls as rc
-from broker.api.routes import actor, bearer, caller
 from broker.api.schemas import ID_PARAMETER, json_schema, response_event
 from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response, from_broker_error
-from broker.dialects.openai.events import OPENING, STATUS, AttemptEnd, Head, message_item
+from broker.dialects.openai.events import EXPANSION, OPENING, STATUS, AttemptEnd, Head, message_item
 from broker.dialects.openai.render import ResponsesRenderer
 from broker.dialects.openai.requests import (
     ParamError,
@@ -39,42 +34,24 @@ from broker.dialects.openai.requests import (
     resolve_model,
     turn_params,
 )
-from broker.errors import BadRequest, BrokerError
-from broker.frames import ORIGIN, Cursor, Entry
-from broker.keys import ID_PATTERN, scoped, unscoped
+from broker.errors import REDIS_UNAVAILABLE, BadRequest, BrokerError
+from broker.frames import ORIGIN, Entry
+from broker.http import Services, actor, bearer, caller, json_response, services
 from broker.numbers import whole_number
 from broker.reader import Location
-from broker.relay import Read, relay
+from broker.relay import Read
+from broker.turn_records import StoredRequest
 from broker.turns import TurnRequest
 from broker.viewer import admit
-from broker.vocabulary import ACTIVE_STATUSES, TurnStatus
-
-if TYPE_CHECKING:
-    from redis.commands.core import AsyncScript
-
-    from broker.app import Runtime
+from broker.vocabulary import ACTIVE_STATUSES, ID_PATTERN, TurnStatus, unscoped
 
 router = APIRouter(tags=["openai"])
 
-# A resume's seek leaves a checkpoint every EVERY stored events (see seek_sequence.lua).
-CHECKPOINTS = "responses-seq"
 INTEGER = re.compile(r"-?[0-9]+")
-EVERY = 64
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for the running attempt to end
 BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
 
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
-
-_SEEK_SOURCE = resources.files(__package__).joinpath("seek_sequence.lua").read_text("utf-8")
-
-
-def runtime(request: Request) -> Runtime:
-    rt: Runtime = request.app.state.runtime
-    return rt
-
-
-def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(data), status, headers=headers, media_type="application/json")
 
 
 async def answer(
@@ -89,8 +66,8 @@ async def answer(
         return await work(principal)
     except BrokerError as exc:
         return from_broker_error(exc)
-    except (RedisError, ConnectionError):
-        runtime(request).metrics.redis_errors.inc()
+    except REDIS_UNAVAILABLE:
+        services(request).metrics.redis_errors.inc()
         return error_response(503, "Redis is unavailable; retry shortly", "redis_unavailable")
 
 
@@ -128,7 +105,7 @@ def turn_id_of(request: Request, metadata: dict[str, str] | None, prefix: str) -
 
 
 def to_turn(
-    rt: Runtime,
+    rt: Services,
     conversation_id: str,
     turn_id: str,
     model: str,
@@ -162,7 +139,7 @@ PARAM_OF_CODE = {
 }
 
 
-async def create_turn(rt: Runtime, turn: TurnRequest, tenant: str | None, messages: str) -> None:
+async def create_turn(rt: Services, turn: TurnRequest, tenant: str | None, messages: str) -> None:
     """:meth:`Turns.create`, its 400s naming the parameter (``messages``: the input's name)."""
     try:
         await rt.turns.create(turn, tenant)
@@ -174,7 +151,7 @@ async def create_turn(rt: Runtime, turn: TurnRequest, tenant: str | None, messag
 
 
 async def sent_before(
-    rt: Runtime,
+    rt: Services,
     turn_id: str,
     tenant: str | None,
     conversation_id: str,
@@ -183,16 +160,13 @@ async def sent_before(
     """The messages turn ``turn_id`` was created with, when it exists in ``conversation_id`` and
     ended them with ``new_input``: a repeated request must meet the same fingerprint, though the
     conversation's history now holds the turn itself."""
-    conversation = await rc.get(rt.redis, rt.keys.turn_index(scoped(tenant, turn_id)))
-    if conversation is None:
+    found = await rt.turns.find(turn_id, tenant)
+    if found is None:
         return None
-    raw = await rc.hget(rt.redis, rt.keys.turn(conversation, turn_id), "request")
-    if raw is None:
-        return None
-    request: dict[str, Any] = orjson.loads(raw)
-    messages: list[dict[str, Any]] = request.get("messages") or []
+    request = found.request
+    messages = list(request.messages)
     tail = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
-    if request.get("conversation_id") != conversation_id or not new_input:
+    if request.conversation_id != conversation_id or not new_input:
         return None
     if tail[-len(new_input) :] != new_input:
         return None
@@ -205,18 +179,18 @@ async def sent_before(
 class Stored:
     """One response as stored: its turn's state, location and the request it was made with."""
 
-    def __init__(self, state: dict[str, Any], location: Location, request: dict[str, Any]) -> None:
+    def __init__(self, state: dict[str, Any], location: Location, request: StoredRequest) -> None:
         self.state = state
         self.location = location
         self.request = request
 
     @property
     def head(self) -> Head:
-        params = self.request.get("params") or {}
-        model = self.request.get("model") or self.request.get("provider") or "simulated"
-        prefix = self.request.get("provider")
-        if prefix and prefix != "simulated":
-            model = f"{prefix}/{model}"
+        request = self.request
+        params = request.params
+        model = request.model or request.provider or "simulated"
+        if request.provider and request.provider != "simulated":
+            model = f"{request.provider}/{model}"
         return Head(
             response_id=self.state["turn_id"],
             model=str(model),
@@ -230,69 +204,35 @@ class Stored:
         )
 
 
-async def load(rt: Runtime, response_id: str, tenant: str | None) -> Stored:
+async def load(rt: Services, response_id: str, tenant: str | None) -> Stored:
     state = await rt.turns.get(response_id, tenant)
     location = await rt.streams.locate(state["stream_id"], tenant)
-    raw = await rc.hget(
-        rt.redis, rt.keys.turn(location.conversation_id, location.turn_id), "request"
-    )
-    return Stored(state, location, orjson.loads(raw) if raw else {})
+    request = await rt.turns.request(location.conversation_id, location.turn_id)
+    return Stored(state, location, request)
 
 
-async def load_for_reading(rt: Runtime, response_id: str, tenant: str | None) -> Stored:
+async def load_for_reading(rt: Services, response_id: str, tenant: str | None) -> Stored:
     """What a read of the response's events needs, in two round trips (a resume waits for
     them); the full :func:`load` answers the unknown and expired ones with their error."""
-    if ID_PATTERN.fullmatch(response_id):
-        index = rt.keys.turn_index(scoped(tenant, response_id))
-        conversation_id = await rc.get(rt.redis, index)
-        if conversation_id is not None:
-            turn_key = rt.keys.turn(conversation_id, response_id)
-            stream_id, created_ms, raw = await rc.hmget(
-                rt.redis, turn_key, ["stream_id", "created_ms", "request"]
-            )
-            if stream_id is not None and created_ms is not None:
-                state = {
-                    "turn_id": response_id,
-                    "stream_id": stream_id,
-                    "created_ms": int(created_ms),
-                }
-                location = Location(stream_id, conversation_id, response_id)
-                return Stored(state, location, orjson.loads(raw) if raw else {})
-    return await load(rt, response_id, tenant)
+    found = await rt.turns.find(response_id, tenant)
+    if found is None:
+        return await load(rt, response_id, tenant)
+    state = {"turn_id": response_id, "stream_id": found.stream_id, "created_ms": found.created_ms}
+    location = Location(found.stream_id, found.conversation_id, response_id)
+    return Stored(state, location, found.request)
 
 
-async def attempt_end(rt: Runtime, location: Location, attempt: int) -> AttemptEnd:
-    """An attempt's own text, usage and reason, as stored when it ended."""
-    turn_key = rt.keys.turn(location.conversation_id, location.turn_id)
-    text, raw = await rc.hmget(rt.redis, turn_key, [f"text:{attempt}", f"attempt:{attempt}"])
-    record: dict[str, Any] = orjson.loads(raw) if raw else {}
-    own = text or ""
-    if record.get("strategy") == "continue" and record.get("from"):
-        # A continue's text starts with the partial it continues: its item holds the rest.
-        base = await rc.hget(rt.redis, turn_key, f"text:{record['from']}") or ""
-        if own.startswith(base):
-            own = own[len(base) :]
-    return AttemptEnd(own, text or "", record.get("usage"), record.get("reason"))
+async def attempt_end(rt: Services, location: Location, attempt: int) -> AttemptEnd:
+    """An attempt's own text, usage and reason, as stored when it ended (a continue's item
+    holds the rest of the partial it continues, and its response the whole answer)."""
+    ended = await rt.turns.attempt(location.conversation_id, location.turn_id, attempt)
+    record = ended.record
+    usage = record.usage if record is not None else None
+    reason = record.reason if record is not None else None
+    return AttemptEnd(ended.own_text, ended.text, usage, reason)
 
 
-async def text_so_far(rt: Runtime, location: Location, attempt: int) -> str:
-    """The delivered text of a running attempt, from its stream."""
-    key = rt.keys.events(location.conversation_id, location.turn_id)
-    parts: list[str] = []
-    start = "-"
-    while True:
-        page = await rc.xrange(rt.redis, key, start)
-        if not page:
-            return "".join(parts)
-        for _entry_id, fields in page:
-            if fields.get("e") == "delta":
-                data = orjson.loads(fields.get("d", "{}"))
-                if data.get("attempt") == attempt:
-                    parts.append(str(data.get("text", "")))
-        start = "(" + page[-1][0]
-
-
-async def response_object(rt: Runtime, stored: Stored) -> dict[str, Any]:
+async def response_object(rt: Services, stored: Stored) -> dict[str, Any]:
     """The response as ``GET /v1/responses/{id}`` shows it: the answer so far, usage once known."""
     state, head = stored.state, stored.head
     status = STATUS.get(state["status"], "failed")
@@ -302,7 +242,8 @@ async def response_object(rt: Runtime, stored: Stored) -> dict[str, Any]:
     usage = None
     error = None
     if state["status"] in ACTIVE_STATUSES:
-        text = await text_so_far(rt, stored.location, current)
+        location = stored.location
+        text = await rt.turns.text_so_far(location.conversation_id, location.turn_id, current)
         output.append(message_item(head.response_id, current, text, "in_progress"))
     else:
         canonical = state["canonical"]
@@ -317,33 +258,8 @@ async def response_object(rt: Runtime, stored: Stored) -> dict[str, Any]:
     return head.response(status, output, usage=usage, error=error)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Seek:
-    """``seek_sequence``'s reply: the cursor a read resumes at, and the sequence number of the
-    first expansion of the entry that follows it."""
-
-    after: Cursor
-    base: int
-
-
-def seek_script(rt: Runtime) -> AsyncScript:
-    return rt.redis.register_script(_SEEK_SOURCE)
-
-
-async def seek_sequence(rt: Runtime, location: Location, starting_after: int) -> Seek:
-    """Where a read after sequence number ``starting_after`` resumes (``seek_sequence.lua``;
-    KEYS and ARGV as its header says)."""
-    key = rt.keys.events(location.conversation_id, location.turn_id)
-    # The checkpoints share the stream's hash tag: one slot, as every script needs.
-    reply = await seek_script(rt)(
-        keys=[key, f"{key}:{CHECKPOINTS}"],
-        args=[starting_after, OPENING, EVERY, rt.settings.stream_ttl_ms],
-    )
-    return Seek(Cursor.after(str(reply[0])), int(reply[1]))
-
-
 async def stream_response(
-    rt: Runtime, stored: Stored, starting_after: int, principal: Principal
+    rt: Services, stored: Stored, starting_after: int, principal: Principal
 ) -> Response:
     """The response's events after sequence number ``starting_after`` (-1: all), live, to the
     turn's final ``end``, read by ``principal`` through the relay (see :mod:`broker.relay`)."""
@@ -353,19 +269,19 @@ async def stream_response(
     if starting_after < OPENING - 1:
         after, base = ORIGIN, OPENING
     else:
-        seek = await seek_sequence(rt, location, starting_after)
+        seek = await rt.sequences.seek(location, starting_after, first=OPENING, expansion=EXPANSION)
         after, base = seek.after, seek.base
     renderer = ResponsesRenderer(stored.head, starting_after, base)
     facts = functools.partial(_attempt_end_of, rt, location)
-    return await relay(rt.deps, rt.streams, principal, Read(location, after, renderer, facts))
+    return await rt.relay(principal, Read(location, after, renderer, facts))
 
 
-async def _attempt_end_of(rt: Runtime, location: Location, end: Entry) -> AttemptEnd:
+async def _attempt_end_of(rt: Services, location: Location, end: Entry) -> AttemptEnd:
     """The facts of an ``end``: its attempt's stored text, usage and reason."""
     return await attempt_end(rt, location, end.attempt())
 
 
-async def settle(rt: Runtime, location: Location, within_s: float | None = None) -> None:
+async def settle(rt: Services, location: Location, within_s: float | None = None) -> None:
     """Wait until the turn is at rest (the stream's final ``end``), or ``within_s`` passed (seen
     at the next event or heartbeat: no cancellation is relied on)."""
     deadline = None if within_s is None else time.monotonic() + within_s
@@ -402,7 +318,7 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
     """Create a response (a turn); with ``stream``, its events; with ``background``, at once."""
 
     async def work(principal: Principal) -> Response:
-        rt = runtime(request)
+        rt = services(request)
         body, _ = await parse(request, ResponsesRequest)
         if body.store is False:
             raise ParamError("store=false is not supported: every response is stored", "store")
@@ -490,7 +406,7 @@ async def retrieve_response(
     """The response object; with ``stream=true``, its events after ``starting_after``."""
 
     async def work(principal: Principal) -> Response:
-        rt = runtime(request)
+        rt = services(request)
         streaming = _bool_param(stream, "stream")
         after = _int_param(starting_after, "starting_after")
         if streaming:
@@ -516,7 +432,7 @@ async def cancel_response(
     """The stop button: the response ends ``cancelled``, keeping its text. Idempotent."""
 
     async def work(principal: Principal) -> Response:
-        rt = runtime(request)
+        rt = services(request)
         await rt.turns.cancel(response_id, principal.tenant)
         stored = await load(rt, response_id, principal.tenant)
         if stored.state["status"] == TurnStatus.STREAMING:

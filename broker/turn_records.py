@@ -1,0 +1,138 @@
+"""A turn as its hash stores it, decoded in one place: the request it was made with, each
+attempt's record, and the state ``GET /v1/turns/{id}`` shows.
+
+The hash's fields (``request``, ``attempt:<n>``, ``text:<n>``, ``status``, ...) are written by the
+scripts of ``lua/`` and read by :class:`broker.turns.Turns`; every other room, the doors
+included, gets these types, never the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import orjson
+
+from broker.vocabulary import ACTIVE_STATUSES, unscoped
+
+# The fields of an attempt's record that a turn's state shows.
+ATTEMPT_FIELDS = ("n", "strategy", "status", "reason", "canonical", "usage")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredRequest:
+    """The request a turn was made with (its hash's ``request``: canonical JSON of the body,
+    without its turn id, session and notify target)."""
+
+    conversation_id: str  # the client's own, unscoped
+    messages: tuple[dict[str, Any], ...]
+    provider: str | None
+    model: str | None
+    params: dict[str, Any]
+
+    @classmethod
+    def decode(cls, raw: str | None) -> StoredRequest:
+        """The stored JSON as a request (an empty one for a turn that has none)."""
+        body: dict[str, Any] = orjson.loads(raw) if raw else {}
+        return cls(
+            conversation_id=str(body.get("conversation_id") or ""),
+            messages=tuple(body.get("messages") or ()),
+            provider=body.get("provider"),
+            model=body.get("model"),
+            params=dict(body.get("params") or {}),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttemptRecord:
+    """One attempt's record (its hash's ``attempt:<n>``): how it started and, once it ended,
+    its status, reason and usage."""
+
+    n: int
+    strategy: str
+    status: str
+    reason: str | None
+    canonical: bool
+    usage: dict[str, Any] | None
+    continues: int | None  # a continue's: the attempt whose partial text it continues
+
+    @classmethod
+    def decode(cls, raw: str | None) -> AttemptRecord | None:
+        """The stored JSON as a record; None for an attempt that has none."""
+        if not raw:
+            return None
+        record: dict[str, Any] = orjson.loads(raw)
+        continues = record.get("from") if record.get("strategy") == "continue" else None
+        return cls(
+            n=int(record.get("n") or 0),
+            strategy=str(record.get("strategy") or ""),
+            status=str(record.get("status") or ""),
+            reason=record.get("reason"),
+            canonical=bool(record.get("canonical")),
+            usage=record.get("usage"),
+            continues=int(continues) if continues else None,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Attempt:
+    """An attempt's record and its text: ``text`` is the whole answer it holds (for a
+    continue, the partial it continues and then its own), ``own_text`` what it added itself."""
+
+    record: AttemptRecord | None
+    text: str
+    own_text: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TurnHead:
+    """A turn found by its id: where it lives and what it was asked."""
+
+    turn_id: str
+    conversation_id: str  # scoped to its tenant (see vocabulary.scoped)
+    stream_id: str
+    created_ms: int
+    request: StoredRequest
+
+
+def links(turn_id: str, stream_id: str) -> dict[str, str]:
+    return {
+        "self": f"/v1/turns/{turn_id}",
+        "stream": f"/v1/streams/{stream_id}",
+        "cancel": f"/v1/turns/{turn_id}/cancel",
+        "attempts": f"/v1/turns/{turn_id}/attempts",
+    }
+
+
+def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict[str, Any]:
+    """The turn's state as ``GET /v1/turns/{id}`` shows it, from its stored hash ``meta``."""
+    current = int(meta["attempt"])
+    attempts = []
+    for n in range(1, current + 1):
+        raw = meta.get(f"attempt:{n}")
+        if not raw:
+            continue
+        record = orjson.loads(raw)
+        attempt = {field: record.get(field) for field in ATTEMPT_FIELDS}
+        attempt["canonical"] = bool(attempt["canonical"])
+        if n == current and meta["status"] in ACTIVE_STATUSES:
+            attempt["status"] = meta["status"]
+        if record.get("strategy") == "continue":
+            attempt["continues"] = record.get("from")
+        attempts.append(attempt)
+    canonical = None
+    if meta.get("canonical"):
+        n = int(meta["canonical"])
+        canonical = {"attempt": n, "text": meta.get(f"text:{n}", "")}
+    stream_id = meta["stream_id"]
+    return {
+        "turn_id": turn_id,
+        "conversation_id": unscoped(conversation_id)[1],
+        "stream_id": stream_id,
+        "status": meta["status"],
+        "attempt": current,
+        "attempts": attempts,
+        "canonical": canonical,
+        "created_ms": int(meta["created_ms"]),
+        "links": links(turn_id, stream_id),
+    }
