@@ -43,9 +43,9 @@ from broker.api import (
     install_error_handlers,
     ops_router,
 )
-from broker.api.connections import ConnectionLimits, guarded, uncapped_addresses
 from broker.api.docs import install_docs
 from broker.api.schemas import install_components
+from broker.api.security import COMMON
 from broker.api.stream_reads import FrontReads, StreamReads
 from broker.auth import Authenticator
 from broker.compression import Compression
@@ -65,6 +65,7 @@ from broker.dialects.durable.wire import DS_REQUEST_HEADERS, DS_RESPONSE_HEADERS
 from broker.dialects.openai import router as openai_router
 from broker.embedded_redis import EmbeddedRedis
 from broker.fanout import FEED_BLOCK_MS, Hub
+from broker.fastpath import ConnectionLimits, http_protocol_class, probe, uncapped_addresses
 from broker.jobs import JobQueue
 from broker.keys import Keys
 from broker.ledger import Dispatcher, Ledger
@@ -163,16 +164,27 @@ class Runtime:
             log.info("using embedded %s (%s)", embedded.version, embedded.binary)
         else:
             log.info("using Redis at %s", redact(url))
+        fast = probe(settings.fast_path)
+        if fast.line() is not None:  # one line: which half is off, and why
+            (log.info if settings.fast_path == "off" else log.warning)("%s", fast.line())
         try:
-            redis = await connect(url)
+            redis = await connect(url, fast=fast.redis)
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
-            blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
+            blocking = client(
+                url,
+                max_connections=10_000,
+                socket_timeout=FEED_BLOCK_MS / 1000 + 10,
+                fast=fast.redis,
+            )
             replica_reads = None
             if settings.replica_acks > 0 and is_cluster_url(url):
                 # Readers are told only what a replica has: with writes that wait for the
                 # replicas, an event a reader saw survives the failover of its primary.
                 replica_reads = client(
-                    url, socket_timeout=FEED_BLOCK_MS / 1000 + 10, from_replicas=True
+                    url,
+                    socket_timeout=FEED_BLOCK_MS / 1000 + 10,
+                    from_replicas=True,
+                    fast=fast.redis,
                 )
             providers = Providers(settings)
             metrics = Metrics(providers={p.name: p.models for p in providers})
@@ -367,7 +379,8 @@ def parser_header_limit(settings: Settings) -> int:
 
 
 def server_config(settings: Settings, app: FastAPI) -> uvicorn.Config:
-    """uvicorn's configuration for ``app``: the broker's HTTP protocol and connection limits."""
+    """uvicorn's configuration for ``app``: the broker's HTTP protocol (fast, or uvicorn's own
+    when the fast path is off: :mod:`broker.fastpath`) and connection limits."""
 
     def count(reason: str) -> None:
         rt = _find_runtime(app)
@@ -389,12 +402,13 @@ def server_config(settings: Settings, app: FastAPI) -> uvicorn.Config:
         per_tenant=settings.tenant_share,
         uncapped=uncapped_addresses(settings.uncapped_networks),
         refused=refused,
+        headers=tuple(COMMON),
     )
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        http=guarded(limits),
+        http=http_protocol_class(limits, fast=probe(settings.fast_path).http),
         log_level=settings.log_level.lower(),
         log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         lifespan="on",

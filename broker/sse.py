@@ -73,7 +73,7 @@ class Sink(Protocol):
 
 class Wire(Protocol):
     """What an event stream may ask of its connection past ASGI, when the server offers it
-    (``scope[WIRE]``, see ``broker.api.connections``): a body write that never waits, and a
+    (``scope[WIRE]``, see ``broker.fastpath``): a body write that never waits, and a
     call when the client leaves. Without it, the response does both through ASGI: a task per
     response that waits for ``http.disconnect``, and a coroutine per write.
     """

@@ -191,6 +191,8 @@ def start_broker(redis_url: str, **overrides: Any) -> RunningBroker:
         "drain_timeout_s": 2.0,
         "log_level": "WARNING",
     }
+    if os.environ.get("BROKER_FAST_PATH"):  # CI's pass with the fast path off
+        values["fast_path"] = os.environ["BROKER_FAST_PATH"]
     values.update(overrides)
     settings = Settings(**values)
     # As `broker serve` configures it: the broker's HTTP protocol and connection limits.
