@@ -17,10 +17,10 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn, cast
 
 import httpx
 import uvicorn
@@ -29,7 +29,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from broker import __version__
 from broker import redis_calls as rc
@@ -46,7 +46,7 @@ from broker.api import (
 from broker.api.docs import install_docs
 from broker.api.schemas import install_components
 from broker.api.security import COMMON
-from broker.api.stream_reads import FrontReads, StreamReads
+from broker.api.stream_reads import FrontDoor, StreamReads
 from broker.auth import Authenticator
 from broker.compression import Compression
 from broker.connection import (
@@ -296,27 +296,45 @@ async def shared_attach_secret(redis: Redis, settings: Settings, secured: bool) 
     return value.encode()
 
 
-class BrokerApp(FastAPI):
-    """FastAPI, with the broker's plain stream reads answered ahead of it (``front``)."""
+Layer = tuple[Callable[..., ASGIApp], dict[str, Any]]
 
-    front: FrontReads | None = None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The response runs here, not under the framework's two calls and a middleware's: a
-        # quiet read stays suspended in each for as long as it lasts.
-        front = self.front
-        if front is not None and scope["type"] == "http":
-            response = await front.answer(scope, self.state.runtime)
-            if response is not None:
-                await response(scope, receive, send)
-                return
-        await super().__call__(scope, receive, send)
+def layers(settings: Settings) -> list[Layer]:
+    """The app's middleware with their options, innermost first: FastAPI's stack and the stream
+    reads' own (broker.api.stream_reads) are built from this one list."""
+    found: list[Layer] = [
+        (BodySizeLimit, {"limit": settings.max_body_bytes}),
+        (HeaderSizeLimit, {"limit": settings.max_header_bytes}),
+    ]
+    if settings.compression == "on":  # gzip for clients that ask; streams code their own bodies
+        found.append((Compression, {}))
+    found.append((SecurityHeaders, {}))
+    origins = cors_origins(settings.cors_origins)
+    if origins:  # outermost, so that even a 413 or 431 is readable by the calling page
+        options = {
+            "allow_origins": origins,
+            "allow_methods": ["GET", "POST", "PUT", "DELETE", "HEAD"],
+            "allow_headers": [
+                "Authorization",
+                "Content-Type",
+                "Last-Event-ID",
+                *DS_REQUEST_HEADERS,
+            ],
+            "expose_headers": ["Retry-After", "WWW-Authenticate", *DS_RESPONSE_HEADERS],
+            "max_age": 600,
+        }
+        found.append((CORSMiddleware, options))
+    found.append((RawSend, {}))  # outermost: event streams write their bodies past the rest
+    return found
 
 
 def create_app(
     settings: Settings, runtime: Runtime | None = None, *, tools: ToolRegistry | None = None
-) -> FastAPI:
-    """The ASGI app; its lifespan starts (unless given one) and stops the runtime."""
+) -> FrontDoor:
+    """The ASGI app; its lifespan starts (unless given one) and stops the runtime.
+
+    Its front door sends the SSE stream reads to their own plain ASGI app and everything else
+    to FastAPI (:mod:`broker.api.stream_reads`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -328,7 +346,7 @@ def create_app(
         finally:
             await rt.close()
 
-    app = BrokerApp(
+    app = FastAPI(
         title="Resumable stream broker",
         version=__version__,
         lifespan=lifespan,
@@ -346,31 +364,24 @@ def create_app(
         app.include_router(durable_router)
         app.add_api_route("/", _demo_page, methods=["GET"], include_in_schema=False)
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    if settings.runs_api:  # innermost: the hot read is answered past the framework's routing
-        app.add_middleware(StreamReads)
-        # And at the front, ahead of every layer, when it needs none of them.
-        app.front = FrontReads(
-            max_header_bytes=settings.max_header_bytes,
-            compression=settings.compression == "on",
-            cors=bool(cors_origins(settings.cors_origins)),
-        )
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
-    app.add_middleware(HeaderSizeLimit, limit=settings.max_header_bytes)
-    if settings.compression == "on":  # gzip for clients that ask; streams code their own bodies
-        app.add_middleware(Compression)
-    app.add_middleware(SecurityHeaders)
-    origins = cors_origins(settings.cors_origins)
-    if origins:  # outermost, so that even a 413 or 431 is readable by the calling page
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=origins,
-            allow_methods=["GET", "POST", "PUT", "DELETE", "HEAD"],
-            allow_headers=["Authorization", "Content-Type", "Last-Event-ID", *DS_REQUEST_HEADERS],
-            expose_headers=["Retry-After", "WWW-Authenticate", *DS_RESPONSE_HEADERS],
-            max_age=600,
-        )
-    app.add_middleware(RawSend)  # outermost: event streams write their bodies past the rest
-    return app
+    for layer, options in layers(settings):
+        app.add_middleware(layer, **options)
+    if not settings.runs_api:
+        return FrontDoor(app, None)
+
+    def layered(read: ASGIApp) -> ASGIApp:
+        for layer, options in layers(settings):
+            read = layer(read, **options)
+        return read
+
+    reads = StreamReads(
+        lambda: cast(Runtime, app.state.runtime),
+        max_header_bytes=settings.max_header_bytes,
+        compression=settings.compression == "on",
+        cors=bool(cors_origins(settings.cors_origins)),
+        layered=layered,
+    )
+    return FrontDoor(app, reads)
 
 
 def parser_header_limit(settings: Settings) -> int:
@@ -378,7 +389,7 @@ def parser_header_limit(settings: Settings) -> int:
     return settings.max_header_bytes + 65_536
 
 
-def server_config(settings: Settings, app: FastAPI) -> uvicorn.Config:
+def server_config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
     """uvicorn's configuration for ``app``: the broker's HTTP protocol (fast, or uvicorn's own
     when the fast path is off: :mod:`broker.fastpath`) and connection limits."""
 
