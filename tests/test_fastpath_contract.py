@@ -144,34 +144,15 @@ async def test_uvicorn_protocol_and_cycle_have_what_the_fast_protocol_reads() ->
     protocol.connection_lost(None)
 
 
-async def test_asyncio_events_and_conditions_keep_their_waiters() -> None:
-    event = asyncio.Event()
-    assert isinstance(getattr(event, "_waiters", None), collections.deque), changed(
-        "python", "asyncio.Event._waiters is no longer a deque"
-    )
-    assert getattr(event, "_value", None) is False, changed(
-        "python", "asyncio.Event._value does not hold whether it is set"
-    )
-    event.set()
-    assert getattr(event, "_value", None) is True, changed("python", "asyncio.Event._value")
-    condition = asyncio.Condition()
-    waiters = getattr(condition, "_waiters", None)
-    assert isinstance(waiters, collections.deque), changed(
-        "python", "asyncio.Condition._waiters is no longer a deque"
-    )
-    assert not waiters, changed("python", "asyncio.Condition._waiters is not empty at first")
+def test_uvicorn_asks_only_what_a_lazy_event_answers_of_its_two_events() -> None:
+    """``message_event`` and ``_is_writable_event`` are replaced by a LazyEvent (duck-typed)."""
+    from uvicorn.protocols.http import flow_control, httptools_impl
 
-    async def wait() -> None:
-        async with condition:
-            await condition.wait()
-
-    waiting = asyncio.create_task(wait())
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert waiters, changed("python", "asyncio.Condition._waiters does not hold a waiter")
-    async with condition:
-        condition.notify()
-    await asyncio.wait_for(waiting, 5)
+    source = inspect.getsource(httptools_impl) + inspect.getsource(flow_control)
+    uses = set(re.findall(r"(?:message_event|_is_writable_event)\.(\w+)", source))
+    assert uses <= {"set", "clear", "is_set", "wait"}, changed(
+        "uvicorn", f"its request and flow-control events are used with {sorted(uses)}"
+    )
 
 
 async def test_redis_pools_keep_their_idle_list_and_in_use_set(redis_url: str) -> None:

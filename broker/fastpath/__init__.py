@@ -14,7 +14,7 @@ releases; otherwise, or with ``off``, the process serves with stock parts and lo
   and a bounded ``BlockingConnectionPool`` (:func:`make_pool`).
 
 Every private name touched, per library, as of the releases the fast path was written against
-(uvicorn 0.54, redis-py 8.1, CPython 3.11; ``tests/test_fastpath_contract.py`` holds each):
+(uvicorn 0.54, redis-py 8.1; ``tests/test_fastpath_contract.py`` holds each):
 
 uvicorn 0.54 (``uvicorn.protocols.http``):
   * ``httptools_impl.HttpToolsProtocol``, subclassed: the parser callbacks ``on_message_begin``,
@@ -24,17 +24,17 @@ uvicorn 0.54 (``uvicorn.protocols.http``):
     ``transport``, ``loop``, ``app`` (set to a refusal), and the ``_loop`` argument (tests).
   * ``httptools_impl.RequestResponseCycle``: ``transport`` (written to, and swapped for a moment
     to hold a response's head), ``chunked_encoding``, ``response_complete``,
-    ``response_started``, ``disconnected``, ``flow``, ``message_event`` (replaced), ``scope``.
-  * ``flow_control.FlowControl``: ``_is_writable_event`` (replaced), ``write_paused``.
-CPython 3.11 (``asyncio``):
-  * ``asyncio.Event._waiters`` and ``._value`` (:class:`LazyEvent` makes its queue on the first
-    wait); ``asyncio.Condition._waiters`` (a pool's return wakes a waiter only if there is one).
+    ``response_started``, ``disconnected``, ``flow``, ``message_event`` (replaced by a
+    ``LazyEvent``, which makes its ``asyncio.Event`` on the first wait), ``scope``.
+  * ``flow_control.FlowControl``: ``_is_writable_event`` (replaced by a ``LazyEvent``),
+    ``write_paused``.
 redis-py 8.1 (``redis.asyncio.connection``):
   * ``ConnectionPool._available_connections`` (a list, most recently released last, popped from
     the end; replaced by an :class:`IdleStack`, trimmed in place), ``._in_use_connections``,
     and the untyped ``get_available_connection``, ``ensure_connection``,
     ``maint_notifications_enabled``.
-  * ``BlockingConnectionPool._condition``, ``can_get_connection``.
+  * ``BlockingConnectionPool._condition`` (a return notifies it when a take waits),
+    ``can_get_connection``.
   * ``AbstractConnection._writer`` (an ``asyncio.StreamWriter``), ``should_reconnect``,
     ``check_health``.
 

@@ -51,16 +51,16 @@ ever, and enough of them exhaust the process's file descriptors. This protocol a
   more than frame a chunk: the transport's buffer full, the connection or the response over, or
   a body that is not chunked. An event stream's head is held with the chunks written right
   after it, until the event loop's next turn or ``UNSENT_LIMIT`` bytes: an attach's head, its
-  opening frame and the replay at hand are one write (each write to a loopback client cost
-  about a tenth of an attach's CPU in the join workload's profile).
+  opening frame and the replay at hand are one write (what a write costs an attach:
+  ``benchmarks/RESULTS.md``).
 * **Less memory per connection**, for a process that holds ten thousand: uvicorn's two events
   per connection (the request's and the flow control's) get their waiters' queue only once
-  someone waits (:class:`LazyEvent`), and its queue of pipelined requests is a list. An empty
-  ``collections.deque`` takes 600 bytes; the three took 1.9 KiB of each quiet connection.
+  someone waits (:class:`LazyEvent`), and its queue of pipelined requests is a list: an empty
+  ``collections.deque`` is several times a list's size (figures: ``benchmarks/RESULTS.md``).
 * **A bound on what is queued unsent** per connection: ``UNSENT_LIMIT`` in the kernel
   (``TCP_NOTSENT_LOWAT``, where the platform has it) and as the transport's high-water mark.
-  Without it the kernel grows a connection's send buffer towards ``net.ipv4.tcp_wmem`` (4 MiB;
-  about 3 MiB taken on loopback) for a client that reads nothing: such a client looks like a
+  Without it the kernel grows a connection's send buffer towards ``net.ipv4.tcp_wmem``
+  (megabytes) for a client that reads nothing: such a client looks like a
   fast one, and its reader does the work of megabytes of events before any write waits. With it,
   a write waits after a few tens of KiB, so a response's flow control (and its send timeout)
   sees a slow client at once, and its reader stops reading Redis for it.
@@ -114,9 +114,9 @@ class _Phase(enum.Enum):
 class FastHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; bind limits with :func:`fast_protocol`.
 
-    Its own state is in slots: uvicorn's protocol sets 28 attributes, and an instance
+    Its own state is in slots: uvicorn's protocol sets many attributes, and an instance
     dictionary with more than 30 keys stops sharing its keys with the class's other instances,
-    which made each connection's dictionary 1.6 KiB instead of 0.3.
+    which made each connection's dictionary several times larger.
     """
 
     __slots__ = (
@@ -150,7 +150,8 @@ class FastHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.flow._is_writable_event = LazyEvent(is_set=True)  # as uvicorn makes it, writable
+        # As uvicorn makes it, writable (duck-typed: uvicorn calls set, clear and wait only).
+        self.flow._is_writable_event = LazyEvent(is_set=True)  # type: ignore[assignment]
         limits = self.limits
         open_now = len(self.connections)  # this one included
         if open_now > limits.overflow:
@@ -277,7 +278,7 @@ class FastHttpProtocol(HttpToolsProtocol):
             self.scope[WIRE] = ConnectionWire(self, cycle)  # type: ignore[typeddict-unknown-key]
             if self.limits.per_tenant:
                 self.scope[SHARE] = TenantPlace(self, cycle)  # type: ignore[typeddict-unknown-key]
-            cycle.message_event = LazyEvent(is_set=cycle.message_event.is_set())
+            cycle.message_event = LazyEvent(is_set=cycle.message_event.is_set())  # type: ignore[assignment]
 
     def hold(self, share: TenantPlace, tenant: str) -> bool:
         """Count ``share``'s request against ``tenant`` (see :class:`TenantPlace`); False, counted

@@ -101,7 +101,6 @@ NAMES: tuple[PrivateName, ...] = (
         "disconnected", "flow", "message_event", "scope",
     ),
     *_names(HTTP, "uvicorn", _FLOW, "attribute", "_is_writable_event", "write_paused"),
-    *_names(HTTP, "python", "asyncio:Event", "attribute", "_waiters", "_value"),
     *_names(REDIS, "redis", _POOL, "attribute", "_available_connections", "_in_use_connections"),
     *_names(
         REDIS, "redis", _POOL, "member",
@@ -109,7 +108,6 @@ NAMES: tuple[PrivateName, ...] = (
     ),
     *_names(REDIS, "redis", _BLOCKING_POOL, "attribute", "_condition"),
     *_names(REDIS, "redis", _BLOCKING_POOL, "member", "can_get_connection"),
-    *_names(REDIS, "python", "asyncio:Condition", "attribute", "_waiters"),
     *_names(REDIS, "redis", _CONNECTION, "attribute", "_writer"),
     *_names(REDIS, "redis", _CONNECTION, "member", "should_reconnect", "check_health"),
 )  # fmt: skip

@@ -10,7 +10,7 @@
   :class:`DirectSendConnection`, which hands a command to the transport without a task of its
   own when the socket takes it whole. Private names: ``ConnectionPool._available_connections``
   (a list, most recently released last, popped from the end), ``._in_use_connections`` (a set),
-  ``BlockingConnectionPool._condition`` and its ``asyncio.Condition._waiters``;
+  ``BlockingConnectionPool._condition`` (the condition its takes wait on);
   ``AbstractConnection._writer`` (an ``asyncio.StreamWriter``).
 * **Stock** (the fast path off): redis-py's ``ConnectionPool``, or for a client that waits for
   a connection a bounded ``BlockingConnectionPool``, as redis-py makes them. Idle connections
@@ -138,11 +138,24 @@ class FastBlockingPool(DirectPool, BlockingConnectionPool):
     finds every connection busy waits, as redis-py's does, and each return wakes one that
     waits."""
 
+    _waiting = 0  # takes waiting in redis-py's path for a connection
+
+    async def get_connection(
+        self, command_name: Any = None, *keys: Any, **options: Any
+    ) -> AbstractConnection:
+        if self._direct() and self._can_take():
+            return await super().get_connection()
+        self._waiting += 1
+        try:
+            return await super().get_connection()
+        finally:
+            self._waiting -= 1
+
     def _can_take(self) -> bool:
         return bool(self.can_get_connection())
 
     async def _returned(self) -> None:
-        if getattr(self._condition, "_waiters", True):  # a take waits for a connection
+        if self._waiting:  # a take waits for a connection: wake one, as redis-py's return does
             async with self._condition:
                 self._condition.notify()
 
