@@ -309,6 +309,30 @@ async def test_a_close_that_finishes_is_not_aborted() -> None:
     assert not transport.aborted
 
 
+# --- targets past httptools' URL parser ------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [False, True])
+async def test_a_target_past_the_url_parser_reaches_the_app_whole(split: bool) -> None:
+    """Issue 14 §6: httptools' URL parser refuses a target past 64 KiB with a plain 400."""
+    server = Server(max_header_bytes=200_000)
+    seen: list[tuple[str, bytes]] = []
+
+    async def record(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append((scope["path"], scope["query_string"]))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    protocol, transport = server.connect()
+    protocol.app = record
+    request = b"GET /long%20one?q=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    for part in (request[:30_000], request[30_000:]) if split else (request,):
+        protocol.data_received(part)
+    await settle()
+    assert seen == [("/long one", b"q=" + b"a" * 70_000)]
+    assert answer(transport)[0] == 204
+
+
 # --- §3: each caller's share ------------------------------------------------------------------
 
 
