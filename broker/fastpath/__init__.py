@@ -43,8 +43,6 @@ Which rooms may import it: it is on the ground floor (it imports only the ground
 ``broker.connection`` builds its pools with it. Nothing else reaches past a library.
 """
 
-from __future__ import annotations
-
 import asyncio
 
 from broker.fastpath.limits import (
