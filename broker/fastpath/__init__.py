@@ -35,8 +35,8 @@ redis-py 8.1 (``redis.asyncio.connection``):
     ``maint_notifications_enabled``.
   * ``BlockingConnectionPool._condition`` (a return notifies it when a take waits),
     ``can_get_connection``.
-  * ``AbstractConnection._writer`` (an ``asyncio.StreamWriter``), ``should_reconnect``,
-    ``check_health``.
+  * ``AbstractConnection._writer`` (an ``asyncio.StreamWriter``; before Python 3.12 only, where
+    ``asyncio.wait_for`` makes a task of its own), ``should_reconnect``, ``check_health``.
 
 Which rooms may import it: it is on the ground floor (it imports only the ground floor:
 ``broker.sse`` for the wire's scope key); the assembly wires it in (``broker.app``), and

@@ -16,6 +16,8 @@ import importlib.metadata
 import types
 from typing import Final
 
+from broker.fastpath.redis_pool import DIRECT_SEND
+
 HTTP: Final = "http"
 REDIS: Final = "redis"
 
@@ -108,7 +110,8 @@ NAMES: tuple[PrivateName, ...] = (
     ),
     *_names(REDIS, "redis", _BLOCKING_POOL, "attribute", "_condition"),
     *_names(REDIS, "redis", _BLOCKING_POOL, "member", "can_get_connection"),
-    *_names(REDIS, "redis", _CONNECTION, "attribute", "_writer"),
+    # (the direct send's, which runs before Python 3.12 only: see redis_pool.DIRECT_SEND)
+    *(_names(REDIS, "redis", _CONNECTION, "attribute", "_writer") if DIRECT_SEND else []),
     *_names(REDIS, "redis", _CONNECTION, "member", "should_reconnect", "check_health"),
 )  # fmt: skip
 

@@ -6,12 +6,13 @@
   connection without redis-py's per-call extras when they can (a deprecation check of the
   arguments, lock round trips, an event dispatch and observability records: a large share of
   the CPU of a short command, see ``benchmarks/RESULTS.md``), keep their idle connections in an
-  :class:`IdleStack` that knows which ones no call took since the last trim, and send through a
-  :class:`DirectSendConnection`, which hands a command to the transport without a task of its
-  own when the socket takes it whole. Private names: ``ConnectionPool._available_connections``
-  (a list, most recently released last, popped from the end), ``._in_use_connections`` (a set),
-  ``BlockingConnectionPool._condition`` (the condition its takes wait on);
-  ``AbstractConnection._writer`` (an ``asyncio.StreamWriter``).
+  :class:`IdleStack` that knows which ones no call took since the last trim, and (before Python
+  3.12) send through a :class:`DirectSendConnection`, which hands a command to the transport
+  without a task of its own when the socket takes it whole. Private names:
+  ``ConnectionPool._available_connections`` (a list, most recently released last, popped from
+  the end), ``._in_use_connections`` (a set), ``BlockingConnectionPool._condition`` (the
+  condition its takes wait on); ``AbstractConnection._writer`` (an ``asyncio.StreamWriter``;
+  before Python 3.12 only).
 * **Stock** (the fast path off): redis-py's ``ConnectionPool``, or for a client that waits for
   a connection a bounded ``BlockingConnectionPool``, as redis-py makes them. Idle connections
   are then never trimmed (:func:`trim_idle` closes none), and :func:`drop_idle` is redis-py's
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Iterable
 from typing import Any, SupportsIndex, cast
 
@@ -32,6 +34,10 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger("broker.connection")
+
+# Whether the fast pools send through DirectSendConnection: from Python 3.12 on, asyncio.wait_for
+# makes no task of its own, and redis-py's own send is about as fast (benchmarks/RESULTS.md).
+DIRECT_SEND = sys.version_info < (3, 12)
 
 
 def make_pool(url: str, *, fast: bool, wait_s: float | None, **options: Any) -> ConnectionPool:
@@ -47,7 +53,8 @@ def make_pool(url: str, *, fast: bool, wait_s: float | None, **options: Any) -> 
         pool = FastPool.from_url(url, **options)
     else:
         pool = FastBlockingPool.from_url(url, timeout=wait_s, **options)
-    pool.connection_class = _direct_send(pool.connection_class)
+    if DIRECT_SEND:
+        pool.connection_class = _direct_send(pool.connection_class)
     return pool
 
 
