@@ -13,8 +13,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from broker.errors import BrokerError, TooManyRequests
 from broker.fastpath.limits import CALLER_REFUSAL, CALLER_RETRY_AFTER_S, SHARE, Share
 
-__all__ = ["CALLER_REFUSAL", "CALLER_RETRY_AFTER_S", "SHARE", "Share", "hold_share"]
-
 
 def hold_share(scope: Scope, tenant: str | None) -> None:
     """Count the request against its tenant's share; 429 when the tenant has no more.
