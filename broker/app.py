@@ -17,10 +17,10 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn, cast
 
 import httpx
 import uvicorn
@@ -29,19 +29,18 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from broker import __version__
 from broker import redis_calls as rc
 from broker.admission import Admission
-from broker.api.connections import ConnectionLimits, guarded, uncapped_addresses
 from broker.api.docs import install_docs
 from broker.api.errors import install_error_handlers
 from broker.api.limits import BodySizeLimit, HeaderSizeLimit
 from broker.api.openapi import install_components
 from broker.api.routes import api_router, ops_router
-from broker.api.security import SecurityHeaders, cors_origins
-from broker.api.stream_reads import FrontReads, StreamReads
+from broker.api.security import COMMON, SecurityHeaders, cors_origins
+from broker.api.stream_reads import FrontDoor, StreamReads
 from broker.auth import Authenticator
 from broker.compression import Compression
 from broker.connection import (
@@ -60,6 +59,7 @@ from broker.dialects.openai import router as openai_router
 from broker.durable_store import DurableStore
 from broker.embedded_redis import EmbeddedRedis
 from broker.fanout import FEED_BLOCK_MS, Hub
+from broker.fastpath import ConnectionLimits, http_protocol_class, probe, uncapped_addresses
 from broker.http import Services
 from broker.jobs import JobQueue
 from broker.keys import Keys
@@ -177,16 +177,27 @@ class Runtime:
             log.info("using embedded %s (%s)", embedded.version, embedded.binary)
         else:
             log.info("using Redis at %s", redact(url))
+        fast = probe(settings.fast_path)
+        if fast.line() is not None:  # one line: which half is off, and why
+            (log.info if settings.fast_path == "off" else log.warning)("%s", fast.line())
         try:
-            redis = await connect(url)
+            redis = await connect(url, fast=fast.redis)
             # Blocking reads hold a connection each for up to a few seconds: keep them apart.
-            blocking = client(url, max_connections=10_000, socket_timeout=FEED_BLOCK_MS / 1000 + 10)
+            blocking = client(
+                url,
+                max_connections=10_000,
+                socket_timeout=FEED_BLOCK_MS / 1000 + 10,
+                fast=fast.redis,
+            )
             replica_reads = None
             if settings.replica_acks > 0 and is_cluster_url(url):
                 # Readers are told only what a replica has: with writes that wait for the
                 # replicas, an event a reader saw survives the failover of its primary.
                 replica_reads = client(
-                    url, socket_timeout=FEED_BLOCK_MS / 1000 + 10, from_replicas=True
+                    url,
+                    socket_timeout=FEED_BLOCK_MS / 1000 + 10,
+                    from_replicas=True,
+                    fast=fast.redis,
                 )
             providers = Providers(settings)
             metrics = Metrics(providers={p.name: p.models for p in providers})
@@ -298,27 +309,45 @@ async def shared_attach_secret(redis: Redis, settings: Settings, secured: bool) 
     return value.encode()
 
 
-class BrokerApp(FastAPI):
-    """FastAPI, with the broker's plain stream reads answered ahead of it (``front``)."""
+Layer = tuple[Callable[..., ASGIApp], dict[str, Any]]
 
-    front: FrontReads | None = None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The response runs here, not under the framework's two calls and a middleware's: a
-        # quiet read stays suspended in each for as long as it lasts.
-        front = self.front
-        if front is not None and scope["type"] == "http":
-            response = await front.answer(scope, self.state.services)
-            if response is not None:
-                await response(scope, receive, send)
-                return
-        await super().__call__(scope, receive, send)
+def layers(settings: Settings) -> list[Layer]:
+    """The app's middleware with their options, innermost first: FastAPI's stack and the stream
+    reads' own (broker.api.stream_reads) are built from this one list."""
+    found: list[Layer] = [
+        (BodySizeLimit, {"limit": settings.max_body_bytes}),
+        (HeaderSizeLimit, {"limit": settings.max_header_bytes}),
+    ]
+    if settings.compression == "on":  # gzip for clients that ask; streams code their own bodies
+        found.append((Compression, {}))
+    found.append((SecurityHeaders, {}))
+    origins = cors_origins(settings.cors_origins)
+    if origins:  # outermost, so that even a 413 or 431 is readable by the calling page
+        options = {
+            "allow_origins": origins,
+            "allow_methods": ["GET", "POST", "PUT", "DELETE", "HEAD"],
+            "allow_headers": [
+                "Authorization",
+                "Content-Type",
+                "Last-Event-ID",
+                *DS_REQUEST_HEADERS,
+            ],
+            "expose_headers": ["Retry-After", "WWW-Authenticate", *DS_RESPONSE_HEADERS],
+            "max_age": 600,
+        }
+        found.append((CORSMiddleware, options))
+    found.append((RawSend, {}))  # outermost: event streams write their bodies past the rest
+    return found
 
 
 def create_app(
     settings: Settings, runtime: Runtime | None = None, *, tools: ToolRegistry | None = None
-) -> FastAPI:
-    """The ASGI app; its lifespan starts (unless given one) and stops the runtime."""
+) -> FrontDoor:
+    """The ASGI app; its lifespan starts (unless given one) and stops the runtime.
+
+    Its front door sends the SSE stream reads to their own plain ASGI app and everything else
+    to FastAPI (:mod:`broker.api.stream_reads`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -331,7 +360,7 @@ def create_app(
         finally:
             await rt.close()
 
-    app = BrokerApp(
+    app = FastAPI(
         title="Resumable stream broker",
         version=__version__,
         lifespan=lifespan,
@@ -349,31 +378,24 @@ def create_app(
         app.include_router(durable_router)
         app.add_api_route("/", _demo_page, methods=["GET"], include_in_schema=False)
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    if settings.runs_api:  # innermost: the hot read is answered past the framework's routing
-        app.add_middleware(StreamReads)
-        # And at the front, ahead of every layer, when it needs none of them.
-        app.front = FrontReads(
-            max_header_bytes=settings.max_header_bytes,
-            compression=settings.compression == "on",
-            cors=bool(cors_origins(settings.cors_origins)),
-        )
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
-    app.add_middleware(HeaderSizeLimit, limit=settings.max_header_bytes)
-    if settings.compression == "on":  # gzip for clients that ask; streams code their own bodies
-        app.add_middleware(Compression)
-    app.add_middleware(SecurityHeaders)
-    origins = cors_origins(settings.cors_origins)
-    if origins:  # outermost, so that even a 413 or 431 is readable by the calling page
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=origins,
-            allow_methods=["GET", "POST", "PUT", "DELETE", "HEAD"],
-            allow_headers=["Authorization", "Content-Type", "Last-Event-ID", *DS_REQUEST_HEADERS],
-            expose_headers=["Retry-After", "WWW-Authenticate", *DS_RESPONSE_HEADERS],
-            max_age=600,
-        )
-    app.add_middleware(RawSend)  # outermost: event streams write their bodies past the rest
-    return app
+    for layer, options in layers(settings):
+        app.add_middleware(layer, **options)
+    if not settings.runs_api:
+        return FrontDoor(app, None)
+
+    def layered(read: ASGIApp) -> ASGIApp:
+        for layer, options in layers(settings):
+            read = layer(read, **options)
+        return read
+
+    reads = StreamReads(
+        lambda: cast(Services, app.state.services),
+        max_header_bytes=settings.max_header_bytes,
+        compression=settings.compression == "on",
+        cors=bool(cors_origins(settings.cors_origins)),
+        layered=layered,
+    )
+    return FrontDoor(app, reads)
 
 
 def parser_header_limit(settings: Settings) -> int:
@@ -381,8 +403,9 @@ def parser_header_limit(settings: Settings) -> int:
     return settings.max_header_bytes + 65_536
 
 
-def server_config(settings: Settings, app: FastAPI) -> uvicorn.Config:
-    """uvicorn's configuration for ``app``: the broker's HTTP protocol and connection limits."""
+def server_config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
+    """uvicorn's configuration for ``app``: the broker's HTTP protocol (fast, or uvicorn's own
+    when the fast path is off: :mod:`broker.fastpath`) and connection limits."""
 
     def count(reason: str) -> None:
         rt = _find_runtime(app)
@@ -404,12 +427,13 @@ def server_config(settings: Settings, app: FastAPI) -> uvicorn.Config:
         per_tenant=settings.tenant_share,
         uncapped=uncapped_addresses(settings.uncapped_networks),
         refused=refused,
+        headers=tuple(COMMON),
     )
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        http=guarded(limits),
+        http=http_protocol_class(limits, fast=probe(settings.fast_path).http),
         log_level=settings.log_level.lower(),
         log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         lifespan="on",

@@ -67,7 +67,7 @@ WEBHOOK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 # Which Durable Streams quota refused a write (broker.durable_store).
 DS_LIMITS = ("streams", "bytes", "rate")
 AUTH_FAILURES = ("missing", "bad_credentials", "bad_token", "token_expired", "forbidden")
-# Why the server ended a connection itself (see broker.api.connections).
+# Why the server ended a connection itself (see broker.fastpath).
 CONNECTION_CLOSE_REASONS = (
     "header_timeout",
     "body_timeout",
@@ -76,7 +76,7 @@ CONNECTION_CLOSE_REASONS = (
     "overflow",
     "address_overflow",
 )
-# The caps of one caller's share of a process's connections (see broker.api.connections).
+# The caps of one caller's share of a process's connections (see broker.fastpath).
 CALLER_CAPS = ("address", "tenant")
 
 

@@ -24,6 +24,7 @@ from broker.webhook_config import (
 )
 
 ROLES = ("all", "api", "worker")
+FAST_PATH_MODES = ("auto", "off")
 # The providers a broker can serve (BROKER_PROVIDERS names some of them).
 PROVIDER_NAMES = ("simulated", "openai", "anthropic")
 SIMULATE_SCRIPTING = ("auto", "on", "off")
@@ -140,6 +141,10 @@ class Settings:
     header_timeout_s: float = 10.0  # from a connection's (or request's) first byte to its headers
     max_connections: int = 10_000  # HTTP connections one process serves; 503 beyond
     pool_trim_s: float = 30.0  # how often idle Redis connections (past a few, or unused) close
+    # auto | off: the HTTP protocol and Redis pools that reach past uvicorn's and redis-py's
+    # public interfaces (broker.fastpath), while the installed releases still have what they
+    # touch; off: stock uvicorn and redis-py, with the same limits.
+    fast_path: str = "auto"
     turn_rate_per_s: float = 10.0  # per tenant; 0 = no rate limit
     turn_burst: int = 100
     max_streams_per_tenant: int = 200  # turns queued or generating at once; 0 = no limit
@@ -154,7 +159,7 @@ class Settings:
     webhook_backoff_max_ms: int = 600_000  # the longest pause
     webhook_timeout_s: float = 10.0  # one send, connect to answer
     webhook_recheck_ms: int = 1_500  # how often a notification's turn is looked at again
-    # Connections: the body deadline and each caller's share (broker.api.connections).
+    # Connections: the body deadline and each caller's share (broker.fastpath).
     body_timeout_s: float = 30.0  # from a request's complete headers to the end of its body
     max_connections_per_address: int = 0  # 0: a quarter of BROKER_MAX_CONNECTIONS
     max_connections_per_tenant: int = 0  # requests in flight; 0: half of BROKER_MAX_CONNECTIONS
@@ -476,6 +481,10 @@ def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Net
 
 
 def _check_connections(settings: Settings) -> None:
+    if settings.fast_path not in FAST_PATH_MODES:
+        raise SettingsError(
+            f"BROKER_FAST_PATH must be auto or off, not {_shown(settings.fast_path)}"
+        )
     """The connection settings are in range, and the uncapped addresses parse."""
     if not settings.body_timeout_s > 0:  # (NaN too)
         raise SettingsError("BROKER_BODY_TIMEOUT_S must be positive")

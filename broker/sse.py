@@ -4,7 +4,7 @@ The response reads its source in its own task and ends at whichever comes first:
 end, the client's disconnect, or a write that waited past the send timeout (watched for every
 response of the event loop by one task, :class:`SendWatch`). The source is always closed, so a
 reader's subscription is released the moment its client goes away. A server that offers a
-:class:`Wire` (the broker's own HTTP protocol does) says when the client left and takes a
+:class:`Wire` (the fast path's HTTP protocol does) says when the client left and takes a
 write without a coroutine; with any other, a second task waits for ``http.disconnect``.
 Heartbeats are SSE comments, so ``EventSource`` ignores them while proxies and clients see a
 live connection.
@@ -73,7 +73,7 @@ class Sink(Protocol):
 
 class Wire(Protocol):
     """What an event stream may ask of its connection past ASGI, when the server offers it
-    (``scope[WIRE]``, see ``broker.api.connections``): a body write that never waits, and a
+    (``scope[WIRE]``, see ``broker.fastpath``): a body write that never waits, and a
     call when the client leaves. Without it, the response does both through ASGI: a task per
     response that waits for ``http.disconnect``, and a coroutine per write.
     """

@@ -131,6 +131,16 @@ GROUPS = (
                 ),
             ),
             Row(
+                ("fast_path",),
+                (
+                    "`auto`: the HTTP protocol and Redis pools that reach past uvicorn's and "
+                    "redis-py's public interfaces, when a probe at start-up finds what they touch "
+                    "in the installed releases (else the stock parts, and one log line says so); `off`: "
+                    "stock uvicorn and redis-py, held to the same limits (see "
+                    "`broker/fastpath/__init__.py`)"
+                ),
+            ),
+            Row(
                 ("drain_timeout_s",),
                 (
                     "on shutdown, how long running generations may finish before they are "

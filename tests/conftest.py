@@ -9,6 +9,10 @@ With ``BROKER_TEST_CLUSTER=1`` the session starts a 3-primary Redis Cluster inst
 binary, on loopback TCP; ``tests/redis_cluster.py``): ``redis_url`` is its
 ``redis+cluster://`` URL, ``raw_redis`` and ``aredis`` are cluster clients, and every broker, in a
 thread or a process, runs on it. Tests marked ``single_node`` (with the reason) are skipped there.
+
+With ``BROKER_FAST_PATH=off`` every broker the tests start, in a thread or a process, runs with
+the fast path off (uvicorn's own protocol, redis-py's own pools): CI's stream pass. A test that
+names ``fast_path`` itself keeps its own.
 """
 
 from __future__ import annotations
@@ -191,6 +195,8 @@ def start_broker(redis_url: str, **overrides: Any) -> RunningBroker:
         "drain_timeout_s": 2.0,
         "log_level": "WARNING",
     }
+    if os.environ.get("BROKER_FAST_PATH"):  # CI's pass with the fast path off
+        values["fast_path"] = os.environ["BROKER_FAST_PATH"]
     values.update(overrides)
     settings = Settings(**values)
     # As `broker serve` configures it: the broker's HTTP protocol and connection limits.

@@ -112,6 +112,8 @@ def room(module: str) -> str | None:
         return "durable_store"
     if module == "broker.http" or module.startswith(("broker.api", "broker.dialects")):
         return "http"
+    if module == "broker.fastpath" or module.startswith("broker.fastpath."):
+        return "ground"
     return None
 
 
@@ -176,6 +178,22 @@ def test_imports_follow_the_layers(module: str) -> None:
         if imported in MODULES and room(imported) not in allowed
     )
     assert wrong == [], f"{module} ({own}) may import only {sorted(allowed)}"
+
+
+# The only rooms that reach the fast path: the assembly wires it in, the Redis client builds its
+# pools with it, and the body and header limits name its share of a request's scope.
+FAST_PATH_USERS = {"broker.app", "broker.__main__", "broker.connection", "broker.api.limits"}
+
+
+def test_only_the_assembly_and_the_redis_client_reach_the_fast_path() -> None:
+    """Every private name of uvicorn's and redis-py's stays in one room (broker.fastpath)."""
+    reaching = sorted(
+        module
+        for module, path in MODULES.items()
+        if not module.startswith("broker.fastpath")
+        and any(name.startswith("broker.fastpath") for name in runtime_imports(path))
+    )
+    assert set(reaching) <= FAST_PATH_USERS, reaching
 
 
 def test_the_api_side_never_loads_the_generation_side() -> None:

@@ -6,12 +6,15 @@ process. §8: bytes on a kept-alive connection (stray line ends, which start no 
 uvicorn's keep-alive timer and armed no deadline, and a close waited for ever on a client that
 reads nothing. The protocol is fed bytes directly, its timers run when the test moves the clock,
 and its transport records what it was asked to do.
+
+Every test runs on both protocols: the fast path's and uvicorn's own behind the same limits
+(``BROKER_FAST_PATH=off``, or a release that lost a name the fast path needs).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -20,19 +23,26 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 from uvicorn.server import ServerState
 
-from broker.api.connections import (
-    CLOSE_GRACE_S,
-    ConnectionLimits,
-    GuardedHttpProtocol,
-    guarded,
-    uncapped_addresses,
-)
 from broker.api.limits import hold_share
 from broker.errors import TooManyRequests
+from broker.fastpath import (
+    CLOSE_GRACE_S,
+    ConnectionLimits,
+    http_protocol_class,
+    uncapped_addresses,
+)
 from broker.settings import Settings, SettingsError, parse_networks
 
 HEADER_S = 10.0
 BODY_S = 30.0
+
+
+@pytest.fixture(params=["fast", "stock"], autouse=True)
+def protocol_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The protocol :class:`Server` builds: the fast one, or the stock one."""
+    Server.fast = request.param == "fast"
+    yield request.param
+    Server.fast = True
 
 
 class Timer:
@@ -148,6 +158,8 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 class Server:
     """One protocol class (one server's limits and shares) and the clock of its connections."""
 
+    fast = True  # the fast protocol, or the stock one (see protocol_kind)
+
     def __init__(self, **limits: Any) -> None:
         self.closed: list[str] = []  # metrics.CONNECTION_CLOSE_REASONS, as counted
         self.refused: list[str] = []  # metrics.CALLER_CAPS, as counted
@@ -161,18 +173,19 @@ class Server:
         }
         values.update(limits)
         self.limits = ConnectionLimits(**values)
-        self.config = uvicorn.Config(app, http=guarded(self.limits), lifespan="off")
+        protocol = http_protocol_class(self.limits, fast=self.fast)
+        self.config = uvicorn.Config(app, http=protocol, lifespan="off")
         self.config.load()
         self.state = ServerState()
         self.clock = Clock()
 
-    def connect(self, peer: str = "10.0.0.1") -> tuple[GuardedHttpProtocol, Transport]:
-        protocol_class = self.config.http_protocol_class
-        protocol: GuardedHttpProtocol = protocol_class(  # type: ignore[call-arg,assignment]
+    def connect(self, peer: str = "10.0.0.1") -> tuple[Any, Transport]:
+        protocol_class: Any = self.config.http_protocol_class
+        protocol: Any = protocol_class(
             config=self.config, server_state=self.state, app_state={}, _loop=self.clock
         )
         transport = Transport(peer)
-        protocol.connection_made(transport)  # type: ignore[arg-type]
+        protocol.connection_made(transport)
         return protocol, transport
 
 
@@ -294,6 +307,30 @@ async def test_a_close_that_finishes_is_not_aborted() -> None:
     protocol.connection_lost(None)
     server.clock.advance(CLOSE_GRACE_S * 2)
     assert not transport.aborted
+
+
+# --- targets past httptools' URL parser ------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [False, True])
+async def test_a_target_past_the_url_parser_reaches_the_app_whole(split: bool) -> None:
+    """Issue 14 §6: httptools' URL parser refuses a target past 64 KiB with a plain 400."""
+    server = Server(max_header_bytes=200_000)
+    seen: list[tuple[str, bytes]] = []
+
+    async def record(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append((scope["path"], scope["query_string"]))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    protocol, transport = server.connect()
+    protocol.app = record
+    request = b"GET /long%20one?q=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    for part in (request[:30_000], request[30_000:]) if split else (request,):
+        protocol.data_received(part)
+    await settle()
+    assert seen == [("/long one", b"q=" + b"a" * 70_000)]
+    assert answer(transport)[0] == 204
 
 
 # --- §3: each caller's share ------------------------------------------------------------------

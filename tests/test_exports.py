@@ -19,6 +19,7 @@ import broker_client
 PACKAGES = (
     "broker",
     "broker.api",
+    "broker.fastpath",
     "broker.providers",
     "broker.dialects.openai",
     "broker.dialects.aisdk",
@@ -45,6 +46,35 @@ def test_all_lists_exactly_the_namespace(name: str) -> None:
 
 def test_broker_public_api() -> None:
     assert sorted(broker.__all__) == ["BrokerError", "Settings", "__version__"]
+
+
+def test_fast_path_public_api() -> None:
+    """What the assembly, the Redis client and the size guards take from the fast path's room."""
+    import broker.fastpath
+
+    assert sorted(broker.fastpath.__all__) == sorted(
+        [
+            "CALLER_REFUSAL",
+            "CALLER_RETRY_AFTER_S",
+            "CLOSE_GRACE_S",
+            "NAMES",
+            "SHARE",
+            "UNSENT_LIMIT",
+            "CallerShares",
+            "ConnectionLimits",
+            "FastPath",
+            "PrivateName",
+            "Share",
+            "StockHttpProtocol",
+            "drop_idle",
+            "http_protocol_class",
+            "make_pool",
+            "probe",
+            "stock_protocol",
+            "trim_idle",
+            "uncapped_addresses",
+        ]
+    )
 
 
 def test_client_public_api() -> None:

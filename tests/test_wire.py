@@ -10,7 +10,6 @@ waits in ``send``, and nothing is lost or reordered), and the call on a lost con
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import socket
 import threading
@@ -25,7 +24,9 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from broker.api.connections import UNSENT_LIMIT, ConnectionLimits, LazyEvent, _Wire, guarded
+from broker.fastpath import UNSENT_LIMIT, ConnectionLimits
+from broker.fastpath.http_protocol import fast_protocol
+from broker.fastpath.wire import ConnectionWire, LazyEvent
 from broker.sse import WIRE, Wire
 from tests.helpers import wait_until
 
@@ -57,7 +58,7 @@ def make_app(served: Served) -> Callable[[Scope, Receive, Send], Any]:
             return
         wire: Wire | None = scope.get(WIRE)
         served.wires.append(wire)
-        if isinstance(wire, _Wire) and wire._protocol is not None:
+        if isinstance(wire, ConnectionWire) and wire._protocol is not None:
             served.protocols.append(weakref.ref(wire._protocol))
         path = scope["path"]
         if path == "/sized":  # a body with a length: not chunked, the wire declines
@@ -69,7 +70,7 @@ def make_app(served: Served) -> Callable[[Scope, Receive, Send], Any]:
             return
         assert wire is not None
         if path.startswith("/started/"):  # the head held with the writes that follow it
-            assert isinstance(wire, _Wire)
+            assert isinstance(wire, ConnectionWire)
             assert wire._cycle is not None
             wire._cycle.transport = _Counted(wire._cycle.transport, served.writes)  # type: ignore[assignment]
             if path.endswith("/sized"):
@@ -148,7 +149,7 @@ def served() -> Iterator[Served]:
     served = Served(base_url=f"http://127.0.0.1:{port}")
     limits = ConnectionLimits(header_timeout_s=10, max_header_bytes=65_536, max_connections=100)
     config = uvicorn.Config(
-        make_app(served), http=guarded(limits), lifespan="off", log_level="warning"
+        make_app(served), http=fast_protocol(limits), lifespan="off", log_level="warning"
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -293,7 +294,7 @@ def test_a_wire_forgets_only_its_own_callback() -> None:
     protocol: Any = SimpleNamespace(lost=False, on_lost=None)
     cycle: Any = SimpleNamespace(disconnected=False)
     calls: list[str] = []
-    earlier, later = _Wire(protocol, cycle), _Wire(protocol, cycle)
+    earlier, later = ConnectionWire(protocol, cycle), ConnectionWire(protocol, cycle)
     earlier.when_lost(lambda: calls.append("earlier"))
     later.when_lost(lambda: calls.append("later"))
     earlier.when_lost(None)
@@ -326,7 +327,7 @@ def test_pipelined_requests_are_answered_in_order(served: Served) -> None:
 async def test_a_lazy_event_waits_sets_and_clears_as_asyncio_s() -> None:
     event = LazyEvent()
     assert not event.is_set()
-    assert not isinstance(event._waiters, collections.deque)  # nothing held until a wait
+    assert event._event is None  # nothing held until a wait
     waiters = [asyncio.create_task(event.wait()) for _ in range(3)]
     await asyncio.sleep(0)
     assert not any(w.done() for w in waiters)
@@ -350,7 +351,7 @@ def test_the_protocol_keeps_its_instance_dictionary_small() -> None:
     config.load()
     loop = asyncio.new_event_loop()
     try:
-        protocol = guarded(limits)(config, uvicorn.server.ServerState(), {}, loop)
+        protocol = fast_protocol(limits)(config, uvicorn.server.ServerState(), {}, loop)
         protocol.url = b""  # set by uvicorn as each request begins
         assert len(protocol.__dict__) <= 30, sorted(protocol.__dict__)
     finally:

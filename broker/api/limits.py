@@ -5,27 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Final, Protocol
+from typing import Final
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker.errors import BrokerError, TooManyRequests
-
-SHARE: Final = "broker.share"  # the scope key of the request's Share, when the server has one
-# The code of a 429 for a caller past its share (an address's or a tenant's).
-CALLER_REFUSAL: Final = "too_many_connections_for_caller"
-CALLER_RETRY_AFTER_S: Final = 1
-
-
-class Share(Protocol):
-    """A request's place in its tenant's share of the process's connections, offered by the
-    server (``scope[SHARE]``, see ``broker.api.connections``)."""
-
-    def hold(self, tenant: str) -> bool:
-        """Count the request against ``tenant`` until it ends (its response complete, or its
-        connection lost, however it ends); False when the tenant's share is all taken."""
-        ...
+from broker.fastpath.limits import CALLER_REFUSAL, CALLER_RETRY_AFTER_S, SHARE, Share
 
 
 def hold_share(scope: Scope, tenant: str | None) -> None:

@@ -213,8 +213,9 @@ async def read_stream(
 ) -> Response:
     """Read a turn's events as SSE (default) or as a JSON catch-up page (``format=json``).
 
-    The SSE form is served below the framework (:mod:`broker.api.stream_reads`), by the same
-    checks and the same response: this route documents both, and serves the JSON pages."""
+    The SSE form never reaches this route: the app's front door answers it
+    (:mod:`broker.api.stream_reads`, the same checks and response). This route documents both
+    forms, and serves the JSON pages."""
     rt = services(request)
     read = checked_read(
         rt,
@@ -227,8 +228,7 @@ async def read_stream(
         batch_ms=batch_ms,
         last_event_id=request.headers.get("last-event-id"),
     )
-    if not read.json:
-        return await sse_read(rt, stream_id, principal, read)
+    assert read.json  # (an SSE read is the front door's: see the docstring)
     location = await rt.streams.locate(stream_id, principal.tenant, start=read.start)
     page = rt.streams.page(location, read.start, read.wait_s)
     if read.wait_s <= 0:

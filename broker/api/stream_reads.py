@@ -1,27 +1,27 @@
-"""``GET /v1/streams/{id}`` over SSE, served below the framework's routing.
+"""``GET /v1/streams/{id}`` over SSE: one door, ahead of the framework.
 
 It is the broker's hottest route: a crowd that joins a live answer opens a thousand of these at
-once, and a quiet deployment holds ten thousand open. Through FastAPI each pays the walk over
-every route, the dependency solving, a ``Request``, and exit stacks and wrappers that stay
-suspended as long as the response lasts (see ``benchmarks/RESULTS.md``). This middleware, the
-innermost of the broker's own (so CORS, security headers, compression and the header limit
-apply as to any route), answers the SSE form of that route itself: the same credentials, the
-same checks in the same order (``routes.checked_read``), the same errors and the same response
-(``routes.sse_read``). Everything else goes on to the app, ``format=json`` pages included; the
-FastAPI route stays, and documents the read in ``/openapi.json``.
+once, and a quiet deployment holds ten thousand open. Through FastAPI each would pay the walk
+over every route, the dependency solving, a ``Request``, and exit stacks and wrappers that stay
+suspended as long as the response lasts (see ``benchmarks/RESULTS.md``).
 
-:class:`FrontReads` answers the same reads earlier still, at the very front of the app (ahead
-of the framework's own calls, its error and telemetry layers and the broker's own middleware),
-when they need nothing of what lies between: it does what each layer would do to such a read
-(the header limit's count, the choice of coding, the security headers) with the same
-functions. A read that needs more, one with an ``Origin`` when CORS is on or one over the
-header limit, goes through the stack as before. Each layer is a frame and a wrapper that stays
-suspended as long as the response: ten thousand quiet readers held about 2 KiB each in them.
+So the app uvicorn runs is :class:`FrontDoor`, an ASGI dispatcher: an SSE read (a ``GET`` of a
+stream's path without ``format=json``) goes to :class:`StreamReads`, a plain ASGI app, and
+everything else (the JSON pages included) to FastAPI. The FastAPI route stays to describe the
+read in ``/openapi.json`` and to serve the JSON pages. :class:`StreamReads` makes the same checks
+in the same order (``routes.checked_read``) and answers the same errors and the same response
+(``routes.sse_read``). A read that needs none of the layers the app has (no ``Origin`` while CORS
+is on, headers under the limit) is answered at once, doing what each layer would (the choice
+of coding, the security headers) with the same functions; one that needs them (a CORS read, an
+oversized one) goes through the same layers, built for the read alone (``layered``). Each layer
+is a frame and a wrapper that stays suspended as long as the response, for each of ten
+thousand quiet readers (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from starlette.datastructures import Headers, QueryParams
@@ -44,53 +44,72 @@ PATH: Final = re.compile(r"/v1/streams/([^/]+)")
 
 
 class StreamReads:
-    """Serves SSE stream reads itself; passes every other request on to ``app``."""
+    """The one door of SSE stream reads (see the module's docstring)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream_id = _stream_id(scope)
-        if stream_id is None:
-            await self.app(scope, receive, send)
-            return
-        params = QueryParams(scope["query_string"])
-        if params.get("format") == "json":
-            await self.app(scope, receive, send)
-            return
-        response = await _answer(scope, scope["app"].state.services, stream_id, params)
-        await response(scope, receive, send)
-
-
-class FrontReads:
-    """At the front of the app: answers the SSE stream reads that need none of its layers (see
-    the module's docstring). The app asks it first (``BrokerApp.__call__``) and runs the
-    response itself, so that no frame of the framework's stays suspended under it."""
-
-    def __init__(self, *, max_header_bytes: int, compression: bool, cors: bool) -> None:
+    def __init__(
+        self,
+        services: Callable[[], Services],
+        *,
+        max_header_bytes: int,
+        compression: bool,
+        cors: bool,
+        layered: Callable[[ASGIApp], ASGIApp],
+    ) -> None:
+        self.services = services
         self.max_header_bytes = max_header_bytes
         self.compression = compression
         self.cors = cors
+        self._layered = layered(self._under_layers)  # the app's layers, around this read
 
-    async def answer(self, scope: Scope, rt: Services) -> Response | None:
-        """The response to a plain SSE read (an error's too), or None for any other request."""
+    @staticmethod
+    def stream_id(scope: Scope) -> str | None:
+        """The stream id of an SSE read, or None for any other request."""
         stream_id = _stream_id(scope)
-        if stream_id is None or not self._alone(scope):
-            return None
-        params = QueryParams(scope["query_string"])
-        if params.get("format") == "json":
-            return None
+        query = scope["query_string"]
+        if stream_id is None or (query and QueryParams(query).get("format") == "json"):
+            return None  # (the JSON pages are the route's)
+        return stream_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer an SSE read (a request :meth:`stream_id` names)."""
+        if not self._alone(scope):
+            await self._layered(scope, receive, send)
+            return
         if self.compression:  # as broker.compression's middleware chooses it
             scope[CODING] = negotiate(Headers(scope=scope).get("accept-encoding"))
-        response = await _answer(scope, rt, stream_id, params)
+        response = await self._answer(scope)
         response.raw_headers = with_headers(response.raw_headers, headers_for(scope["path"]))
-        return response
+        await response(scope, receive, send)
+
+    async def _under_layers(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self._answer(scope)
+        await response(scope, receive, send)
+
+    async def _answer(self, scope: Scope) -> Response:
+        stream_id = _stream_id(scope)
+        assert stream_id is not None  # (the front door sent only reads)
+        return await _answer(scope, self.services(), stream_id, QueryParams(scope["query_string"]))
 
     def _alone(self, scope: Scope) -> bool:
-        """Whether the read needs nothing of the layers this one passes by."""
+        """Whether the read needs nothing of the layers the app has."""
         if header_bytes(scope) > self.max_header_bytes:
-            return False  # the stack's 431 (with CORS headers when they apply)
+            return False  # the layers' 431 (with CORS headers when they apply)
         return not self.cors or all(name != b"origin" for name, _ in scope["headers"])
+
+
+class FrontDoor:
+    """The app uvicorn runs: SSE stream reads to ``reads``, everything else to ``app``."""
+
+    def __init__(self, app: ASGIApp, reads: StreamReads | None) -> None:
+        self.app = app
+        self.reads = reads
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        reads = self.reads
+        if reads is not None and scope["type"] == "http" and reads.stream_id(scope) is not None:
+            await reads(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _stream_id(scope: Scope) -> str | None:

@@ -1,0 +1,70 @@
+"""The front door's dispatch, as a table: which requests the stream reads' own app answers, and
+which go on to FastAPI (issue 36: one door serves the SSE read)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from starlette.types import Receive, Scope, Send
+
+from broker.api.stream_reads import FrontDoor, StreamReads
+
+
+def scope(method: str, path: str, query: bytes = b"", root: str = "") -> dict[str, Any]:
+    return {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "root_path": root,
+        "query_string": query,
+        "headers": [],
+    }
+
+
+@pytest.mark.parametrize(
+    ("request_scope", "door"),
+    [
+        (scope("GET", "/v1/streams/st_1"), "reads"),
+        (scope("GET", "/v1/streams/st_1", b"offset=-1&heartbeat=30"), "reads"),
+        (scope("GET", "/v1/streams/st_1", b"format=json&offset=-1"), "app"),
+        (scope("GET", "/v1/streams/st_1", b"%66ormat=json"), "app"),  # as the route reads it
+        (scope("GET", "/v1/streams/st_1", b"format=sse"), "reads"),
+        (scope("GET", "/v1/streams/st_1", b"format=xml"), "reads"),  # (its 400 is the read's)
+        (scope("POST", "/v1/streams/st_1"), "app"),
+        (scope("HEAD", "/v1/streams/st_1"), "app"),
+        (scope("GET", "/v1/streams/"), "app"),
+        (scope("GET", "/v1/streams/st_1/more"), "app"),
+        (scope("GET", "/v1/turns/t_1"), "app"),
+        (scope("GET", "/broker/v1/streams/st_1", root="/broker"), "reads"),
+        ({"type": "lifespan"}, "app"),
+    ],
+)
+async def test_the_front_door_sends_sse_reads_to_their_own_app_and_the_rest_on(
+    request_scope: dict[str, Any], door: str
+) -> None:
+    seen: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append("app")
+
+    class Reads(StreamReads):
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            seen.append("reads")
+
+    reads = Reads(
+        lambda: None,  # type: ignore[arg-type,return-value]
+        max_header_bytes=16_384,
+        compression=False,
+        cors=False,
+        layered=lambda read: read,
+    )
+
+    async def receive() -> Any:
+        raise AssertionError("nothing is read")
+
+    async def send(message: Any) -> None:
+        raise AssertionError("nothing is sent")
+
+    await FrontDoor(app, reads)(request_scope, receive, send)
+    assert seen == [door]
