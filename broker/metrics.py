@@ -72,6 +72,7 @@ CONNECTION_CLOSE_REASONS = (
     "header_timeout",
     "body_timeout",
     "headers_too_large",
+    "invalid_http",
     "over_limit",
     "overflow",
     "address_overflow",

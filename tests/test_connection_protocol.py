@@ -333,6 +333,42 @@ async def test_a_target_past_the_url_parser_reaches_the_app_whole(split: bool) -
     assert answer(transport)[0] == 204
 
 
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/turns HTTP/1.1\r\nHost: x\r\nContent-Length: \r\n\r\n",  # an empty length
+        b"POST /v1/turns HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+        b"GET /v1/healthz HTTP/9.9\r\nHost: x\r\n\r\n",
+        b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+    ],
+    ids=["empty-length", "negative-length", "bad-version", "header-without-colon"],
+)
+async def test_bytes_that_are_not_http_get_the_brokers_json_400_and_the_close(
+    request_bytes: bytes,
+) -> None:
+    """The parser's refusal answers in the broker's error shape, not uvicorn's plain text, on
+    either protocol; the app never sees the request."""
+    server = Server()
+    seen: list[str] = []
+
+    async def record(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(scope["path"])
+
+    protocol, transport = server.connect()
+    protocol.app = record
+    protocol.data_received(request_bytes)
+    await settle()
+    head, _, body = bytes(transport.written).partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request"
+    assert b"content-type: application/json" in head.lower()
+    assert orjson.loads(body)["error"]["code"] == "bad_request"
+    assert "not valid HTTP/1.1" in orjson.loads(body)["error"]["message"]
+    assert seen == []
+    assert server.closed == ["invalid_http"]
+    server.clock.advance(60)  # (a close may linger to read what the client still sends)
+    assert transport.closed
+
+
 # --- §3: each caller's share ------------------------------------------------------------------
 
 

@@ -144,6 +144,24 @@ async def test_uvicorn_protocol_and_cycle_have_what_the_fast_protocol_reads() ->
     protocol.connection_lost(None)
 
 
+def test_uvicorn_answers_bytes_its_parser_refuses_through_send_400_response() -> None:
+    """The fast protocol answers them in the broker's error shape by overriding it."""
+    asked: list[str] = []
+
+    class Recording(HttpToolsProtocol):
+        def send_400_response(self, msg: str) -> None:
+            asked.append(msg)
+
+    config = uvicorn.Config(lambda *_: None, http="httptools", lifespan="off")
+    config.load()
+    protocol = Recording(config=config, server_state=ServerState(), app_state={})
+    protocol.connection_made(Transport())  # type: ignore[arg-type]
+    protocol.data_received(b"GET / HTTP/1.1\r\nContent-Length: \r\n\r\n")
+    assert len(asked) == 1, changed(
+        "uvicorn", "HttpToolsProtocol no longer answers a parser error with send_400_response"
+    )
+
+
 def test_uvicorn_asks_only_what_a_lazy_event_answers_of_its_two_events() -> None:
     """``message_event`` and ``_is_writable_event`` are replaced by a LazyEvent (duck-typed)."""
     from uvicorn.protocols.http import flow_control, httptools_impl

@@ -18,7 +18,8 @@ Every private name touched, per library, as of the releases the fast path was wr
 
 uvicorn 0.54 (``uvicorn.protocols.http``):
   * ``httptools_impl.HttpToolsProtocol``, subclassed: the parser callbacks ``on_message_begin``,
-    ``on_headers_complete``, ``on_message_complete``, ``on_response_complete``; the attributes
+    ``on_headers_complete``, ``on_message_complete``, ``on_response_complete``, and
+    ``send_400_response`` (answered in the broker's error shape instead); the attributes
     ``pipeline`` (replaced by a list: uvicorn uses ``appendleft``, ``pop`` and its truth),
     ``cycle``, ``scope``, ``url``, ``root_path``, ``client``, ``connections``, ``flow``,
     ``transport``, ``loop``, ``app`` (set to a refusal), and the ``_loop`` argument (tests).

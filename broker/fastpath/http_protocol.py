@@ -88,6 +88,7 @@ from broker.fastpath.limits import (
     ConnectionLimits,
     address_message,
     give_back,
+    invalid_http,
     json_error,
     limit_unsent,
     over_limit_message,
@@ -224,6 +225,12 @@ class FastHttpProtocol(HttpToolsProtocol):
             message = f"request line and headers are larger than {limit} bytes"
             answer = json_error(431, "headers_too_large", message, self.limits.headers)
             self._answer_and_close(answer)
+
+    def send_400_response(self, msg: str) -> None:
+        """The parser refused the bytes (uvicorn logged it): the broker's JSON 400, not
+        uvicorn's plain text, and the close."""
+        self.limits.count("invalid_http")
+        self._answer_and_close(invalid_http())
 
     def _idle(self) -> bool:
         """Whether no request is under way: the last one's response is complete."""

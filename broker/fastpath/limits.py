@@ -129,6 +129,18 @@ def uncapped_addresses(
     return uncapped
 
 
+# The answer to bytes that are not an HTTP/1.1 request (either protocol's parser refused them).
+INVALID_HTTP = (
+    "the request is not valid HTTP/1.1: its request line, a header or the body's framing could "
+    "not be parsed"
+)
+
+
+def invalid_http() -> bytes:
+    """The broker's 400 for bytes its HTTP parser refused, in place of uvicorn's plain text."""
+    return json_error(400, "bad_request", INVALID_HTTP)
+
+
 def json_error(
     status: int, code: str, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()
 ) -> bytes:

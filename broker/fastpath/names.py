@@ -90,7 +90,7 @@ NAMES: tuple[PrivateName, ...] = (
     *_names(
         HTTP, "uvicorn", _UVICORN_PROTOCOL, "member",
         "on_message_begin", "on_headers_complete", "on_message_complete",
-        "on_response_complete",
+        "on_response_complete", "send_400_response",
     ),
     *_names(
         HTTP, "uvicorn", _UVICORN_PROTOCOL, "attribute",

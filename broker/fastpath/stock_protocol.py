@@ -18,6 +18,8 @@ limits as the fast protocol (:class:`broker.fastpath.limits.ConnectionLimits`):
   unless the response started, and the close.
 * **Targets past httptools' URL parser** (64 KiB): uvicorn's parser is given a stand-in path,
   and the real one is put back in the scope, so the app answers them with its JSON 431.
+* **Bytes that are not HTTP/1.1**: uvicorn's own plain-text 400 (written while its parser
+  reads them) becomes the broker's JSON error, counted as ``invalid_http``.
 * **Each tenant's share**: a request's :class:`broker.fastpath.limits.Share` in its scope,
   given back when its response completes, when its app returns, or when the connection is
   lost (whichever is first).
@@ -54,6 +56,7 @@ from broker.fastpath.limits import (
     ConnectionLimits,
     address_message,
     give_back,
+    invalid_http,
     json_error,
     limit_unsent,
     over_limit_message,
@@ -114,6 +117,11 @@ class _Transport(asyncio.Transport):
         self._connection = connection
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._connection.parsing and bytes(data[:13]) == b"HTTP/1.1 400 ":
+            # uvicorn's own answer to bytes its parser refused (the app writes only from its
+            # tasks, never while the bytes are parsed): the broker's JSON 400 instead.
+            self._connection.limits.count("invalid_http")
+            data = invalid_http()
         self._transport.write(data)
 
     def close(self) -> None:
@@ -207,6 +215,7 @@ class StockHttpProtocol(asyncio.Protocol):
         self._responding = 0  # requests whose head arrived and whose response is not complete
         self._started = False  # the latest request's response has started
         self._dropped = False  # closed at once: past the overflow
+        self.parsing = False  # uvicorn's protocol is reading bytes (its writes are its own)
         self.lost = False
 
     # --- asyncio.Protocol -----------------------------------------------------------------
@@ -272,9 +281,11 @@ class StockHttpProtocol(asyncio.Protocol):
             if not data:
                 return
         token = _CONNECTION.set(self)
+        self.parsing = True
         try:
             self.inner.data_received(data)
         finally:
+            self.parsing = False
             _CONNECTION.reset(token)
 
     def eof_received(self) -> bool | None:
