@@ -7,9 +7,8 @@ batch says where it follows, so a reader that sees a batch beginning past its cu
 gap from Redis before going on, and one that overlaps it drops what it has: the hand-over never
 loses or repeats an event, whatever the timing.
 
-Full pages read from Redis are kept a moment for the next reader of the same page (see
-:class:`_Pages`). Replay and catch-up read pages that start small and double (``FIRST_PAGE`` up to
-``BROKER_SSE_REPLAY_PAGE``), and a response asks for the next page only once its client took the
+Stored events are read a page at a time, full pages shared with the next readers of the same
+page (:mod:`broker.pages`), and a response asks for the next page only once its client took the
 last (see :mod:`broker.sse`). A client that stops reading thus costs the reads of about what its
 connection buffers, then nothing until the send timeout closes it: it holds one page's frames,
 never the events' objects, and never a catch-up of everything it missed.
@@ -19,8 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator
 from typing import Any, Final, Literal
 
 import orjson
@@ -29,16 +27,15 @@ from redis.asyncio import Redis
 from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.errors import BrokerError, Gone, NotFound
-from broker.fanout import Batch, Hub, HubClosed, Subscription
-from broker.frames import CAUGHT_UP, HEARTBEAT, ORIGIN, CaughtUp, Chunk, Cursor, Entry, Heartbeat
+from broker.fanout import Hub, HubClosed, Subscription
+from broker.follow import Follow
+from broker.frames import ORIGIN, CaughtUp, Chunk, Cursor, Entry, Heartbeat
 from broker.offsets import NOW, START
+from broker.pages import StoredPages
 from broker.sse import Sink
 from broker.vocabulary import FINAL_STATUSES, STREAM_ID_PATTERN, decode_turn_ref, unscoped
 
-PageKey = tuple[str, str, str, int]  # a page asked of Redis: key, after, until, count
-PAGE_CACHE_EVENTS: Final = 8_192  # events of full pages a process keeps (see _Pages; ~4 MiB)
-LOCATED_CACHE: Final = 8_192  # streams whose index lookup a process remembers (~1.5 MiB)
-FIRST_PAGE: Final = 64  # a replay's first page (its first event comes sooner); the next ones double
+LOCATED_CACHE: Final = 8_192  # streams whose index lookup a process remembers
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,8 +46,8 @@ class Opening:
 
     Only that: reading the replay's first page here too was tried and measured worse. In an
     attach storm every route runs before any response starts, so the pages read there put all
-    the replay work ahead of every viewer's first live write (join lag p99 2-4 s, against
-    0.1-0.2 s; benchmarks/RESULTS.md).
+    the replay work ahead of every viewer's first live write (the join's lag: see
+    benchmarks/RESULTS.md).
     """
 
     cursor: Cursor
@@ -121,7 +118,7 @@ FROM_START: Final = StartPoint("start")
 FROM_NOW: Final = StartPoint("now")
 
 
-class _Watched:
+class _SinkView:
     """A response as a reader that renders its own frames sees it: over when it is, and never
     written to by the feed (whose frames are the native ones)."""
 
@@ -136,79 +133,6 @@ class _Watched:
 
     def write_now(self, chunk: bytes) -> bool:
         return False
-
-
-class _Kept(list[Entry]):
-    """A page of events read from Redis, with what its readers ask of it worked out once,
-    when first asked: its frames joined (the write of a reader that takes the whole page), and
-    where its ``end`` events are. A page :class:`_Pages` keeps has many readers."""
-
-    __slots__ = ("_data", "_ends")
-
-    def __init__(self, entries: Iterable[Entry] = ()) -> None:
-        super().__init__(entries)
-        self._data: bytes | None = None
-        self._ends: list[int] | None = None
-
-    @property
-    def data(self) -> bytes:
-        if self._data is None:
-            self._data = b"".join(entry.frame for entry in self)
-        return self._data
-
-    @property
-    def ends(self) -> list[int]:
-        if self._ends is None:
-            self._ends = _end_indexes(self)
-        return self._ends
-
-
-def _end_indexes(entries: Sequence[Entry]) -> list[int]:
-    """Where the ``end`` events of ``entries`` are."""
-    return [index for index, entry in enumerate(entries) if entry.kind == "end"]
-
-
-class _Pages:
-    """Full pages of stored events this process read lately, for the next reader of the same
-    page: a crowd that replays a finished answer reads each page from Redis once.
-
-    A crowd that joins a running answer shares them too: 2.1 Redis commands and 1.1 ms of CPU
-    per attach instead of 4.4 and 1.3, the live lag unchanged (benchmarks/RESULTS.md).
-
-    A full page is kept (as many events as asked for): the events of a stream between two ids
-    never change (a turn's stream is only appended to, never trimmed), so it is the same page
-    whoever asks. A page that came short may grow and is not kept, unless it was read up to an
-    entry that was read already (see :meth:`Streams._page`'s ``bound``). A page is kept
-    ``ttl_s`` (``BROKER_SSE_PAGE_CACHE_S``) at most, so a stream that expires is not read from
-    here for longer than that, and ``PAGE_CACHE_EVENTS`` events in all, the oldest going first.
-    """
-
-    __slots__ = ("_events", "_pages", "_ttl_s")
-
-    def __init__(self, ttl_s: float) -> None:
-        self._ttl_s = ttl_s
-        self._pages: dict[PageKey, tuple[float, list[Entry]]] = {}
-        self._events = 0
-
-    def get(self, page: PageKey, now: float) -> list[Entry] | None:
-        kept = self._pages.get(page)
-        if kept is None:
-            return None
-        if kept[0] <= now:
-            self._drop(page)
-            return None
-        return kept[1]
-
-    def put(self, page: PageKey, entries: list[Entry], now: float) -> None:
-        if self._ttl_s <= 0 or len(entries) > PAGE_CACHE_EVENTS or page in self._pages:
-            return
-        self._pages[page] = (now + self._ttl_s, entries)  # dicts keep order: oldest first
-        self._events += len(entries)
-        while self._events > PAGE_CACHE_EVENTS:
-            self._drop(next(iter(self._pages)))
-
-    def _drop(self, page: PageKey) -> None:
-        self._events -= len(self._pages.pop(page)[1])
 
 
 class Streams:
@@ -227,10 +151,14 @@ class Streams:
         # poll, a reattach) skips its read. Whether the stream's data still exists is looked
         # up every time.
         self._located: dict[str, str] = {}
-        self._pages = _Pages(deps.settings.sse_page_cache_s)
-        # Pages bounded by what the feed read (see _page) need the feed and the pages to read
-        # the same server: not so when reads go to a cluster's replicas, one or another.
-        self._bounded = reads is None
+        # Pages bounded by what the feed read (see StoredPages.page) need the feed and the
+        # pages to read the same server: not so when reads go to a cluster's replicas.
+        self.pages = StoredPages(
+            self._redis,
+            replay_page=deps.settings.sse_replay_page,
+            cache_ttl_s=deps.settings.sse_page_cache_s,
+            bounded=reads is None,
+        )
 
     def events_key(self, location: Location) -> str:
         """The Redis key of the turn's event stream."""
@@ -333,9 +261,8 @@ class Streams:
         """What a read from ``cursor`` starts with, in one round trip at most (see
         :class:`Opening`)."""
         events_key, turn_key = self.events_key(location), self.turn_key(location)
-        first = (events_key, cursor.entry_id, "+", self._next_count(None))
-        if self._pages.get(first, time.monotonic()) is not None:
-            # Its first page is kept (see _Pages): events are stored past the cursor, which is
+        if self.pages.kept(events_key, cursor):
+            # Its first page is kept (see broker.pages): events are stored past the cursor, which is
             # all the read needs to know (see Opening.open). No round trip: a crowd that joins a
             # live answer opens on the pages its first viewers read.
             return Opening(cursor, None, True)
@@ -344,67 +271,6 @@ class Streams:
             pipe.xrange(events_key, min="(" + cursor.entry_id, max="+", count=1)
             status, page = await pipe.execute()
         return Opening(cursor, status, bool(page))
-
-    async def _page(
-        self,
-        key: str,
-        after: Cursor,
-        until: str,
-        count: int,
-        *,
-        shared: bool = False,
-        bound: Cursor | None = None,
-    ) -> tuple[list[Entry], bool]:
-        """Up to ``count`` stored events past ``after``, and whether there may be more. With
-        ``shared``, a full page is taken from, or kept for, the next readers (see
-        :class:`_Pages`); with ``bound`` as well (an entry this process's feed read, see
-        :meth:`Hub.seen`), the page stops there, and is kept whether full or not: the stream up
-        to an entry that was read never changes, so every reader standing at ``after`` while
-        the feed stands at ``bound`` takes the same short last page (then the feed)."""
-        now = time.monotonic()
-        asked = (key, after.entry_id, until, count)
-        if shared and (kept := self._pages.get(asked, now)) is not None:
-            return kept, True
-        if shared and self._bounded and until == "+" and bound and bound.key > after.key:
-            return await self._bounded_page(asked, bound, now)
-        entries = await self._read_page(key, after.entry_id, until, count)
-        if len(entries) < count:
-            return entries, False
-        if shared:
-            self._pages.put(asked, entries, now)
-        return entries, True
-
-    async def _bounded_page(
-        self, asked: PageKey, bound: Cursor, now: float
-    ) -> tuple[list[Entry], bool]:
-        """The page ``asked`` for, up to ``bound``'s entry (see :meth:`_page`)."""
-        key, start, _, count = asked
-        bounded = (key, start, bound.entry_id, count)
-        entries = self._pages.get(bounded, now)
-        if entries is None:
-            entries = await self._read_page(key, start, bound.entry_id, count)
-            if entries:
-                self._pages.put(bounded, entries, now)
-        if len(entries) < count:
-            return entries, False  # all there is up to the bound: the feed brings the rest
-        self._pages.put(asked, entries, now)  # a full page is the same, bounded or not
-        return entries, True
-
-    async def _read_page(self, key: str, after: str, until: str, count: int) -> _Kept:
-        """Up to ``count`` events of stream ``key`` past entry ``after``, up to ``until``,
-        read from Redis."""
-        page = await rc.xrange_raw(self._redis, key, "(" + after, until, count)
-        return _Kept(Entry.from_redis(entry_id, fields) for entry_id, fields in page)
-
-    def _next_count(self, count: int | None) -> int:
-        """A replay's page sizes: a small first page, so that a reader resuming in a long stream
-        gets its first event soon, then each twice the last, up to ``BROKER_SSE_REPLAY_PAGE``.
-
-        A response asks for the next page only once its client took the last: a client that
-        stops reading leaves its reader holding one page about the size of what it took.
-        """
-        size = self._settings.sse_replay_page
-        return min(FIRST_PAGE if count is None else 2 * count, size)
 
     async def follow(
         self, location: Location, after: Cursor | str, sink: Sink | None = None
@@ -444,11 +310,22 @@ class Streams:
         live events (a reader that must say when it is at the stream's tail).
         """
         if sink is not None and not direct:
-            sink = _Watched(sink)
+            sink = _SinkView(sink)
         cursor = Cursor.after(after) if isinstance(after, str) else after
         # A response writing our frames needs those only, not the events behind them. Its
-        # replay's pages are shared with the other readers of the stream (see _Pages).
-        read = _Read(self, location, cursor, keep=sink is None or not direct, shared=True)
+        # replay's pages are shared with the other readers of the stream (broker.pages).
+        read = Follow(
+            self.pages,
+            self._hub,
+            (self.events_key(location), self.turn_key(location)),
+            cursor,
+            at_rest=lambda attempt: self._at_rest(location, attempt),
+            look=lambda subscription, first, max_age_s: self._look(
+                location, subscription, first, max_age_s
+            ),
+            keep=sink is None or not direct,
+            shared=True,
+        )
         heartbeat_s = heartbeat_s or self._settings.sse_heartbeat_s
         subscription: Subscription | None = None
         try:
@@ -466,43 +343,13 @@ class Streams:
                 read.key, read.cursor, read.turn_key, seen=read.cursor is not cursor
             )
             subscription.sink = sink
-            catch_up, first_look = not subscription.covers(read.cursor), True
             # A turn that was running as the read began, or one whose stream goes on past the
             # read's start, ends with an `end` the read will meet (see Opening.open). Unless
             # the stream expired since: a replay that found nothing where the opening saw
             # events (`dry`) looks, or it would wait a heartbeat for an `end` that is gone.
             look = opening is None or not opening.open or (read.dry and not opening.running)
-            while True:
-                if catch_up:
-                    async for chunk in read.stored():
-                        yield chunk
-                    if read.ended:
-                        return
-                if look and await self._look(location, subscription, first_look, heartbeat_s):
-                    # Final before we looked: anything past the cursor ends with the `end` event.
-                    async for chunk in read.stored():
-                        yield chunk
-                    return
-                first_look = False
-                if caught_up:
-                    yield CAUGHT_UP
-                subscription.cursor = read.cursor
-                batches = await subscription.get_all(heartbeat_s)
-                read.cursor = subscription.cursor  # moved on by the feed's direct writes
-                # Too slow for the live tape: catch up from Redis, which has everything, a page
-                # at a time (never all it missed at once: a page is read only when its client
-                # took the last), then take the tape again from where it stands.
-                catch_up, look = subscription.overflowed, False
-                subscription.overflowed = False
-                if batches is not None:
-                    taken = await read.take(batches)
-                    if taken is not None:
-                        yield taken
-                    if read.ended:
-                        return
-                elif not catch_up:
-                    yield HEARTBEAT
-                    look = True  # a quiet stream: its turn may have come to rest
+            async for item in read.live(subscription, look, heartbeat_s, caught_up=caught_up):
+                yield item
         except HubClosed:
             return
         finally:
@@ -562,7 +409,7 @@ class Streams:
         # Look at the status first: if it is final now, the page below reaches the `end` event.
         at_rest = await self._at_rest(location)
         size = self._settings.json_page_size
-        entries, _ = await self._page(self.events_key(location), cursor, "+", size)
+        entries, _ = await self.pages.page(self.events_key(location), cursor, "+", size)
         if entries:
             next_offset = entries[-1].offset
         elif cursor.at_origin:
@@ -581,150 +428,3 @@ class Streams:
 def _page_event(entry: Entry) -> dict[str, Any]:
     """An event as a JSON page lists it."""
     return {"id": entry.offset, "event": entry.kind, "data": orjson.loads(entry.data)}
-
-
-class _Read:
-    """One follow of a stream: where it stands (``cursor``), whether it is over (``ended``:
-    it reached an ``end`` that ends the read), and its reads of Redis."""
-
-    __slots__ = (
-        "cursor",
-        "dry",
-        "ended",
-        "keep",
-        "key",
-        "location",
-        "shared",
-        "streams",
-        "turn_key",
-    )
-
-    def __init__(
-        self,
-        streams: Streams,
-        location: Location,
-        cursor: Cursor,
-        *,
-        keep: bool,
-        shared: bool = False,
-    ) -> None:
-        self.streams = streams
-        self.location = location
-        self.key = streams.events_key(location)
-        self.turn_key = streams.turn_key(location)
-        self.cursor = cursor
-        self.keep = keep
-        self.shared = shared  # full pages are shared with the next readers (see _Pages)
-        self.ended = False
-        self.dry = False  # the last replay ended on an empty page (see stored)
-
-    async def stored(self) -> AsyncIterator[Chunk]:
-        """The stored events past the cursor, a chunk per page, up to an ``end`` that ends the
-        read; the cursor moves past each chunk as it is yielded.
-
-        Without ``keep`` the chunks hold their frames only, and no event is referenced here
-        while a chunk is out: a reader whose client is slow to take a page holds that page's
-        bytes, not its events' objects (several times their size; a full page's objects are
-        kept for the next readers, a moment and within a bound, by :class:`_Pages`).
-        """
-        streams = self.streams
-        count = streams._next_count(None)
-        self.dry = False
-        while True:
-            entries, more = await streams._page(
-                self.key,
-                self.cursor,
-                "+",
-                count,
-                shared=self.shared,
-                bound=streams._hub.seen(self.key) if self.shared else None,
-            )
-            if not entries:
-                self.dry = True  # (an empty page is never kept: this one was read)
-                return
-            stop = await self._ending(entries)
-            if stop is None and not self.keep and isinstance(entries, _Kept):
-                chunk = Chunk([], entries.data, entries[-1])  # joined once for all its readers
-            else:
-                chunk = Chunk.of(entries if stop is None else entries[:stop], keep=self.keep)
-            del entries
-            assert chunk.last is not None
-            self.cursor = chunk.last.cursor
-            self.ended = stop is not None
-            yield chunk
-            if self.ended or not more:
-                return
-            count = streams._next_count(count)
-
-    async def take(self, batches: Sequence[Batch]) -> Chunk | None:
-        """What live ``batches`` hold past the cursor, as one chunk (None: nothing new), up to
-        an ``end`` that ends the read; the cursor moves past it."""
-        parts: list[Chunk] = []
-        for batch in batches:
-            chunk = await self._past_cursor(batch)
-            if chunk is None:
-                continue
-            parts.append(chunk)
-            assert chunk.last is not None
-            self.cursor = chunk.last.cursor
-            if self.ended:
-                break
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else Chunk.join(parts)
-
-    async def _past_cursor(self, batch: Batch) -> Chunk | None:
-        """The events of ``batch`` past the cursor (None: none), with the gap before the batch
-        read from Redis, up to an ``end`` that ends the read."""
-        position = self.cursor.key
-        if batch.after.key == position:
-            # The usual case: exactly what follows, its frames joined once for all.
-            chunk, ends = batch.chunk, batch.ends
-        else:
-            entries = batch.entries
-            if batch.after.key > position:
-                entries = await self._range(batch.after) + entries
-            chunk = Chunk.of([e for e in entries if e.sort_key > position])
-            ends = any(entry.kind == "end" for entry in chunk.entries)
-        if chunk.last is None:
-            return None
-        if ends:
-            ending = await self._batch_ending(batch, chunk.entries)
-            if ending is not None:
-                chunk = Chunk.of(chunk.entries[:ending])
-                self.ended = True
-        return chunk
-
-    async def _range(self, until: Cursor) -> list[Entry]:
-        """The stored events past the cursor up to ``until``'s entry, a page at a time."""
-        streams, after, entries = self.streams, self.cursor, []
-        count = streams._next_count(None)
-        while True:
-            page, more = await streams._page(self.key, after, until.entry_id, count)
-            if page:
-                after = page[-1].cursor
-                entries += page
-            if not more:
-                return entries
-            count = streams._next_count(count)
-
-    async def _ending(self, entries: Sequence[Entry]) -> int | None:
-        """The length of ``entries`` up to an ``end`` that ends the read (the turn is at rest
-        on that attempt), or None when the read goes on."""
-        ends = entries.ends if isinstance(entries, _Kept) else _end_indexes(entries)
-        for index in ends:
-            if await self.streams._at_rest(self.location, entries[index].attempt()):
-                return index + 1
-        return None
-
-    async def _batch_ending(self, batch: Batch, entries: Sequence[Entry]) -> int | None:
-        """:meth:`_ending` for a live batch, answered from the feed's own look when it has one."""
-        if batch.rest is None:
-            return await self._ending(entries)
-        status, attempt = batch.rest
-        for index, entry in enumerate(entries):
-            if entry.kind != "end":
-                continue
-            if status is None or (status in FINAL_STATUSES and attempt == str(entry.attempt())):
-                return index + 1
-        return None

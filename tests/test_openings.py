@@ -43,7 +43,7 @@ async def test_reads_that_open_on_a_kept_page_ask_redis_nothing(
         True,
         False,
     )
-    await streams._page(keys.events("c", "t"), ORIGIN, "+", 64, shared=True)  # a reader's
+    await streams.pages.page(keys.events("c", "t"), ORIGIN, "+", 64, shared=True)  # a reader's
     before = {name: command_calls(raw_redis, name) for name in ("hget", "xrange")}
     openings = [await streams.opening(location, ORIGIN) for _ in range(20)]
     assert all(o.stored_past and o.open and not o.finished for o in openings)
@@ -67,7 +67,7 @@ async def test_a_read_opened_on_a_kept_page_meets_the_end_of_a_turn_at_rest(
         await aredis.xadd(events_key, {"e": "delta", "d": _data(text=str(i))})
     await aredis.xadd(events_key, {"e": "end", "d": _data(status="complete")})
     await aredis.hset(keys.turn("c", "t"), "status", "complete")
-    await streams._page(events_key, ORIGIN, "+", 64, shared=True)  # kept, as a crowd's
+    await streams.pages.page(events_key, ORIGIN, "+", 64, shared=True)  # kept, as a crowd's
     before = {name: command_calls(raw_redis, name) for name in ("hget", "hmget")}
     opening = await streams.opening(location, ORIGIN)
     assert (opening.status, opening.open, opening.finished) == (None, True, False)
@@ -99,7 +99,7 @@ async def test_a_read_whose_stream_expired_after_its_opening_ends_at_once(
     await aredis.xadd(events_key, {"e": "end", "d": _data(status="complete")})
     await aredis.hset(turn_key, "status", "complete")
     if kept:  # a crowd's first page is kept: the opening asks nothing
-        await streams._page(events_key, ORIGIN, "+", 64, shared=True)
+        await streams.pages.page(events_key, ORIGIN, "+", 64, shared=True)
     opening = await streams.opening(location, ORIGIN)
     assert opening.open
     assert not opening.finished

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.frames import Entry
-from broker.reader import PAGE_CACHE_EVENTS, _Pages
+from broker.pages import PAGE_CACHE_EVENTS, PageCache
 from tests.conftest import BrokerFactory, RunningBroker, command_calls
 from tests.helpers import (
     SSEEvent,
@@ -304,7 +304,7 @@ def test_a_resume_point_past_the_stream_never_bounds_the_shared_pages(
 
 def test_kept_pages_expire_and_stay_within_their_bound() -> None:
     entry = Entry.from_redis("1-0", ["e", "delta", "d", "{}"])
-    pages = _Pages(ttl_s=1.0)
+    pages = PageCache(ttl_s=1.0)
     pages.put(("k", "0-0", "+", 2), [entry, entry], 0.0)
     assert pages.get(("k", "0-0", "+", 2), 0.5) == [entry, entry]
     assert pages.get(("k", "0-0", "+", 3), 0.5) is None  # another page
