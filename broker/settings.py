@@ -171,74 +171,14 @@ class Settings:
     ds_tenant_append_burst: int = 2_000  # the bucket: appends a quiet tenant may make at once
 
     def __post_init__(self) -> None:
-        if self.log_level.upper() not in LOG_LEVELS:
-            levels = ", ".join(LOG_LEVELS)
-            raise SettingsError(
-                f"BROKER_LOG_LEVEL must be one of {levels}, not {_shown(self.log_level)}"
-            )
-        if self.log_format not in ("text", "json"):
-            raise SettingsError(f"BROKER_LOG_FORMAT must be text or json, not {self.log_format!r}")
-        if self.compression not in ("on", "off"):
-            raise SettingsError(f"BROKER_COMPRESSION must be on or off, not {self.compression!r}")
-        if self.role not in ROLES:
-            raise SettingsError(f"BROKER_ROLE must be one of {', '.join(ROLES)}, not {self.role!r}")
-        if self.redis_url is not None and not self.redis_url.startswith(REDIS_URL_SCHEMES):
-            shown = self.redis_url.partition("://")[0][:20] if "://" in self.redis_url else "?"
-            raise SettingsError(
-                "BROKER_REDIS_URL must start with redis://, rediss://, unix://, "
-                "redis+cluster:// or rediss+cluster://, "
-                f"not {shown}:// (the URL is not repeated: it may hold a password)"
-            )
+        _check_choices(self)
         _check_numbers(self)
         _check_webhooks(self)
         _check_connections(self)
         _check_providers(self)
         _check_durable_quotas(self)
-        if self.sse_heartbeat_max_s < self.sse_heartbeat_s:
-            raise SettingsError(
-                "BROKER_SSE_HEARTBEAT_MAX_S must be at least BROKER_SSE_HEARTBEAT_S"
-            )
-        if self.max_stream_events < 8:
-            raise SettingsError("BROKER_MAX_STREAM_EVENTS must be at least 8")
-        if self.job_reclaim_idle_ms < 0 or 0 < self.job_reclaim_idle_ms <= self.lease_ttl_ms:
-            raise SettingsError(
-                "BROKER_JOB_RECLAIM_IDLE_MS must exceed BROKER_LEASE_TTL_MS (or be 0: follow it)"
-            )
-        if self.session_retry_budget < 0:
-            raise SettingsError("BROKER_SESSION_RETRY_BUDGET must be 0 (no retries) or more")
-        if not 0 <= self.retry_backoff_min_ms <= self.retry_backoff_max_ms:
-            raise SettingsError(
-                "BROKER_RETRY_BACKOFF_MIN_MS must be from 0 to BROKER_RETRY_BACKOFF_MAX_MS"
-            )
-        if self.anthropic_models and not self.anthropic_api_key:
-            raise SettingsError(
-                "BROKER_ANTHROPIC_MODELS is set but BROKER_ANTHROPIC_API_KEY is not"
-            )
-        if self.simulate_max_tokens_per_s < 0:
-            raise SettingsError("BROKER_SIMULATE_MAX_TOKENS_PER_S must be 0 (no cap) or more")
-        if self.attach_token_ttl > self.attach_token_max_ttl:
-            raise SettingsError(
-                "BROKER_ATTACH_TOKEN_TTL must not exceed BROKER_ATTACH_TOKEN_MAX_TTL"
-            )
-        if self.attach_secret is not None and len(self.attach_secret) < 32:
-            raise SettingsError("BROKER_ATTACH_SECRET must be at least 32 characters")
-        if self.attach_secret is not None and self.attach_secret == self.jwt_secret:
-            raise SettingsError(
-                "BROKER_ATTACH_SECRET must differ from BROKER_JWT_SECRET: whoever issues JWTs "
-                "could otherwise forge attach tokens"
-            )
-        if self.turn_rate_per_s < 0 or self.max_streams_per_tenant < 0:
-            raise SettingsError(
-                "BROKER_TURN_RATE_PER_S and BROKER_MAX_STREAMS_PER_TENANT must be 0 (off) or more"
-            )
-        if self.turn_rate_per_s > 0 and self.turn_burst < 1:
-            raise SettingsError("BROKER_TURN_BURST must be at least 1")
-        if self.jwt_secret is not None and self.jwt_public_key is not None:
-            raise SettingsError(
-                "set BROKER_JWT_SECRET (HS256) or BROKER_JWT_PUBLIC_KEY (RS256), not both"
-            )
-        if not self.key_prefix or any(c in self.key_prefix for c in "{} \n"):
-            raise SettingsError("BROKER_KEY_PREFIX must be non-empty without braces or spaces")
+        _check_relations(self)
+        _check_secrets(self)
 
     @property
     def cluster(self) -> bool:
@@ -417,6 +357,78 @@ def _shown(raw: object) -> str:
     """A bad value as an error message quotes it: short enough for one line."""
     text = repr(raw)
     return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _check_choices(settings: Settings) -> None:
+    """The settings that take one of a few words, the Redis URL's scheme, the key prefix."""
+    if settings.log_level.upper() not in LOG_LEVELS:
+        levels = ", ".join(LOG_LEVELS)
+        raise SettingsError(
+            f"BROKER_LOG_LEVEL must be one of {levels}, not {_shown(settings.log_level)}"
+        )
+    if settings.log_format not in ("text", "json"):
+        raise SettingsError(f"BROKER_LOG_FORMAT must be text or json, not {settings.log_format!r}")
+    if settings.compression not in ("on", "off"):
+        raise SettingsError(f"BROKER_COMPRESSION must be on or off, not {settings.compression!r}")
+    if settings.role not in ROLES:
+        raise SettingsError(f"BROKER_ROLE must be one of {', '.join(ROLES)}, not {settings.role!r}")
+    if settings.redis_url is not None and not settings.redis_url.startswith(REDIS_URL_SCHEMES):
+        shown = settings.redis_url.partition("://")[0][:20] if "://" in settings.redis_url else "?"
+        raise SettingsError(
+            "BROKER_REDIS_URL must start with redis://, rediss://, unix://, "
+            "redis+cluster:// or rediss+cluster://, "
+            f"not {shown}:// (the URL is not repeated: it may hold a password)"
+        )
+    if not settings.key_prefix or any(c in settings.key_prefix for c in "{} \n"):
+        raise SettingsError("BROKER_KEY_PREFIX must be non-empty without braces or spaces")
+
+
+def _check_relations(settings: Settings) -> None:
+    """Settings bounded by each other, or by a floor of their own."""
+    if settings.sse_heartbeat_max_s < settings.sse_heartbeat_s:
+        raise SettingsError("BROKER_SSE_HEARTBEAT_MAX_S must be at least BROKER_SSE_HEARTBEAT_S")
+    if settings.max_stream_events < 8:
+        raise SettingsError("BROKER_MAX_STREAM_EVENTS must be at least 8")
+    if (
+        settings.job_reclaim_idle_ms < 0
+        or 0 < settings.job_reclaim_idle_ms <= settings.lease_ttl_ms
+    ):
+        raise SettingsError(
+            "BROKER_JOB_RECLAIM_IDLE_MS must exceed BROKER_LEASE_TTL_MS (or be 0: follow it)"
+        )
+    if settings.session_retry_budget < 0:
+        raise SettingsError("BROKER_SESSION_RETRY_BUDGET must be 0 (no retries) or more")
+    if not 0 <= settings.retry_backoff_min_ms <= settings.retry_backoff_max_ms:
+        raise SettingsError(
+            "BROKER_RETRY_BACKOFF_MIN_MS must be from 0 to BROKER_RETRY_BACKOFF_MAX_MS"
+        )
+    if settings.simulate_max_tokens_per_s < 0:
+        raise SettingsError("BROKER_SIMULATE_MAX_TOKENS_PER_S must be 0 (no cap) or more")
+    if settings.turn_rate_per_s < 0 or settings.max_streams_per_tenant < 0:
+        raise SettingsError(
+            "BROKER_TURN_RATE_PER_S and BROKER_MAX_STREAMS_PER_TENANT must be 0 (off) or more"
+        )
+    if settings.turn_rate_per_s > 0 and settings.turn_burst < 1:
+        raise SettingsError("BROKER_TURN_BURST must be at least 1")
+
+
+def _check_secrets(settings: Settings) -> None:
+    """Credentials: given together where they must be, and apart where they must not."""
+    if settings.anthropic_models and not settings.anthropic_api_key:
+        raise SettingsError("BROKER_ANTHROPIC_MODELS is set but BROKER_ANTHROPIC_API_KEY is not")
+    if settings.attach_token_ttl > settings.attach_token_max_ttl:
+        raise SettingsError("BROKER_ATTACH_TOKEN_TTL must not exceed BROKER_ATTACH_TOKEN_MAX_TTL")
+    if settings.attach_secret is not None and len(settings.attach_secret) < 32:
+        raise SettingsError("BROKER_ATTACH_SECRET must be at least 32 characters")
+    if settings.attach_secret is not None and settings.attach_secret == settings.jwt_secret:
+        raise SettingsError(
+            "BROKER_ATTACH_SECRET must differ from BROKER_JWT_SECRET: whoever issues JWTs "
+            "could otherwise forge attach tokens"
+        )
+    if settings.jwt_secret is not None and settings.jwt_public_key is not None:
+        raise SettingsError(
+            "set BROKER_JWT_SECRET (HS256) or BROKER_JWT_PUBLIC_KEY (RS256), not both"
+        )
 
 
 def _check_numbers(settings: Settings) -> None:

@@ -135,8 +135,8 @@ GROUPS = (
                 (
                     "`auto`: the HTTP protocol and Redis pools that reach past uvicorn's and "
                     "redis-py's public interfaces, when a probe at start-up finds what they touch "
-                    "in the installed releases (else the stock parts, and one log line says so); `off`: "
-                    "stock uvicorn and redis-py, held to the same limits (see "
+                    "in the installed releases (else the stock parts, and one log line says so); "
+                    "`off`: stock uvicorn and redis-py, held to the same limits (see "
                     "`broker/fastpath/__init__.py`)"
                 ),
             ),
