@@ -92,7 +92,7 @@ def _settle(operation: dict[str, Any], settings: Settings | None) -> None:
         del responses["422"]
 
 
-class _Served:
+class _ProviderModels:
     """What :func:`catalogue` reads of a provider (``broker.providers.base.Provider``)."""
 
     name: str
@@ -105,7 +105,7 @@ def catalogue(providers: Iterable[Any]) -> dict[str, list[str] | None]:
     ``openai-models`` is what the OpenAI dialect's ``model`` takes: a model, a provider's name,
     or ``provider/model``.
     """
-    served: list[_Served] = list(providers)
+    served: list[_ProviderModels] = list(providers)
     names = [p.name for p in served]
     if any(not p.models for p in served):
         return {"providers": names, "models": None, "openai-models": None}

@@ -298,7 +298,7 @@ async def read_stream(request: Request, path: str, principal: Caller) -> Respons
     read = await store.read(tenant, path, start_cursor(offset))
     content_type = read.meta.content_type
     if live == "sse":
-        own = _OwnLooks(store, tenant, path, read)
+        own = _OwnStreamPoller(store, tenant, path, read)
         return _sse(rt, own.look, params.get("cursor"), content_type)
     if live == "long-poll":
         if read.waits:
@@ -385,7 +385,7 @@ def _cacheable(request: Request) -> str:
 
 def _sse(
     rt: Services,
-    look: Callable[[float], Awaitable[_Look | None]],
+    look: Callable[[float], Awaitable[_LookResult | None]],
     cursor: str | None,
     content_type: str,
 ) -> Response:
@@ -402,7 +402,7 @@ def _sse_response(rt: Services, source: FrameSource, content_type: str) -> Respo
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Look:
+class _LookResult:
     """One look at a stream for an SSE read: its new messages (each its offset and ``data``
     event), where the look ends, whether that is the stream's tail, and whether it is closed."""
 
@@ -414,7 +414,7 @@ class _Look:
 
 async def _frames(
     rt: Services,
-    look: Callable[[float], Awaitable[_Look | None]],
+    look: Callable[[float], Awaitable[_LookResult | None]],
     cursor: str | None,
     sink: Sink,
 ) -> AsyncIterator[bytes]:
@@ -458,7 +458,7 @@ async def _frames(
         wait = min(rt.settings.ds_long_poll_s, left) if seen.up_to_date else 0.0
 
 
-class _OwnLooks:
+class _OwnStreamPoller:
     """The looks of an SSE read of a stream of the protocol's own, from its first read on;
     waits ride the stream's feed."""
 
@@ -468,7 +468,7 @@ class _OwnLooks:
         self.after = first.after
         self.content_type = first.meta.content_type
 
-    async def look(self, wait_s: float) -> _Look | None:
+    async def look(self, wait_s: float) -> _LookResult | None:
         read, self.pending = self.pending, None
         if read is None:
             if wait_s > 0:
@@ -477,7 +477,7 @@ class _OwnLooks:
             if read is None:
                 return None
         self.after = read.after
-        return _Look(
+        return _LookResult(
             [
                 (offset_of(place), wire.sse_data(to_bytes(payload), self.content_type))
                 for place, payload in read.items

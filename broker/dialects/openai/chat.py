@@ -27,7 +27,7 @@ from broker.dialects.openai.render import FINISH, ChatRenderer, usage_of
 from broker.dialects.openai.requests import ChatRequest, chat_messages, turn_params
 from broker.dialects.openai.responses import (
     Credentials,
-    Stored,
+    StoredResponse,
     answer,
     create_turn,
     load,
@@ -45,7 +45,7 @@ from broker.relay import Read
 router = APIRouter(tags=["openai"])
 
 
-def _headers(stored: Stored) -> dict[str, str]:
+def _headers(stored: StoredResponse) -> dict[str, str]:
     return {
         "x-broker-turn-id": stored.state["turn_id"],
         "x-broker-stream-id": stored.state["stream_id"],
@@ -64,7 +64,7 @@ async def _usage_record(
     return record.usage if record is not None else None
 
 
-def _completion(stored: Stored) -> Response:
+def _completion(stored: StoredResponse) -> Response:
     state = stored.state
     records = {a["n"]: a for a in state["attempts"]}
     canonical = state["canonical"]

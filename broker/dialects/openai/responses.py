@@ -176,7 +176,7 @@ async def sent_before(
 # --- reading a response back ------------------------------------------------------------------
 
 
-class Stored:
+class StoredResponse:
     """One response as stored: its turn's state, location and the request it was made with."""
 
     def __init__(self, state: dict[str, Any], location: Location, request: StoredRequest) -> None:
@@ -204,14 +204,14 @@ class Stored:
         )
 
 
-async def load(rt: Services, response_id: str, tenant: str | None) -> Stored:
+async def load(rt: Services, response_id: str, tenant: str | None) -> StoredResponse:
     state = await rt.turns.get(response_id, tenant)
     location = await rt.streams.locate(state["stream_id"], tenant)
     request = await rt.turns.request(location.conversation_id, location.turn_id)
-    return Stored(state, location, request)
+    return StoredResponse(state, location, request)
 
 
-async def load_for_reading(rt: Services, response_id: str, tenant: str | None) -> Stored:
+async def load_for_reading(rt: Services, response_id: str, tenant: str | None) -> StoredResponse:
     """What a read of the response's events needs, in two round trips (a resume waits for
     them); the full :func:`load` answers the unknown and expired ones with their error."""
     found = await rt.turns.find(response_id, tenant)
@@ -219,7 +219,7 @@ async def load_for_reading(rt: Services, response_id: str, tenant: str | None) -
         return await load(rt, response_id, tenant)
     state = {"turn_id": response_id, "stream_id": found.stream_id, "created_ms": found.created_ms}
     location = Location(found.stream_id, found.conversation_id, response_id)
-    return Stored(state, location, found.request)
+    return StoredResponse(state, location, found.request)
 
 
 async def attempt_end(rt: Services, location: Location, attempt: int) -> AttemptEnd:
@@ -232,7 +232,7 @@ async def attempt_end(rt: Services, location: Location, attempt: int) -> Attempt
     return AttemptEnd(ended.own_text, ended.text, usage, reason)
 
 
-async def response_object(rt: Services, stored: Stored) -> dict[str, Any]:
+async def response_object(rt: Services, stored: StoredResponse) -> dict[str, Any]:
     """The response as ``GET /v1/responses/{id}`` shows it: the answer so far, usage once known."""
     state, head = stored.state, stored.head
     status = STATUS.get(state["status"], "failed")
@@ -259,7 +259,7 @@ async def response_object(rt: Services, stored: Stored) -> dict[str, Any]:
 
 
 async def stream_response(
-    rt: Services, stored: Stored, starting_after: int, principal: Principal
+    rt: Services, stored: StoredResponse, starting_after: int, principal: Principal
 ) -> Response:
     """The response's events after sequence number ``starting_after`` (-1: all), live, to the
     turn's final ``end``, read by ``principal`` through the relay (see :mod:`broker.relay`)."""
