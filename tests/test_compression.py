@@ -258,11 +258,20 @@ def test_a_live_gzip_stream_shows_each_event_before_the_next_is_written(
     assert kinds[0] == "attempt"
     assert kinds[-1] == "end"
     assert kinds.count("delta") == 8
-    # Each delta was decoded before the next one was even appended to Redis (200 ms later):
-    # the compressor held nothing back. (An entry id's milliseconds are truncated: 1 ms slack.)
+    # Each live delta was decoded before the next one was even appended to Redis (200 ms
+    # later): the compressor held nothing back, or every delta would wait for the next. Deltas
+    # appended before the read's first bytes came as one replay, and a loaded machine may be
+    # late for one delta; so: all live ones but one, of at least three. (An entry id's
+    # milliseconds are truncated: 1 ms slack.)
     deltas = [event for event in read.events if event[1] == "delta"]
-    for (_, _, _, decoded_at), (next_id, _, _, _) in itertools.pairwise(deltas):
-        assert decoded_at < appended_at(next_id) + 0.001
+    first_bytes_at = read.events[0][3]
+    live = [
+        decoded_at < appended_at(next_id) + 0.001
+        for (delta_id, _, _, decoded_at), (next_id, _, _, _) in itertools.pairwise(deltas)
+        if appended_at(delta_id) > first_bytes_at
+    ]
+    assert len(live) >= 3, live
+    assert live.count(False) <= 1, live
     plain = read_sse(broker.base_url, turn["stream_id"])
     assert delta_text(read.events) == text_of(plain.events)
 

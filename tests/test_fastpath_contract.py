@@ -144,7 +144,7 @@ async def test_uvicorn_protocol_and_cycle_have_what_the_fast_protocol_reads() ->
     protocol.connection_lost(None)
 
 
-def test_uvicorn_answers_bytes_its_parser_refuses_through_send_400_response() -> None:
+async def test_uvicorn_answers_bytes_its_parser_refuses_through_send_400_response() -> None:
     """The fast protocol answers them in the broker's error shape by overriding it."""
     asked: list[str] = []
 
