@@ -3,28 +3,42 @@ live batches, without gap or duplicate (see :mod:`broker.reader`, which starts e
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 
+from redis.asyncio import Redis
+
+from broker import redis_calls as rc
 from broker.fanout import Batch, Hub, Subscription
-from broker.frames import CAUGHT_UP, HEARTBEAT, CaughtUp, Chunk, Cursor, Entry, Heartbeat
+from broker.frames import Chunk, Cursor, Entry
 from broker.pages import Page, StoredPages, end_indexes
 from broker.vocabulary import FINAL_STATUSES
+
+
+async def turn_at_rest(redis: Redis, turn_key: str, end_attempt: int | None = None) -> bool:
+    """Whether the turn of hash ``turn_key`` is final (and, given an ``end``, still on that
+    end's attempt)."""
+    status, attempt = await rc.hmget(redis, turn_key, ["status", "attempt"])
+    if status is None:
+        return True  # expired under the reader: nothing more will come
+    if status not in FINAL_STATUSES:
+        return False
+    return end_attempt is None or str(end_attempt) == attempt
 
 
 class Follow:
     """One follow of a turn's stream (``key``; its turn's hash ``turn_key``): where it stands
     (``cursor``), whether it is over (``ended``: it reached an ``end`` that ends the read), and
-    its reads of Redis, through ``pages`` and the process's feeds (``hub``).
+    its reads of Redis (``redis``, and ``pages``) and of the process's feeds (``hub``).
 
-    ``at_rest(attempt)`` says whether the turn is at rest (on that ``end``'s attempt, when one
-    is given); ``look(subscription, first, max_age_s)`` whether it is, for a reader that just
-    joined its feed (``first``) or whose stream was quiet for a heartbeat."""
+    The loop that drives it is :meth:`broker.reader.Streams.follow_chunks`: one async
+    generator per reader, which a quiet reader stays suspended in (another generator layer
+    would cost every quiet connection its frame)."""
 
     __slots__ = (
-        "_at_rest",
         "_hub",
-        "_look",
         "_pages",
+        "_redis",
         "cursor",
         "dry",
         "ended",
@@ -38,16 +52,14 @@ class Follow:
         self,
         pages: StoredPages,
         hub: Hub,
+        redis: Redis,
         keys: tuple[str, str],
         cursor: Cursor,
         *,
-        at_rest: Callable[[int | None], Awaitable[bool]],
-        look: Callable[[Subscription, bool, float], Awaitable[bool]],
         keep: bool,
         shared: bool = False,
     ) -> None:
-        self._pages, self._hub = pages, hub
-        self._at_rest, self._look = at_rest, look
+        self._pages, self._hub, self._redis = pages, hub, redis
         self.key, self.turn_key = keys
         self.cursor = cursor
         self.keep = keep
@@ -93,46 +105,15 @@ class Follow:
                 return
             count = pages.next_count(count)
 
-    async def live(
-        self, subscription: Subscription, look: bool, heartbeat_s: float, *, caught_up: bool
-    ) -> AsyncIterator[Chunk | Heartbeat | CaughtUp]:
-        """The read once it joined its stream's feed (``subscription``): live batches, a
-        catch-up from Redis whenever the reader fell behind the feed, heartbeats when the
-        stream is quiet, until an ``end`` that ends the read. ``look``: whether to look at the
-        turn before the first wait (:meth:`broker.reader.Streams.follow_chunks` says when it
-        need not)."""
-        catch_up, first_look = not subscription.covers(self.cursor), True
-        while True:
-            if catch_up:
-                async for chunk in self.stored():
-                    yield chunk
-                if self.ended:
-                    return
-            if look and await self._look(subscription, first_look, heartbeat_s):
-                # Final before we looked: anything past the cursor ends with the `end` event.
-                async for chunk in self.stored():
-                    yield chunk
-                return
-            first_look = False
-            if caught_up:
-                yield CAUGHT_UP
-            subscription.cursor = self.cursor
-            batches = await subscription.get_all(heartbeat_s)
-            self.cursor = subscription.cursor  # moved on by the feed's direct writes
-            # Too slow for the live tape: catch up from Redis, which has everything, a page at
-            # a time (never all it missed at once: a page is read only when its client took the
-            # last), then take the tape again from where it stands.
-            catch_up, look = subscription.overflowed, False
-            subscription.overflowed = False
-            if batches is not None:
-                taken = await self.take(batches)
-                if taken is not None:
-                    yield taken
-                if self.ended:
-                    return
-            elif not catch_up:
-                yield HEARTBEAT
-                look = True  # a quiet stream: its turn may have come to rest
+    async def look(self, subscription: Subscription, first: bool, max_age_s: float) -> bool:
+        """Whether the turn is at rest, for a reader that just joined (``first``: its own look)
+        or whose stream was quiet for a heartbeat: then the feed's look, shared by all its
+        readers (see :meth:`~broker.fanout._Feed.shared_look`)."""
+        if first:
+            return await turn_at_rest(self._redis, self.turn_key)
+        look = subscription.feed.shared_look(asyncio.get_running_loop().time(), max_age_s)
+        # Shielded: a reader that goes away does not cancel the others' look.
+        return await asyncio.shield(look)
 
     async def take(self, batches: Sequence[Batch]) -> Chunk | None:
         """What live ``batches`` hold past the cursor, as one chunk (None: nothing new), up to
@@ -190,7 +171,7 @@ class Follow:
         """The length of ``entries`` up to an ``end`` that ends the read (the turn is at rest
         on that attempt), or None when the read goes on."""
         for index in end_indexes(entries):
-            if await self._at_rest(entries[index].attempt()):
+            if await turn_at_rest(self._redis, self.turn_key, entries[index].attempt()):
                 return index + 1
         return None
 

@@ -16,7 +16,6 @@ never the events' objects, and never a catch-up of everything it missed.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any, Final, Literal
@@ -28,8 +27,8 @@ from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.errors import BrokerError, Gone, NotFound
 from broker.fanout import Hub, HubClosed, Subscription
-from broker.follow import Follow
-from broker.frames import ORIGIN, CaughtUp, Chunk, Cursor, Entry, Heartbeat
+from broker.follow import Follow, turn_at_rest
+from broker.frames import CAUGHT_UP, HEARTBEAT, ORIGIN, CaughtUp, Chunk, Cursor, Entry, Heartbeat
 from broker.offsets import NOW, START
 from broker.pages import StoredPages
 from broker.sse import Sink
@@ -230,28 +229,9 @@ class Streams:
         tail = await rc.last_entry_id(self._redis, self.events_key(location))
         return Cursor.after(tail) if tail else ORIGIN
 
-    async def _at_rest(self, location: Location, end_attempt: int | None = None) -> bool:
-        """Whether the turn is final (and, given an ``end``, still on that end's attempt)."""
-        status, attempt = await rc.hmget(
-            self._redis, self.turn_key(location), ["status", "attempt"]
-        )
-        if status is None:
-            return True  # expired under the reader: nothing more will come
-        if status not in FINAL_STATUSES:
-            return False
-        return end_attempt is None or str(end_attempt) == attempt
-
-    async def _look(
-        self, location: Location, subscription: Subscription, first: bool, max_age_s: float
-    ) -> bool:
-        """Whether the turn is at rest, for a reader that just joined (``first``: its own look)
-        or whose stream was quiet for a heartbeat: then the feed's look, shared by all its
-        readers (see :meth:`~broker.fanout._Feed.shared_look`)."""
-        if first:
-            return await self._at_rest(location)
-        look = subscription.feed.shared_look(asyncio.get_running_loop().time(), max_age_s)
-        # Shielded: a reader that goes away does not cancel the others' look.
-        return await asyncio.shield(look)
+    async def _at_rest(self, location: Location) -> bool:
+        """Whether the turn is final."""
+        return await turn_at_rest(self._redis, self.turn_key(location))
 
     async def finished_before(self, location: Location, cursor: Cursor) -> bool:
         """Whether the turn is at rest and nothing is stored past ``cursor``."""
@@ -309,23 +289,8 @@ class Streams:
         wait. With ``caught_up``, :data:`~broker.frames.CAUGHT_UP` comes before each wait for
         live events (a reader that must say when it is at the stream's tail).
         """
-        if sink is not None and not direct:
-            sink = _SinkView(sink)
-        cursor = Cursor.after(after) if isinstance(after, str) else after
-        # A response writing our frames needs those only, not the events behind them. Its
-        # replay's pages are shared with the other readers of the stream (broker.pages).
-        read = Follow(
-            self.pages,
-            self._hub,
-            (self.events_key(location), self.turn_key(location)),
-            cursor,
-            at_rest=lambda attempt: self._at_rest(location, attempt),
-            look=lambda subscription, first, max_age_s: self._look(
-                location, subscription, first, max_age_s
-            ),
-            keep=sink is None or not direct,
-            shared=True,
-        )
+        read, sink = self._start(location, after, sink, direct)
+        cursor = read.cursor
         heartbeat_s = heartbeat_s or self._settings.sse_heartbeat_s
         subscription: Subscription | None = None
         try:
@@ -343,18 +308,64 @@ class Streams:
                 read.key, read.cursor, read.turn_key, seen=read.cursor is not cursor
             )
             subscription.sink = sink
-            # A turn that was running as the read began, or one whose stream goes on past the
-            # read's start, ends with an `end` the read will meet (see Opening.open). Unless
-            # the stream expired since: a replay that found nothing where the opening saw
-            # events (`dry`) looks, or it would wait a heartbeat for an `end` that is gone.
-            look = opening is None or not opening.open or (read.dry and not opening.running)
-            async for item in read.live(subscription, look, heartbeat_s, caught_up=caught_up):
-                yield item
+            catch_up, first_look = not subscription.covers(read.cursor), True
+            look, at_rest = _looks_first(opening, read.dry), False
+            while True:
+                if catch_up:
+                    async for chunk in read.stored():
+                        yield chunk
+                    if read.ended or at_rest:
+                        return
+                if look and await read.look(subscription, first_look, heartbeat_s):
+                    # Final before we looked: anything past the cursor ends with the `end`
+                    # event, which the read from Redis above reaches (then the read ends).
+                    catch_up = at_rest = True
+                    continue
+                first_look = False
+                if caught_up:
+                    yield CAUGHT_UP
+                subscription.cursor = read.cursor
+                batches = await subscription.get_all(heartbeat_s)
+                read.cursor = subscription.cursor  # moved on by the feed's direct writes
+                # Too slow for the live tape: catch up from Redis, which has everything, a page
+                # at a time (never all it missed at once: a page is read only when its client
+                # took the last), then take the tape again from where it stands.
+                catch_up, look = subscription.overflowed, False
+                subscription.overflowed = False
+                if batches is not None:
+                    taken = await read.take(batches)
+                    if taken is not None:
+                        yield taken
+                    if read.ended:
+                        return
+                elif not catch_up:
+                    yield HEARTBEAT
+                    look = True  # a quiet stream: its turn may have come to rest
         except HubClosed:
             return
         finally:
             if subscription is not None:
                 self._hub.unsubscribe(subscription)
+
+    def _start(
+        self, location: Location, after: Cursor | str, sink: Sink | None, direct: bool
+    ) -> tuple[Follow, Sink | None]:
+        """A follow of ``location`` from ``after``, and the sink as the feed sees it."""
+        if sink is not None and not direct:
+            sink = _SinkView(sink)
+        cursor = Cursor.after(after) if isinstance(after, str) else after
+        # A response writing our frames needs those only, not the events behind them. Its
+        # replay's pages are shared with the other readers of the stream (broker.pages).
+        read = Follow(
+            self.pages,
+            self._hub,
+            self._redis,
+            (self.events_key(location), self.turn_key(location)),
+            cursor,
+            keep=sink is None or not direct,
+            shared=True,
+        )
+        return read, sink
 
     async def page(
         self, location: Location, start: StartPoint, wait_s: float = 0.0
@@ -428,3 +439,13 @@ class Streams:
 def _page_event(entry: Entry) -> dict[str, Any]:
     """An event as a JSON page lists it."""
     return {"id": entry.offset, "event": entry.kind, "data": orjson.loads(entry.data)}
+
+
+def _looks_first(opening: Opening | None, dry: bool) -> bool:
+    """Whether a read looks at its turn before its first wait for live events.
+
+    A turn that was running as the read began, or one whose stream goes on past the read's
+    start, ends with an ``end`` the read will meet (see :attr:`Opening.open`). Unless the stream
+    expired since: a replay that found nothing where the opening saw events (``dry``) looks, or
+    it would wait a heartbeat for an ``end`` that is gone."""
+    return opening is None or not opening.open or (dry and not opening.running)
