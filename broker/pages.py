@@ -10,6 +10,7 @@ a crowd that replays a finished answer, or joins a running one, reads each page 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from typing import Final
@@ -102,13 +103,16 @@ class StoredPages:
     ``bounded``: whether a page may stop at an entry this process's feed read (the feed and the
     pages then read the same server; not so when reads go to a cluster's replicas)."""
 
-    __slots__ = ("_bounded", "_cache", "_redis", "_replay_page")
+    __slots__ = ("_bounded", "_cache", "_reading", "_redis", "_replay_page")
 
     def __init__(self, redis: Redis, *, replay_page: int, cache_ttl_s: float, bounded: bool):
         self._redis = redis
         self._replay_page = replay_page
         self._cache = PageCache(cache_ttl_s)
         self._bounded = bounded
+        # Shared pages being read from Redis now: a reader that asks for one meanwhile waits
+        # for that read instead of making its own (a crowd joins at the same moment).
+        self._reading: dict[PageKey, asyncio.Future[Page]] = {}
 
     def next_count(self, count: int | None) -> int:
         """A replay's page sizes: a small first page, then each twice the last, up to
@@ -147,7 +151,10 @@ class StoredPages:
             return kept, True
         if shared and self._bounded and until == "+" and bound and bound.key > after.key:
             return await self._bounded_page(asked, bound, now)
-        entries = await self._read(key, after.entry_id, until, count)
+        if shared:
+            entries = await self._read_once(asked)
+        else:
+            entries = await self._read(key, after.entry_id, until, count)
         if len(entries) < count:
             return entries, False
         if shared:
@@ -162,13 +169,36 @@ class StoredPages:
         bounded = (key, start, bound.entry_id, count)
         entries = self._cache.get(bounded, now)
         if entries is None:
-            entries = await self._read(key, start, bound.entry_id, count)
+            entries = await self._read_once(bounded)
             if entries:
                 self._cache.put(bounded, entries, now)
         if len(entries) < count:
             return entries, False  # all there is up to the bound: the feed brings the rest
         self._cache.put(asked, entries, now)  # a full page is the same, bounded or not
         return entries, True
+
+    async def _read_once(self, page: PageKey) -> Page:
+        """``page`` read from Redis, once for all the readers that ask for it while it is
+        read. A reader whose read failed (or was cancelled) leaves the others to read it
+        themselves; nothing here waits on a cancellation reaching a Redis call."""
+        pending = self._reading.get(page)
+        if pending is not None:
+            await asyncio.wait((pending,))  # (raises only this reader's own cancellation)
+            if not pending.cancelled():
+                return pending.result()
+            return await self._read(*page)
+        future: asyncio.Future[Page] = asyncio.get_running_loop().create_future()
+        self._reading[page] = future
+        try:
+            entries = await self._read(*page)
+        except BaseException:
+            future.cancel()  # the waiting readers read for themselves
+            raise
+        else:
+            future.set_result(entries)
+        finally:
+            del self._reading[page]
+        return entries
 
     async def _read(self, key: str, after: str, until: str, count: int) -> Page:
         """Up to ``count`` events of stream ``key`` past entry ``after``, up to ``until``,

@@ -22,6 +22,7 @@ from broker.fanout import Hub
 from broker.frames import ORIGIN, Chunk, Cursor
 from broker.keys import Keys
 from broker.metrics import Metrics
+from broker.pages import Page, StoredPages
 from broker.reader import Location, Streams
 from broker.scripts import Scripts
 from broker.settings import Settings
@@ -157,3 +158,54 @@ class _Sink:
 
     def write_now(self, chunk: bytes) -> bool:
         return False
+
+
+async def test_readers_asking_for_a_page_while_it_is_read_share_that_read(
+    aredis: Redis, raw_redis: redis.Redis
+) -> None:
+    """A crowd that joins at once asks for the same page at the same moment: one XRANGE."""
+    streams, keys, _ = await _setup(aredis)
+    key = keys.events("c", "t")
+    for i in range(30):  # a short page: not kept, so only sharing the read saves a command
+        await aredis.xadd(key, {"e": "delta", "d": _data(text=str(i))})
+    before = command_calls(raw_redis, "xrange")
+    pages = await asyncio.gather(
+        *(streams.pages.page(key, ORIGIN, "+", 64, shared=True) for _ in range(10))
+    )
+    assert command_calls(raw_redis, "xrange") - before == 1
+    assert all(page == pages[0] and len(page[0]) == 30 for page in pages)
+    assert streams.pages._reading == {}  # nothing left behind
+
+
+class _FirstReadBreaks(StoredPages):
+    """Pages whose first read from Redis breaks, once the others asked for the same page."""
+
+    __slots__ = ("reads",)
+
+    def __init__(self, redis: Redis) -> None:
+        super().__init__(redis, replay_page=64, cache_ttl_s=1.0, bounded=True)
+        self.reads = 0
+
+    async def _read(self, key: str, after: str, until: str, count: int) -> Page:
+        self.reads += 1
+        if self.reads == 1:
+            await asyncio.sleep(0)  # (the others ask meanwhile)
+            raise ConnectionError("the first reader's read broke")
+        return await super()._read(key, after, until, count)
+
+
+async def test_a_shared_read_that_fails_leaves_its_waiters_to_read_for_themselves(
+    aredis: Redis,
+) -> None:
+    _, keys, _ = await _setup(aredis)
+    key = keys.events("c", "t")
+    await aredis.xadd(key, {"e": "delta", "d": _data(text="a")})
+    pages = _FirstReadBreaks(aredis)
+    results = await asyncio.gather(
+        *(pages.page(key, ORIGIN, "+", 64, shared=True) for _ in range(3)),
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], ConnectionError)
+    assert [len(r[0]) for r in results[1:] if isinstance(r, tuple)] == [1, 1]
+    assert pages.reads == 3
+    assert pages._reading == {}
