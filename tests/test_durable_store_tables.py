@@ -216,6 +216,15 @@ def test_a_content_type_compares_by_its_media_type(value: str | None, media: str
         (b'[{"a": 1}, 2, "x"]', False, b'{"a":1},2,"x"'),
         (b"[[1, 2]]", False, b"[1,2]"),  # one level flattened
         (b"[]", True, b""),
+        # Integers past 64 bits are kept exact (orjson alone would round them to a float).
+        (b"[123456789012345678901234567890]", False, b"123456789012345678901234567890"),
+        (
+            b'{"n": -99999999999999999999, "s": "\xc3\xa9"}',
+            False,
+            b'{"n":-99999999999999999999,"s":"\xc3\xa9"}',
+        ),
+        (b'{"n": 9223372036854775807}', False, b'{"n":9223372036854775807}'),
+        (b'{"f": 1.2345678901234567890}', False, b'{"f":1.2345678901234567}'),
     ],
 )
 def test_json_messages_are_kept_compact(body: bytes, allow_empty: bool, kept: bytes) -> None:

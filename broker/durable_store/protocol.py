@@ -28,6 +28,8 @@ DEFAULT_TYPE: Final = "application/octet-stream"
 MAX_JSON_DEPTH: Final = 128
 _STRINGS: Final = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _BRACKETS: Final = re.compile(rb"[\[\]{}]")
+# A run of digits that long may be an integer past 64 bits (or a float's digits, or a string's).
+_LONG_DIGITS: Final = re.compile(rb"[0-9]{19}")
 
 # The protocol's names of the response headers an error of a stream carries.
 NEXT_OFFSET: Final = "Stream-Next-Offset"
@@ -105,21 +107,21 @@ def _loads(body: bytes, depth: int = MAX_JSON_DEPTH) -> Any:
             code="json_too_deep",
         )
     try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        # orjson refuses integers past 64 bits, which JSON allows: the standard parser takes
-        # them (but neither takes NaN or Infinity).
-        try:
-            return json.loads(body, parse_constant=_strict_constant)
-        except (ValueError, UnicodeDecodeError):
-            raise BadRequest("the body is not valid JSON", code="bad_json") from None
+        if _LONG_DIGITS.search(body) is None:
+            return orjson.loads(body)
+        # orjson reads an integer past 64 bits as a float, its value rounded (or refuses it,
+        # by release): the standard parser keeps it exact, as JSON allows (neither takes NaN
+        # or Infinity).
+        return json.loads(body, parse_constant=_strict_constant)
+    except (ValueError, UnicodeDecodeError):  # (orjson's JSONDecodeError is a ValueError)
+        raise BadRequest("the body is not valid JSON", code="bad_json") from None
 
 
 def _compact(value: Any) -> bytes:
     try:
         return orjson.dumps(value)
     except TypeError:  # an integer orjson cannot write
-        return json.dumps(value, separators=(",", ":")).encode()
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def json_messages(body: bytes, *, allow_empty: bool) -> bytes:
