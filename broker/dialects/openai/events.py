@@ -100,9 +100,19 @@ def message_item(response_id: str, attempt: int, text: str, status: str) -> dict
     }
 
 
+def incomplete_details(reason: str | None) -> dict[str, str]:
+    """Why a response is incomplete, in OpenAI's two words: ``content_filter`` when the upstream
+    filtered the answer, else ``max_output_tokens`` (the answer ended before the model finished
+    it: cut by the upstream, a lost worker, a timeout, a stop, or the token limit)."""
+    if reason and "content_filter" in reason:
+        return {"reason": "content_filter"}
+    return {"reason": "max_output_tokens"}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Head:
-    """What every rendering of one response repeats: from the turn's stored request."""
+    """What every rendering of one response repeats: from the turn's stored request (the
+    fields the request echoes, as the client sent them)."""
 
     response_id: str
     model: str
@@ -113,6 +123,8 @@ class Head:
     max_output_tokens: int | None
     previous_response_id: str | None
     background: bool
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    store: bool = True
 
     def response(
         self,
@@ -121,8 +133,11 @@ class Head:
         *,
         usage: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        reason: str | None = None,
     ) -> dict[str, Any]:
-        """The response object in ``status`` with ``output``."""
+        """The response object in ``status`` with ``output`` (``reason``: why it ended, for
+        an incomplete or cancelled one)."""
+        incomplete = status in ("incomplete", "cancelled")
         return {
             "id": self.response_id,
             "object": "response",
@@ -139,9 +154,12 @@ class Head:
             "top_p": self.top_p,
             "max_output_tokens": self.max_output_tokens,
             "previous_response_id": self.previous_response_id,
-            "metadata": {},
+            "metadata": dict(self.metadata),
+            "store": self.store,
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
             "error": error,
-            "incomplete_details": None,
+            "incomplete_details": incomplete_details(reason) if incomplete else None,
             "usage": usage_object(usage),
         }
 
@@ -254,7 +272,9 @@ def expand(
             },
             {
                 "type": terminal,
-                "response": head.response(response_status, [answer], usage=end.usage, error=error),
+                "response": head.response(
+                    response_status, [answer], usage=end.usage, error=error, reason=end.reason
+                ),
             },
         ]
     for n, event in enumerate(events):
