@@ -96,7 +96,9 @@ def message_item(response_id: str, attempt: int, text: str, status: str) -> dict
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [{"type": "output_text", "text": text, "annotations": []}] if text else [],
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        if text
+        else [],
     }
 
 
@@ -124,7 +126,6 @@ class Head:
     previous_response_id: str | None
     background: bool
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
-    store: bool = True
 
     def response(
         self,
@@ -136,9 +137,9 @@ class Head:
         reason: str | None = None,
     ) -> dict[str, Any]:
         """The response object in ``status`` with ``output`` (``reason``: why it ended, for
-        an incomplete or cancelled one)."""
+        an incomplete or cancelled one; ``usage`` absent until known)."""
         incomplete = status in ("incomplete", "cancelled")
-        return {
+        body = {
             "id": self.response_id,
             "object": "response",
             "created_at": self.created_at,
@@ -155,13 +156,15 @@ class Head:
             "max_output_tokens": self.max_output_tokens,
             "previous_response_id": self.previous_response_id,
             "metadata": dict(self.metadata),
-            "store": self.store,
             "text": {"format": {"type": "text"}},
             "truncation": "disabled",
             "error": error,
             "incomplete_details": incomplete_details(reason) if incomplete else None,
-            "usage": usage_object(usage),
         }
+        counted = usage_object(usage)
+        if counted is not None:  # the spec's usage is an object or absent, never null
+            body["usage"] = counted
+        return body
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -235,7 +238,7 @@ def expand(
             {
                 "type": "response.content_part.added",
                 **common,
-                "part": {"type": "output_text", "text": "", "annotations": []},
+                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
             }
         )
     elif kind == "delta":
@@ -263,7 +266,12 @@ def expand(
             {
                 "type": "response.content_part.done",
                 **common,
-                "part": {"type": "output_text", "text": end.text, "annotations": []},
+                "part": {
+                    "type": "output_text",
+                    "text": end.text,
+                    "annotations": [],
+                    "logprobs": [],
+                },
             },
             {
                 "type": "response.output_item.done",

@@ -199,7 +199,6 @@ class StoredResponse:
             previous_response_id=echo.get("previous_response_id"),
             background=bool(echo.get("background", False)),
             metadata=dict(echo.get("metadata") or {}),
-            store=echo.get("store") is not False,
         )
 
 
