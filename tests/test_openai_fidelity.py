@@ -112,6 +112,12 @@ def test_empty_include_and_tools_and_harmless_include_values_are_taken(
                 sdk.responses.create(model="simulated", input="hi", include=include)
             assert refused.value.param == "include"
             assert include[0] in refused.value.message
+        # The same rule on retrieve, where the SDK sends include[]=... (once ignored silently).
+        got = sdk.responses.retrieve(done.id, include=["reasoning.encrypted_content"])
+        assert got.id == done.id
+        with pytest.raises(openai.BadRequestError) as on_retrieve:
+            sdk.responses.retrieve(done.id, include=["message.output_text.logprobs"])
+        assert on_retrieve.value.param == "include"
 
 
 def test_store_false_is_taken_and_cannot_be_continued(broker: RunningBroker) -> None:

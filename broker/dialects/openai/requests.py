@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -199,7 +200,13 @@ def check_supported(request: ResponsesRequest) -> None:
             "tools",
             code="unsupported_parameter",
         )
-    for value in request.include or ():
+    check_include(request.include or ())
+
+
+def check_include(values: Iterable[str]) -> None:
+    """400 naming ``include`` for a value that would change the response (see
+    :data:`INCLUDE_NOTHING`)."""
+    for value in values:
         if value not in INCLUDE_NOTHING:
             raise ParamError(
                 f"include value {value!r} is not supported (this broker takes: "

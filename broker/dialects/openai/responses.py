@@ -33,6 +33,7 @@ from broker.dialects.openai.render import ResponsesRenderer
 from broker.dialects.openai.requests import (
     ParamError,
     ResponsesRequest,
+    check_include,
     check_known,
     check_supported,
     resolve_model,
@@ -377,6 +378,13 @@ def _bool_param(value: str | None, name: str) -> bool:
                 "schema": {"type": "integer", "minimum": -1, "maximum": 2**53},
                 "description": "with stream=true: the events after this sequence_number",
             },
+            {
+                "name": "include",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "array", "items": {"type": "string"}},
+                "description": "values that change nothing here (see docs/openai.md); others: 400",
+            },
         ]
     },
 )
@@ -393,6 +401,8 @@ async def retrieve_response(
         rt = services(request)
         streaming = _bool_param(stream, "stream")
         after = _int_param(starting_after, "starting_after")
+        query = request.query_params  # the SDKs send a list as include[]=...
+        check_include([*query.getlist("include[]"), *query.getlist("include")])
         if streaming:
             stored = await load_for_reading(rt, response_id, principal.tenant)
             return await stream_response(rt, stored, -1 if after is None else after, principal)
