@@ -17,8 +17,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from broker.dialects.openai.events import AttemptEnd, Head
-from broker.dialects.openai.render import ChatRenderer, ResponsesRenderer
+from broker.dialects.openai.events import REPLACED, AttemptEnd, Head
+from broker.dialects.openai.render import CHAT_REPLACED, ChatRenderer, ResponsesRenderer, failure
 from broker.frames import Entry
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.openai_spec import event_errors, sdk_extras, spec_errors, stream_event_components
@@ -159,6 +159,20 @@ def test_every_chat_chunk_of_the_renderer_meets_the_spec_and_the_sdk(
             assert status == "failed"
             continue
         check_chunk(chunk)
+
+
+def test_the_error_frames_meet_the_spec_but_for_the_documented_sequence_number() -> None:
+    """A failed chat stream and a taken-over chat read end with OpenAI's error shape; the
+    Responses read a newer one-viewer connection took over ends with an ``error`` event that
+    has no ``sequence_number`` on purpose (it is no event of the response: a number would be a
+    resume point), the one departure from the spec, documented in docs/openai.md."""
+    for frame in (failure("upstream_other"), CHAT_REPLACED):
+        assert spec_errors("ErrorResponse", data_lines(frame)[0]) == []
+    (replaced,) = data_lines(REPLACED)
+    assert event_errors(replaced) == [
+        "ResponseErrorEvent at .: 'sequence_number' is a required property"
+    ]
+    assert event_errors({**replaced, "sequence_number": 0}) == []
 
 
 # --- real turns through a real broker ---------------------------------------------------------
