@@ -167,6 +167,15 @@ def test_item_references_resolve_to_the_brokers_own_items(broker: RunningBroker)
             {"role": "user", "content": "remember"},
             {"role": "user", "content": "again"},
         ]
+        # ...and of any response before it in the chain, whatever instructions came and went.
+        later = sdk.responses.create(
+            model="simulated",
+            previous_response_id=chained.id,
+            instructions="now terse",
+            input=items({"type": "item_reference", "id": "in_1"}),
+            extra_body=simulate(tokens=3),
+        )
+        assert sent_messages(broker, later.id)[-1] == {"role": "user", "content": "remember"}
         with pytest.raises(openai.BadRequestError) as unknown:
             sdk.responses.create(
                 model="simulated", input=items({"type": "item_reference", "id": "msg_9_nobody"})

@@ -7,8 +7,9 @@ instructions) and its answer, so a response can branch from any earlier one; a r
 with ``store: false`` cannot be a ``previous_response_id`` (400, ``previous_response_not_found``).
 
 An ``item_reference`` names an item the broker minted (``msg_<attempt>_<response id>``: that
-attempt's whole answer, as an assistant message) or an input message the previous response was
-sent with an ``id``; anything else is a 400 naming ``input``.
+attempt's whole answer, as an assistant message) or an input message that the previous response,
+or any response before it in its chain, was sent with an ``id``; anything else is a 400 naming
+``input``.
 """
 
 from __future__ import annotations
@@ -43,13 +44,24 @@ class Prior:
     request: StoredRequest
     state: dict[str, Any]
 
+    @property
+    def _dropped(self) -> int:
+        """How many leading messages were its instructions (0 or 1)."""
+        instructions = self.request.echo.get("instructions")
+        messages = self.request.messages
+        return int(bool(instructions and messages and messages[0].get("content") == instructions))
+
+    def input_ids(self, at: int) -> dict[str, int]:
+        """The ids of the input messages of the chain so far, placed as :meth:`context` puts
+        its messages from index ``at`` on."""
+        ids = self.request.echo.get("input_ids") or {}
+        shift = at - self._dropped
+        return {k: v + shift for k, v in ids.items() if isinstance(v, int) and v >= self._dropped}
+
     def context(self) -> list[dict[str, Any]]:
         """Its input without its instructions, then its canonical answer (flagged ``partial``
         when it was cut short, as the native history does)."""
-        messages = [dict(m) for m in self.request.messages]
-        instructions = self.request.echo.get("instructions")
-        if instructions and messages and messages[0].get("content") == instructions:
-            messages = messages[1:]
+        messages = [dict(m) for m in self.request.messages[self._dropped :]]
         canonical = self.state.get("canonical")
         if canonical:
             answer: dict[str, Any] = {"role": "assistant", "content": canonical["text"] or ""}
@@ -143,9 +155,11 @@ async def context(
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
-    if before is not None:
-        messages += before.context()
     input_ids: dict[str, int] = {}
+    if before is not None:
+        # The chain's input ids carry on, so a reference reaches any earlier response's input.
+        input_ids.update(before.input_ids(len(messages)))
+        messages += before.context()
     new_input = 0
     for item in input_items(body):
         if isinstance(item, InputMessage):
