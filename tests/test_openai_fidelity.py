@@ -185,6 +185,13 @@ def test_item_references_resolve_to_the_brokers_own_items(broker: RunningBroker)
                 model="simulated",
                 input=items({"type": "function_call_output", "call_id": "c", "output": "x"}),
             )
+        with pytest.raises(openai.BadRequestError) as image:
+            sdk.responses.create(
+                model="simulated",
+                input=items(
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+                ),
+            )
         with pytest.raises(openai.BadRequestError) as malformed:
             sdk.responses.create(model="simulated", input=items({"role": "user", "content": 3}))
     assert unknown.value.param == "input"
@@ -192,7 +199,10 @@ def test_item_references_resolve_to_the_brokers_own_items(broker: RunningBroker)
     assert "input.str" not in unknown.value.message
     assert unsupported.value.param == "input"
     assert "function_call_output" in unsupported.value.message
+    assert image.value.param == "input"
+    assert "input_image" in image.value.message
     assert malformed.value.param == "input"
+    assert ".str" not in malformed.value.message
     assert "message item" in malformed.value.message
 
 

@@ -23,6 +23,26 @@ class ParamError(BadRequest):
         self.param = param
 
 
+# The labels pydantic puts in an error's location for the branch of a union it tried.
+_BRANCH_LABELS: Final = frozenset({"str", "int", "float", "bool"})
+
+
+def _place(loc: tuple[int | str, ...]) -> list[int | str]:
+    return [p for p in loc if not (isinstance(p, str) and (p in _BRANCH_LABELS or "[" in p))]
+
+
+def describe(exc: ValidationError) -> tuple[str, str | None]:
+    """A validation error as one clear sentence and the parameter at fault: the deepest place
+    that failed (the branch of a union the value was meant for), without pydantic's branch
+    labels; the failures of every branch at one place are given together."""
+    errors = exc.errors()
+    deepest = max(errors, key=lambda e: len(_place(e["loc"])))
+    place = _place(deepest["loc"])
+    messages = dict.fromkeys(e["msg"] for e in errors if _place(e["loc"]) == place)
+    where = ".".join(str(p) for p in place) or "body"
+    return f"{where}: {' or '.join(messages)}", (str(place[0]) if place else None)
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -235,18 +255,30 @@ def input_items(request: ResponsesRequest) -> list[InputMessage | ItemReference]
                 "input",
                 code="unsupported_input_item",
             )
+        if model is InputMessage:
+            _check_parts(n, raw.get("content"))
         try:
             items.append(model.model_validate(raw))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            name = kind or "message"
-            raise ParamError(
-                f"input[{n}] ({name} item){'.' + where if where else ''}: "
-                f"{first.get('msg', 'invalid')}",
-                "input",
-            ) from None
+            message, _ = describe(exc)
+            raise ParamError(f"input[{n}] ({kind or 'message'} item) {message}", "input") from None
     return items
+
+
+PART_TYPES: Final = ("input_text", "output_text", "text")
+
+
+def _check_parts(n: int, content: Any) -> None:
+    """400 naming ``input`` and the type of a content part the broker does not take."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in PART_TYPES:
+            raise ParamError(
+                f"input[{n}] (message item): content parts of type {kind[:64]!r} are not "
+                f"supported (this broker takes: {', '.join(PART_TYPES)})",
+                "input",
+                code="unsupported_content",
+            )
 
 
 def as_message(message: InputMessage) -> dict[str, Any]:

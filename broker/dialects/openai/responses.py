@@ -36,6 +36,7 @@ from broker.dialects.openai.requests import (
     check_include,
     check_known,
     check_supported,
+    describe,
     resolve_model,
     turn_params,
 )
@@ -89,10 +90,8 @@ async def parse(request: Request, model: type[BaseModelT]) -> tuple[BaseModelT, 
     try:
         return model.model_validate(payload), payload
     except ValidationError as exc:
-        first = exc.errors()[0]
-        location = ".".join(str(p) for p in first.get("loc", ()))
-        param = str(first["loc"][0]) if first.get("loc") else None
-        raise ParamError(f"{location or 'body'}: {first.get('msg', 'invalid')}", param) from None
+        message, param = describe(exc)
+        raise ParamError(message, param) from None
 
 
 def turn_id_of(request: Request, metadata: dict[str, str] | None, prefix: str) -> str:
