@@ -247,6 +247,28 @@ def test_responses_objects_and_events_of_real_turns_meet_the_spec_and_the_sdk(
     for event in failed:
         check_event(event)
 
+    chained = post(
+        broker,
+        "/v1/responses",
+        {
+            "model": "simulated",
+            "input": [
+                {"type": "item_reference", "id": whole.json()["output"][0]["id"]},
+                {"type": "message", "role": "user", "content": "and?", "id": "in_1"},
+            ],
+            "instructions": "be terse",
+            "previous_response_id": whole.json()["id"],
+            "metadata": {"k": "v"},
+            "include": [],
+            "tools": [],
+            "store": False,
+            **simulate(tokens=3),
+        },
+    )
+    assert chained.status_code == 200, chained.text
+    check_response(chained.json())
+    assert chained.json()["previous_response_id"] == whole.json()["id"]
+
     long = post(
         broker,
         "/v1/responses",
