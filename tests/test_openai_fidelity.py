@@ -101,6 +101,7 @@ def test_empty_include_and_tools_and_harmless_include_values_are_taken(
         for extra in (
             {"include": [], "tools": []},
             {"include": ["reasoning.encrypted_content", "file_search_call.results"]},
+            {"truncation": "disabled"},
         ):
             done = sdk.responses.create(
                 model="simulated", input="hi", **extra, extra_body=simulate(tokens=3)
@@ -112,6 +113,9 @@ def test_empty_include_and_tools_and_harmless_include_values_are_taken(
                 sdk.responses.create(model="simulated", input="hi", include=include)
             assert refused.value.param == "include"
             assert include[0] in refused.value.message
+        with pytest.raises(openai.BadRequestError) as truncating:
+            sdk.responses.create(model="simulated", input="hi", truncation="auto")
+        assert truncating.value.param == "truncation"
         # The same rule on retrieve, where the SDK sends include[]=... (once ignored silently).
         got = sdk.responses.retrieve(done.id, include=["reasoning.encrypted_content"])
         assert got.id == done.id

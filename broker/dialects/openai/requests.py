@@ -116,6 +116,8 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     include: list[str] | None = Field(default=None, max_length=16)
     tools: list[Any] | None = Field(default=None, description="empty only (as if absent)")
+    # The broker never truncates a conversation to fit: "disabled" (the default) is what it does.
+    truncation: Literal["disabled"] | None = None
     stream: bool | None = None
     background: bool | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
