@@ -29,6 +29,7 @@ class StoredRequest:
     provider: str | None
     model: str | None
     params: dict[str, Any]
+    echo: dict[str, Any] = dataclasses.field(default_factory=dict)  # a door's echoed fields
 
     @classmethod
     def decode(cls, raw: str | None) -> StoredRequest:
@@ -40,6 +41,7 @@ class StoredRequest:
             provider=body.get("provider"),
             model=body.get("model"),
             params=dict(body.get("params") or {}),
+            echo=dict(body.get("echo") or {}),
         )
 
 

@@ -99,6 +99,11 @@ class TurnRequest(BaseModel):
     session_id: str | None = Field(default=None, pattern=ID_REGEX)
     # Where to POST once each attempt is at rest; delivery, not the work: not fingerprinted.
     notify: NotifyRequest | None = None
+    # What a door hands back as the client sent it (OpenAI: instructions, metadata, background):
+    # stored with the request, never sent upstream.
+    echo: dict[str, Any] | None = Field(
+        default=None, description="extension: fields a door echoes in its objects"
+    )
 
 
 class AttemptRequest(BaseModel):
@@ -176,6 +181,8 @@ class Turns:
         for message in body["messages"]:
             if message.get("partial") is None:
                 message.pop("partial", None)
+        if body.get("echo") is None:
+            body.pop("echo", None)  # a native turn's fingerprint stays what it was
         body["provider"] = self._providers.get(request.provider).name
         fp = fingerprint(body)
         keys = self._keys

@@ -260,3 +260,19 @@ async def test_the_async_client_reattaches_a_cut_completion(broker: RunningBroke
         rest = [checked(c) async for c in again]
     text = await asyncio.to_thread(canonical_text, broker, "chat-async-1")
     assert content(first) + content(rest) == text
+
+
+def test_a_completion_cut_short_without_stream_answers_length_not_a_502(
+    broker: RunningBroker,
+) -> None:
+    """Regression: the whole-answer path looked up the attempt's record status (``partial``),
+    which it did not know, and answered a cut answer as a failed generation (502)."""
+    with client(broker) as sdk:
+        cut = sdk.chat.completions.create(
+            model="simulated",
+            messages=MESSAGES,
+            extra_body=simulate(tokens=20, fail_after_deltas=5),
+        )
+    assert cut.choices[0].finish_reason == "length"
+    assert cut.choices[0].message.content
+    assert cut.choices[0].message.refusal is None

@@ -287,8 +287,12 @@ def test_errors_have_openai_shape_and_name_the_parameter(broker: RunningBroker) 
     with client(broker) as sdk:
         with pytest.raises(openai.BadRequestError) as unknown:
             sdk.responses.create(model="simulated", input="x", extra_body={"frobnicate": 1})
-        with pytest.raises(openai.BadRequestError) as unstored:
-            sdk.responses.create(model="simulated", input="x", store=False)
+        with pytest.raises(openai.BadRequestError) as tools:
+            sdk.responses.create(
+                model="simulated",
+                input="x",
+                tools=[{"type": "function", "name": "f", "parameters": {}, "strict": False}],
+            )
         with pytest.raises(openai.BadRequestError) as bad_knob:
             sdk.responses.create(model="simulated", input="x", extra_body=simulate(no_such_knob=1))
         with pytest.raises(openai.NotFoundError):
@@ -296,7 +300,7 @@ def test_errors_have_openai_shape_and_name_the_parameter(broker: RunningBroker) 
         with pytest.raises(openai.NotFoundError):
             sdk.responses.cancel("resp_nobody")
     assert unknown.value.param == "frobnicate"
-    assert unstored.value.param == "store"
+    assert tools.value.param == "tools"
     assert "no_such_knob" in bad_knob.value.message
     for raw in (b"{", b"[]", b'{"model": 3, "input": "x"}', b'{"model": "simulated"}'):
         answer = httpx.post(f"{broker.base_url}/v1/responses", content=raw, timeout=10)

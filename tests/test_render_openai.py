@@ -44,7 +44,8 @@ def response(status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def message(status: str, text: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if text else []
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    content = content if text else []
     return {
         "id": ITEM,
         "type": "message",
@@ -66,7 +67,7 @@ ADDED = sse(
     {
         "type": "response.content_part.added",
         **AT,
-        "part": {"type": "output_text", "text": "", "annotations": []},
+        "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
         "sequence_number": 3,
     },
     event="response.content_part.added",
@@ -86,9 +87,12 @@ def text_delta(sequence: int) -> bytes:
     )
 
 
-def ending(terminal: str, status: str, item: str, sequence: int) -> bytes:
-    done = {"type": "output_text", "text": "Hi", "annotations": []}
-    final = {"type": terminal, "response": response(status, [message(item, "Hi")])}
+def ending(terminal: str, status: str, item: str, sequence: int, why: str | None = None) -> bytes:
+    done = {"type": "output_text", "text": "Hi", "annotations": [], "logprobs": []}
+    body = response(status, [message(item, "Hi")])
+    # Why it is incomplete, spelled out here (regression: it was null on response.incomplete).
+    body["incomplete_details"] = {"reason": why} if why else None
+    final = {"type": terminal, "response": body}
     return b"".join(
         [
             sse(
@@ -125,6 +129,9 @@ def ending(terminal: str, status: str, item: str, sequence: int) -> bytes:
 
 
 HI = AttemptEnd("Hi", "Hi", None, None)
+INTERRUPTED = entry("2-0", "end", '{"attempt":1,"status":"interrupted","reason":"upstream_cut"}')
+FILTERED = entry("2-0", "end", '{"attempt":1,"status":"interrupted","reason":"content_filter"}')
+FILTERED_END = AttemptEnd("Hi", "Hi", None, "content_filter")
 
 
 @pytest.mark.parametrize(
@@ -142,10 +149,31 @@ HI = AttemptEnd("Hi", "Hi", None, None)
         (
             -1,
             [([ATTEMPT], {}), ([CANCELLED], {CANCELLED.offset: HI})],
-            ADDED + ending("response.incomplete", "cancelled", "incomplete", 4),
+            ADDED
+            + ending("response.incomplete", "cancelled", "incomplete", 4, "max_output_tokens"),
+        ),
+        (
+            -1,
+            [([ATTEMPT], {}), ([INTERRUPTED], {INTERRUPTED.offset: HI})],
+            ADDED
+            + ending("response.incomplete", "incomplete", "incomplete", 4, "max_output_tokens"),
+        ),
+        (
+            -1,
+            [([ATTEMPT], {}), ([FILTERED], {FILTERED.offset: FILTERED_END})],
+            ADDED + ending("response.incomplete", "incomplete", "incomplete", 4, "content_filter"),
         ),
     ],
-    ids=["a first read", "a resume", "all seen", "events without a word", "complete", "cancel"],
+    ids=[
+        "a first read",
+        "a resume",
+        "all seen",
+        "events without a word",
+        "complete",
+        "cancel",
+        "interrupted",
+        "filtered",
+    ],
 )
 def test_responses_events(
     starting_after: int, batches: list[tuple[list[Entry], Facts]], expected: bytes

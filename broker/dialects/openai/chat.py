@@ -83,7 +83,11 @@ def _completion(stored: StoredResponse) -> Response:
                 "index": 0,
                 "finish_reason": FINISH[status],
                 "logprobs": None,
-                "message": {"role": "assistant", "content": canonical["text"] if canonical else ""},
+                "message": {
+                    "role": "assistant",
+                    "content": canonical["text"] if canonical else "",
+                    "refusal": None,
+                },
             }
         ],
         "usage": usage_of(record.get("usage"))

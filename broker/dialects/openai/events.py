@@ -96,13 +96,25 @@ def message_item(response_id: str, attempt: int, text: str, status: str) -> dict
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [{"type": "output_text", "text": text, "annotations": []}] if text else [],
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        if text
+        else [],
     }
+
+
+def incomplete_details(reason: str | None) -> dict[str, str]:
+    """Why a response is incomplete, in OpenAI's two words: ``content_filter`` when the upstream
+    filtered the answer, else ``max_output_tokens`` (the answer ended before the model finished
+    it: cut by the upstream, a lost worker, a timeout, a stop, or the token limit)."""
+    if reason and "content_filter" in reason:
+        return {"reason": "content_filter"}
+    return {"reason": "max_output_tokens"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Head:
-    """What every rendering of one response repeats: from the turn's stored request."""
+    """What every rendering of one response repeats: from the turn's stored request (the
+    fields the request echoes, as the client sent them)."""
 
     response_id: str
     model: str
@@ -113,6 +125,7 @@ class Head:
     max_output_tokens: int | None
     previous_response_id: str | None
     background: bool
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def response(
         self,
@@ -121,9 +134,12 @@ class Head:
         *,
         usage: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        reason: str | None = None,
     ) -> dict[str, Any]:
-        """The response object in ``status`` with ``output``."""
-        return {
+        """The response object in ``status`` with ``output`` (``reason``: why it ended, for
+        an incomplete or cancelled one; ``usage`` absent until known)."""
+        incomplete = status in ("incomplete", "cancelled")
+        body = {
             "id": self.response_id,
             "object": "response",
             "created_at": self.created_at,
@@ -139,11 +155,16 @@ class Head:
             "top_p": self.top_p,
             "max_output_tokens": self.max_output_tokens,
             "previous_response_id": self.previous_response_id,
-            "metadata": {},
+            "metadata": dict(self.metadata),
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
             "error": error,
-            "incomplete_details": None,
-            "usage": usage_object(usage),
+            "incomplete_details": incomplete_details(reason) if incomplete else None,
         }
+        counted = usage_object(usage)
+        if counted is not None:  # the spec's usage is an object or absent, never null
+            body["usage"] = counted
+        return body
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -217,7 +238,7 @@ def expand(
             {
                 "type": "response.content_part.added",
                 **common,
-                "part": {"type": "output_text", "text": "", "annotations": []},
+                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
             }
         )
     elif kind == "delta":
@@ -245,7 +266,12 @@ def expand(
             {
                 "type": "response.content_part.done",
                 **common,
-                "part": {"type": "output_text", "text": end.text, "annotations": []},
+                "part": {
+                    "type": "output_text",
+                    "text": end.text,
+                    "annotations": [],
+                    "logprobs": [],
+                },
             },
             {
                 "type": "response.output_item.done",
@@ -254,7 +280,9 @@ def expand(
             },
             {
                 "type": terminal,
-                "response": head.response(response_status, [answer], usage=end.usage, error=error),
+                "response": head.response(
+                    response_status, [answer], usage=end.usage, error=error, reason=end.reason
+                ),
             },
         ]
     for n, event in enumerate(events):

@@ -69,7 +69,14 @@ class ResponsesRenderer:
 
 # --- Chat Completions --------------------------------------------------------------------------
 
-FINISH: Final = {"complete": "stop", "cancelled": "stop", "interrupted": "length"}
+# An ``end``'s status (and an attempt record's: an interrupted attempt's record says ``partial``)
+# as a ``finish_reason``; a failed attempt has none (it ends with an error).
+FINISH: Final = {
+    "complete": "stop",
+    "cancelled": "stop",
+    "interrupted": "length",
+    "partial": "length",
+}
 DONE: Final = b"data: [DONE]\n\n"
 # The last frame of a read a newer one-viewer connection took over, in the SDKs' error shape.
 # (Attach tokens may not create, so none reads here; the door's reads are viewers all the same.)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Iterable
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.errors import BadRequest
 from broker.providers import Providers
@@ -22,12 +23,41 @@ class ParamError(BadRequest):
         self.param = param
 
 
+# The labels pydantic puts in an error's location for the branch of a union it tried.
+_BRANCH_LABELS: Final = frozenset({"str", "int", "float", "bool"})
+
+
+def _place(loc: tuple[int | str, ...]) -> list[int | str]:
+    return [p for p in loc if not (isinstance(p, str) and (p in _BRANCH_LABELS or "[" in p))]
+
+
+def describe(exc: ValidationError) -> tuple[str, str | None]:
+    """A validation error as one clear sentence and the parameter at fault: the deepest place
+    that failed (the branch of a union the value was meant for), without pydantic's branch
+    labels; the failures of every branch at one place are given together."""
+    errors = exc.errors()
+    deepest = max(errors, key=lambda e: len(_place(e["loc"])))
+    place = _place(deepest["loc"])
+    messages = dict.fromkeys(e["msg"] for e in errors if _place(e["loc"]) == place)
+    where = ".".join(str(p) for p in place) or "body"
+    return f"{where}: {' or '.join(messages)}", (str(place[0]) if place else None)
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["input_text", "output_text", "text"]
     text: str
     annotations: list[Any] | None = None
+
+
+class ItemReference(BaseModel):
+    """An ``item_reference`` input item: an output item of this broker's, by its id."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["item_reference"]
+    id: str = Field(min_length=1, max_length=256)
 
 
 class InputMessage(BaseModel):
@@ -55,6 +85,22 @@ class BrokerExtension(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+# ``include`` values that change nothing here: they ask for more of output items the broker never
+# produces (its Responses output is messages of text) or of input it refuses (images). Any other
+# value (``message.output_text.logprobs``: logprobs the broker does not have) is a 400.
+INCLUDE_NOTHING: Final = frozenset(
+    {
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "reasoning.encrypted_content",
+    }
+)
+
+
 class ResponsesRequest(BaseModel):
     """The body of ``POST /v1/responses``: the subset people send, plus ``broker``."""
 
@@ -63,8 +109,15 @@ class ResponsesRequest(BaseModel):
     model: str = Field(
         min_length=1, max_length=256, json_schema_extra={"x-broker-catalogue": "openai-models"}
     )
-    input: str | list[InputMessage]
+    # Items are checked one by one (:func:`input_items`), so a refusal names the item's type.
+    input: str | list[dict[str, Any]] = Field(
+        description="a string, or items: messages (role, content) and item_reference"
+    )
     instructions: str | None = None
+    include: list[str] | None = Field(default=None, max_length=16)
+    tools: list[Any] | None = Field(default=None, description="empty only (as if absent)")
+    # The broker never truncates a conversation to fit: "disabled" (the default) is what it does.
+    truncation: Literal["disabled"] | None = None
     stream: bool | None = None
     background: bool | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
@@ -160,20 +213,80 @@ def turn_params(
     return params
 
 
-def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """``instructions`` and ``input`` as the native role/content messages."""
-    messages: list[dict[str, Any]] = []
-    if request.instructions:
-        messages.append({"role": "system", "content": request.instructions})
+def check_supported(request: ResponsesRequest) -> None:
+    """400 naming ``tools`` or ``include`` for what the broker cannot honour; empty lists and
+    ``include`` values that change nothing here are taken as if absent."""
+    if request.tools:
+        raise ParamError(
+            "tools are not supported by this broker yet (send none, or an empty list)",
+            "tools",
+            code="unsupported_parameter",
+        )
+    check_include(request.include or ())
+
+
+def check_include(values: Iterable[str]) -> None:
+    """400 naming ``include`` for a value that would change the response (see
+    :data:`INCLUDE_NOTHING`)."""
+    for value in values:
+        if value not in INCLUDE_NOTHING:
+            raise ParamError(
+                f"include value {value!r} is not supported (this broker takes: "
+                f"{', '.join(sorted(INCLUDE_NOTHING))})",
+                "include",
+                code="unsupported_parameter",
+            )
+
+
+def input_items(request: ResponsesRequest) -> list[InputMessage | ItemReference]:
+    """``input`` as typed items; 400 naming ``input`` and the item (and its type) at fault."""
     if isinstance(request.input, str):
-        messages.append({"role": "user", "content": request.input})
-    else:
-        for message in request.input:
-            role = "system" if message.role == "developer" else message.role
-            messages.append({"role": role, "content": message.text()})
-    if not any(m["role"] != "system" for m in messages):
-        raise ParamError("input must hold at least one message", "input", code="empty_input")
-    return messages
+        return [InputMessage(role="user", content=request.input)]
+    items: list[InputMessage | ItemReference] = []
+    for n, raw in enumerate(request.input):
+        kind = raw.get("type")
+        model: type[InputMessage | ItemReference]
+        if kind == "item_reference":
+            model = ItemReference
+        elif kind in (None, "message"):
+            model = InputMessage
+        else:
+            raise ParamError(
+                f"input[{n}]: items of type {str(kind)[:64]!r} are not supported "
+                "(this broker takes: message, item_reference)",
+                "input",
+                code="unsupported_input_item",
+            )
+        if model is InputMessage:
+            _check_parts(n, raw.get("content"))
+        try:
+            items.append(model.model_validate(raw))
+        except ValidationError as exc:
+            message, _ = describe(exc)
+            raise ParamError(f"input[{n}] ({kind or 'message'} item) {message}", "input") from None
+    return items
+
+
+PART_TYPES: Final = ("input_text", "output_text", "text")
+
+
+def _check_parts(n: int, content: Any) -> None:
+    """400 naming ``input`` and the type of a content part the broker does not take."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in PART_TYPES:
+            raise ParamError(
+                f"input[{n}] (message item): content parts of type {kind[:64]!r} are not "
+                f"supported (this broker takes: {', '.join(PART_TYPES)})",
+                "input",
+                code="unsupported_content",
+            )
+
+
+def as_message(message: InputMessage) -> dict[str, Any]:
+    """One input message as the native role/content message."""
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": message.text()}
 
 
 def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:

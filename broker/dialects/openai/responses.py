@@ -2,7 +2,10 @@
 
 The response id is the turn id: the ``Idempotency-Key`` header, else ``metadata.turn_id``, else
 one minted here. A new response starts a conversation named after it; ``previous_response_id``
-continues that response's conversation, sending its canonical history plus the new input.
+continues that response's conversation, sending that response's context (its input and answer)
+plus the new input (see :mod:`broker.dialects.openai.inputs`). The fields the response object
+echoes (``instructions``, ``metadata``, ``background``, ``store``, ``previous_response_id``) are
+stored with the turn's request as its ``echo``.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ from broker.api.schemas import ID_PARAMETER, json_schema, response_event
 from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response, from_broker_error
 from broker.dialects.openai.events import EXPANSION, OPENING, STATUS, AttemptEnd, Head, message_item
+from broker.dialects.openai.inputs import Context, context
 from broker.dialects.openai.render import ResponsesRenderer
 from broker.dialects.openai.requests import (
     ParamError,
     ResponsesRequest,
+    check_include,
     check_known,
-    input_messages,
+    check_supported,
+    describe,
     resolve_model,
     turn_params,
 )
@@ -43,7 +49,7 @@ from broker.relay import Read
 from broker.turn_records import StoredRequest
 from broker.turns import TurnRequest
 from broker.viewer import admit
-from broker.vocabulary import ACTIVE_STATUSES, ID_PATTERN, TurnStatus, unscoped
+from broker.vocabulary import ACTIVE_STATUSES, ID_PATTERN, TurnStatus
 
 router = APIRouter(tags=["openai"])
 
@@ -84,10 +90,8 @@ async def parse(request: Request, model: type[BaseModelT]) -> tuple[BaseModelT, 
     try:
         return model.model_validate(payload), payload
     except ValidationError as exc:
-        first = exc.errors()[0]
-        location = ".".join(str(p) for p in first.get("loc", ()))
-        param = str(first["loc"][0]) if first.get("loc") else None
-        raise ParamError(f"{location or 'body'}: {first.get('msg', 'invalid')}", param) from None
+        message, param = describe(exc)
+        raise ParamError(message, param) from None
 
 
 def turn_id_of(request: Request, metadata: dict[str, str] | None, prefix: str) -> str:
@@ -111,6 +115,7 @@ def to_turn(
     model: str,
     messages: list[dict[str, Any]],
     params: dict[str, Any],
+    echoed: dict[str, Any] | None = None,
 ) -> TurnRequest:
     provider, model_name = resolve_model(rt.providers, model)
     try:
@@ -122,6 +127,7 @@ def to_turn(
                 "provider": provider,
                 "model": model_name,
                 "params": params,
+                "echo": echoed,
             }
         )
     except ValidationError as exc:
@@ -150,27 +156,17 @@ async def create_turn(rt: Services, turn: TurnRequest, tenant: str | None, messa
         raise ParamError(exc.message, param, code=exc.code) from None
 
 
-async def sent_before(
-    rt: Services,
-    turn_id: str,
-    tenant: str | None,
-    conversation_id: str,
-    new_input: list[dict[str, Any]],
-) -> list[dict[str, Any]] | None:
-    """The messages turn ``turn_id`` was created with, when it exists in ``conversation_id`` and
-    ended them with ``new_input``: a repeated request must meet the same fingerprint, though the
-    conversation's history now holds the turn itself."""
-    found = await rt.turns.find(turn_id, tenant)
-    if found is None:
-        return None
-    request = found.request
-    messages = list(request.messages)
-    tail = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
-    if request.conversation_id != conversation_id or not new_input:
-        return None
-    if tail[-len(new_input) :] != new_input:
-        return None
-    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+def echoed_fields(body: ResponsesRequest, sent: Context) -> dict[str, Any]:
+    """What the response object hands back as sent, stored with the turn (absent: left out)."""
+    fields: dict[str, Any] = {
+        "instructions": body.instructions,
+        "metadata": body.metadata or None,
+        "previous_response_id": body.previous_response_id,
+        "background": body.background or None,
+        "store": False if body.store is False else None,
+        "input_ids": sent.input_ids or None,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 # --- reading a response back ------------------------------------------------------------------
@@ -191,16 +187,18 @@ class StoredResponse:
         model = request.model or request.provider or "simulated"
         if request.provider and request.provider != "simulated":
             model = f"{request.provider}/{model}"
+        echo = request.echo
         return Head(
             response_id=self.state["turn_id"],
             model=str(model),
             created_at=int(self.state["created_ms"]) // 1000,
-            instructions=None,
+            instructions=echo.get("instructions"),
             temperature=params.get("temperature"),
             top_p=params.get("top_p"),
             max_output_tokens=params.get("max_tokens"),
-            previous_response_id=None,
-            background=True,
+            previous_response_id=echo.get("previous_response_id"),
+            background=bool(echo.get("background", False)),
+            metadata=dict(echo.get("metadata") or {}),
         )
 
 
@@ -241,6 +239,7 @@ async def response_object(rt: Services, stored: StoredResponse) -> dict[str, Any
     output: list[dict[str, Any]] = []
     usage = None
     error = None
+    reason = None
     if state["status"] in ACTIVE_STATUSES:
         location = stored.location
         text = await rt.turns.text_so_far(location.conversation_id, location.turn_id, current)
@@ -255,7 +254,8 @@ async def response_object(rt: Services, stored: StoredResponse) -> dict[str, Any
         usage = record.get("usage")
         if state["status"] == "failed":
             error = {"code": "server_error", "message": record.get("reason") or "failed"}
-    return head.response(status, output, usage=usage, error=error)
+        reason = record.get("reason")
+    return head.response(status, output, usage=usage, error=error, reason=reason)
 
 
 async def stream_response(
@@ -320,28 +320,12 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
     async def work(principal: Principal) -> Response:
         rt = services(request)
         body, _ = await parse(request, ResponsesRequest)
-        if body.store is False:
-            raise ParamError("store=false is not supported: every response is stored", "store")
+        check_supported(body)
         turn_id = turn_id_of(request, body.metadata, "resp_")
-        messages = input_messages(body)
-        if body.previous_response_id is not None:
-            try:
-                scoped_conversation = await rt.turns.locate(
-                    body.previous_response_id, principal.tenant
-                )
-            except BrokerError as exc:
-                raise ParamError(exc.message, "previous_response_id", code=exc.code) from None
-            conversation_id = unscoped(scoped_conversation)[1]
-            sent = await sent_before(rt, turn_id, principal.tenant, conversation_id, messages)
-            if sent is not None:
-                messages = sent  # a repeat: the history it was sent with, not today's
-            else:
-                history = await rt.turns.history(conversation_id, principal.tenant)
-                messages = [*history["messages"], *messages]
-        else:
-            conversation_id = turn_id
+        sent = await context(rt, body, turn_id, principal.tenant)
         params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
-        turn = to_turn(rt, conversation_id, turn_id, body.model, messages, params)
+        echoed = echoed_fields(body, sent)
+        turn = to_turn(rt, sent.conversation_id, turn_id, body.model, sent.messages, params, echoed)
         await create_turn(rt, turn, principal.tenant, "input")
         stored = await load(rt, turn_id, principal.tenant)
         if body.stream:
@@ -393,6 +377,13 @@ def _bool_param(value: str | None, name: str) -> bool:
                 "schema": {"type": "integer", "minimum": -1, "maximum": 2**53},
                 "description": "with stream=true: the events after this sequence_number",
             },
+            {
+                "name": "include",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "array", "items": {"type": "string"}},
+                "description": "values that change nothing here (see docs/openai.md); others: 400",
+            },
         ]
     },
 )
@@ -409,6 +400,8 @@ async def retrieve_response(
         rt = services(request)
         streaming = _bool_param(stream, "stream")
         after = _int_param(starting_after, "starting_after")
+        query = request.query_params  # the SDKs send a list as include[]=...
+        check_include([*query.getlist("include[]"), *query.getlist("include")])
         if streaming:
             stored = await load_for_reading(rt, response_id, principal.tenant)
             return await stream_response(rt, stored, -1 if after is None else after, principal)
