@@ -167,7 +167,7 @@ class AttemptOutput:
             events = [self.attempt_event(), *events]
         await self._writer.append(events)
         self.has_attempt_event = True
-        if any(kind in ("tool_call", "tool_result") for kind, _ in events):
+        if any(kind in ("tool_call", "tool_input_delta", "tool_result") for kind, _ in events):
             self.tool_output = True
 
     def attempt_event(self) -> Event:

@@ -55,6 +55,8 @@ class AttemptRecord:
     canonical: bool
     usage: dict[str, Any] | None
     continues: int | None  # a continue's: the attempt whose partial text it continues
+    # ``requires_action``'s: the client calls it ended with ({"call_id", "name", "arguments"})
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def decode(cls, raw: str | None) -> AttemptRecord | None:
@@ -71,6 +73,7 @@ class AttemptRecord:
             canonical=bool(record.get("canonical")),
             usage=record.get("usage"),
             continues=int(continues) if continues else None,
+            tool_calls=tuple(record.get("tool_calls") or ()),
         )
 
 
@@ -121,11 +124,13 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
             attempt["continues"] = record.get("from")
         attempts.append(attempt)
     canonical = None
+    pending: list[dict[str, Any]] = []
     if meta.get("canonical"):
         n = int(meta["canonical"])
         canonical = {"attempt": n, "text": meta.get(f"text:{n}", "")}
+        pending = list(orjson.loads(meta.get(f"attempt:{n}") or "{}").get("tool_calls") or ())
     stream_id = meta["stream_id"]
-    return {
+    state = {
         "turn_id": turn_id,
         "conversation_id": unscoped(conversation_id)[1],
         "stream_id": stream_id,
@@ -136,3 +141,6 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
         "created_ms": int(meta["created_ms"]),
         "links": links(turn_id, stream_id),
     }
+    if pending:
+        state["tool_calls"] = pending  # the client calls the canonical attempt ended with
+    return state
