@@ -59,7 +59,10 @@ def client_call_id(conversation_id: str, turn_id: str, name: str, ordinal: int) 
 
 
 def check_client_tools(tools: Sequence[ClientTool], server_tools: Container[str]) -> None:
-    """400 naming a client tool defined twice, or one that is also a server tool."""
+    """400 for more than :data:`MAX_CLIENT_TOOLS`, naming a client tool defined twice, or one
+    that is also a server tool."""
+    if len(tools) > MAX_CLIENT_TOOLS:
+        raise BadRequest(f"client_tools has {len(tools)} tools, more than {MAX_CLIENT_TOOLS}")
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.name in seen:

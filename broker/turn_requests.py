@@ -7,7 +7,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from broker.client_tools import MAX_CLIENT_TOOLS, ClientTool, ToolCallPart
+from broker.client_tools import ClientTool, ToolCallPart
 from broker.vocabulary import ID_PATTERN
 from broker.webhooks import NotifyRequest
 
@@ -47,7 +47,7 @@ class Message(BaseModel):
     # a client send the history back as it got it. Providers never see it.
     partial: bool | None = None
     # An assistant message's calls of client tools, and a tool message's answer to one of them.
-    tool_calls: list[ToolCallPart] | None = Field(default=None, max_length=MAX_CLIENT_TOOLS)
+    tool_calls: list[ToolCallPart] | None = None
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
 
 
@@ -72,7 +72,9 @@ class TurnRequest(BaseModel):
     )
     params: dict[str, Any] = Field(default_factory=dict)
     tools: list[dict[str, Any]] = Field(default_factory=list)
-    client_tools: list[ClientTool] = Field(default_factory=list, max_length=MAX_CLIENT_TOOLS)
+    # At most MAX_CLIENT_TOOLS, checked with the names (a bound in the schema would have a
+    # schema fuzzer send bodies past BROKER_MAX_BODY_BYTES).
+    client_tools: list[ClientTool] = Field(default_factory=list)
     response_format: Literal["text", "json"] = "text"
     session_id: str | None = Field(default=None, pattern=ID_REGEX)
     # Where to POST once each attempt is at rest; delivery, not the work: not fingerprinted.

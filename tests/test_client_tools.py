@@ -151,6 +151,7 @@ def test_tool_messages_answer_an_earlier_call(
         (["a", "b"], None),
         (["a", "a"], "client_tools\\[1\\].name 'a' is defined twice"),
         (["a", "pay"], "client_tools\\[1\\].name 'pay' is a server tool"),
+        ([f"f{i}" for i in range(129)], "client_tools has 129 tools, more than 128"),
     ],
 )
 def test_client_tool_names_are_unique_and_not_the_servers(
@@ -365,7 +366,7 @@ def test_server_and_client_calls_mix_in_one_message(
         ({"client_tools": [{"name": "f"}, {"name": "f"}]}, "client_tools[1].name 'f'"),
         ({"client_tools": [{"name": "f", "parameters": []}]}, "client_tools"),
         ({"client_tools": [{"name": "f", "strict": True}]}, "client_tools"),
-        ({"client_tools": [{"name": f"f{i}"} for i in range(129)]}, "client_tools"),
+        ({"client_tools": [{"name": f"f{i}"} for i in range(129)]}, "more than 128"),
         (
             {"messages": [{"role": "tool", "content": "1", "tool_call_id": "nope"}]},
             "messages[0].tool_call_id 'nope'",
