@@ -21,8 +21,11 @@ from broker.client_tools import (
 )
 from broker.errors import BadRequest
 from tests.conftest import BrokerFactory, RunningBroker
+from tests.fake_anthropic import FakeAnthropic
 from tests.fake_openai import FakeOpenAI
 from tests.helpers import SSEEvent, ToolEndpoint, get_turn, read_sse, wait_final
+from tests.test_provider_anthropic import KEY as ANTHROPIC_KEY
+from tests.test_provider_anthropic import claude_broker
 from tests.test_provider_openai import openai_broker
 
 WEATHER = {
@@ -468,3 +471,75 @@ def test_arguments_that_are_not_json_are_not_run_and_the_model_is_told(
     told = fake.bodies[1]["messages"][-1]
     assert (told["role"], told["tool_call_id"]) == ("tool", call["call_id"])
     assert json.loads(told["content"])["code"] == "bad_arguments"
+
+
+# --- the Anthropic adapter ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def claude_fake() -> Iterator[FakeAnthropic]:
+    server = FakeAnthropic(api_key=ANTHROPIC_KEY).start()
+    yield server
+    server.stop()
+
+
+def test_the_anthropic_adapter_offers_client_tools_and_sends_tool_use_and_result(
+    broker_factory: BrokerFactory, claude_fake: FakeAnthropic
+) -> None:
+    broker = claude_broker(broker_factory, claude_fake)
+    claude_fake.tool_use("get_weather", ['{"city":', ' "Oslo"}'], tool_id="toolu_upstream")
+    first = post_turn(broker, "an-1", provider="anthropic", client_tools=[WEATHER])
+    events = read_sse(broker.base_url, first["stream_id"]).events
+    assert events[-1].data["status"] == "requires_action"
+    (call,) = of_kind(events, "tool_call")
+    assert (call["status"], call["args"]) == ("client", {"city": "Oslo"})
+    assert "toolu_upstream" not in json.dumps([e.data for e in events])
+    assert claude_fake.calls[0].body["tools"] == [
+        {
+            "name": "get_weather",
+            "input_schema": WEATHER["parameters"],
+            "description": "The weather in a city",
+        }
+    ]
+    claude_fake.text("Clear", ".")
+    (pending,) = get_turn(broker.base_url, "an-1")["tool_calls"]
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {"id": pending["call_id"], "name": "get_weather", "arguments": pending["arguments"]}
+            ],
+        },
+        {"role": "tool", "tool_call_id": pending["call_id"], "content": '{"sky": "clear"}'},
+    ]
+    second = post_turn(
+        broker, "an-2", provider="anthropic", client_tools=[WEATHER], messages=history
+    )
+    assert read_sse(broker.base_url, second["stream_id"]).events[-1].data["status"] == "complete"
+    assert claude_fake.calls[1].messages == [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me look."},
+                {
+                    "type": "tool_use",
+                    "id": pending["call_id"],
+                    "name": "get_weather",
+                    "input": {"city": "Oslo"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": pending["call_id"],
+                    "content": '{"sky": "clear"}',
+                }
+            ],
+        },
+    ]
