@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from broker.client_tools import (
     offered_tools,
 )
 from broker.errors import BadRequest
+from broker_client import BrokerClient
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.fake_anthropic import FakeAnthropic
 from tests.fake_openai import FakeOpenAI
@@ -396,6 +398,22 @@ def test_other_client_tools_for_the_same_turn_id_are_a_conflict(broker: RunningB
     post_turn(broker, "same", client_tools=[WEATHER], params=simulate())
     assert post_turn(broker, "same", client_tools=[WEATHER], params=simulate(), expect=200)
     post_turn(broker, "same", client_tools=[TIME], params=simulate(), expect=409)
+
+
+async def test_the_python_client_starts_a_turn_with_client_tools(broker: RunningBroker) -> None:
+    script = [{"name": "get_time", "args": {}, "after": 1}]
+    async with BrokerClient(broker.base_url) as client:
+        turn = await client.start_turn(
+            "conv-py",
+            [{"role": "user", "content": "What time is it?"}],
+            turn_id="py-1",
+            client_tools=[TIME],
+            params=simulate(tool_calls=script),
+        )
+    state = await asyncio.to_thread(wait_final, broker.base_url, turn.turn_id)
+    assert state["status"] == "requires_action"
+    (pending,) = state["tool_calls"]
+    assert (pending["name"], pending["arguments"]) == ("get_time", "{}")
 
 
 # --- the OpenAI-compatible adapter -------------------------------------------------------------
