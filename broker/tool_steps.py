@@ -154,7 +154,7 @@ class ToolSteps:
             "ordinal": call["ordinal"],
             "delta": piece,
         }
-        await self._output.append([("tool_input_delta", data)])
+        await self._output.queue_event(("tool_input_delta", data))
 
     async def hand_over(
         self, call: dict[str, Any], calls: list[dict[str, Any]], results: list[dict[str, Any]]
