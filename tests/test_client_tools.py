@@ -25,7 +25,7 @@ from broker_client import BrokerClient
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.fake_anthropic import FakeAnthropic
 from tests.fake_openai import FakeOpenAI
-from tests.helpers import SSEEvent, ToolEndpoint, get_turn, read_sse, wait_final
+from tests.helpers import SSEEvent, ToolEndpoint, get_turn, read_sse, text_of, wait_final
 from tests.test_provider_anthropic import KEY as ANTHROPIC_KEY
 from tests.test_provider_anthropic import claude_broker
 from tests.test_provider_openai import openai_broker
@@ -242,6 +242,8 @@ def test_a_two_tool_loop_ends_requires_action_then_the_results_complete_it(
     rest = read_sse(broker.base_url, second["stream_id"]).events
     assert rest[-1].data == {"attempt": 1, "status": "complete", "reason": None}
     assert "tool_call" not in [e.event for e in rest]
+    size = len('{"sky": "clear"}') + len("14:05")
+    assert text_of(rest).startswith(f"(2 tool results, {size} characters) ")
     assert get_turn(broker.base_url, "loop-2").get("tool_calls") is None
     after = httpx.get(f"{broker.base_url}/v1/conversations/conv-ct/messages", timeout=5).json()
     roles = [m["role"] for m in after["messages"]]

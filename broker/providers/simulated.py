@@ -206,7 +206,7 @@ class SimulatedProvider:
         prompt, prefill = _split_prefill(request.messages)
         if "json" not in knobs:
             knobs = {**knobs, "json": request.response_format == "json"}
-        pieces = full_answer(prompt, knobs)
+        pieces = _tool_echo(request.messages, knobs) + full_answer(prompt, knobs)
         start = _continued_from(pieces, prefill)
         first_attempt = request.attempt == 1
         wait_ms = int(knobs.get("first_delta_after_ms", 0))
@@ -248,6 +248,20 @@ class SimulatedProvider:
                 self.aborted_calls += 1
                 log.info("simulated call of turn %s aborted after %d deltas", request.turn_id, sent)
             raise
+
+
+def _tool_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[str]:
+    """A prose answer to tool results (the request ends with ``tool`` messages) opens by
+    saying how many it saw and their length: proof the results reached the model."""
+    results = []
+    for message in reversed(messages):
+        if message.get("role") != "tool":
+            break
+        results.append(str(message.get("content", "")))
+    if not results or knobs.get("json"):
+        return []
+    size = sum(len(result) for result in results)
+    return [f"({len(results)} tool results, {size} characters) "]
 
 
 def _continued_from(pieces: list[str], prefill: str) -> int:
