@@ -29,6 +29,8 @@ class StoredRequest:
     provider: str | None
     model: str | None
     params: dict[str, Any]
+    # The tools the client runs ({"name", "description"?, "parameters"?}), as the turn got them.
+    client_tools: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def decode(cls, raw: str | None) -> StoredRequest:
@@ -40,6 +42,7 @@ class StoredRequest:
             provider=body.get("provider"),
             model=body.get("model"),
             params=dict(body.get("params") or {}),
+            client_tools=tuple(body.get("client_tools") or ()),
         )
 
 
