@@ -135,7 +135,14 @@ class Runtime:
         self.webhook_queue = webhook_queue(redis, self.keys, settings.job_partitions)
         self.webhooks = Webhooks(redis, self.keys, self.webhook_queue, self.webhook_config)
         self.notifier: Notifier | None = None
-        self.turns = Turns(self.deps, self.providers, self.admission, self.jobs, self.webhooks)
+        self.turns = Turns(
+            self.deps,
+            self.providers,
+            self.admission,
+            self.jobs,
+            self.webhooks,
+            server_tools=frozenset(tool.name for tool in tools),
+        )
         self.tools = tools
         self.ledger = Ledger(self.deps)
         self.http = httpx.AsyncClient(follow_redirects=False)

@@ -53,6 +53,8 @@ from broker.vocabulary import ATTEMPT_STATUS, PROMOTED_STATUSES, TurnStatus
 
 log = logging.getLogger("broker.generation")
 
+# The events of an attempt's tool calls (output that reached readers, as its text is).
+TOOL_EVENTS: Final = ("tool_call", "tool_input_delta", "tool_result")
 # Why a running attempt was cancelled from outside.
 STOP: Final = "cancelled"
 SHUTDOWN: Final = "shutdown"
@@ -280,6 +282,8 @@ class Generation:
     async def _call_upstream(self, upstream_call: int) -> None:
         """One upstream call, and the tool steps it leads to, until the answer ends."""
         provider = self._providers.get(self._request.get("provider"))
+        client_tools: list[dict[str, Any]] = self._request.get("client_tools", [])
+        self._tools.restart(frozenset(tool["name"] for tool in client_tools))
         messages = list(self._request.get("messages", []))
         if self._prefix:
             messages.append({"role": "assistant", "content": self._prefix})
@@ -297,10 +301,14 @@ class Generation:
                 upstream_call=upstream_call,
                 tools=self._request.get("tools", []),
                 tool_steps=list(steps),
+                client_tools=client_tools,
             )
             step = await self._stream_step(provider, request)
             if step is None:
                 return  # the attempt ended (or was handed to a retry) inside the step
+            if self._tools.pending:  # the client runs these: the attempt ends with them
+                await self._finish(TurnStatus.REQUIRES_ACTION, "tool_calls")
+                return
             if not step.calls:
                 break
             steps.append(step)
@@ -397,7 +405,7 @@ class Generation:
                     )
                 await self._output.queue_delta(event.text)
             elif isinstance(event, ToolCallChunk):
-                tool_calls.add(event)
+                await tool_calls.add(event)
             elif isinstance(event, ToolCallEnd):
                 await tool_calls.end(event.index)
             elif isinstance(event, Usage):
@@ -455,9 +463,12 @@ class Generation:
         if error is not None:
             before.append(("error", {"attempt": self._n, **error}))
         text = self._text
-        promote = status in PROMOTED_STATUSES and bool(text)
+        requires_action = status == TurnStatus.REQUIRES_ACTION
+        promote = status in PROMOTED_STATUSES and (bool(text) or requires_action)
         if self._usage is not None:
             self._record = {**self._record, "usage": self._usage}
+        if requires_action:
+            self._record = {**self._record, "tool_calls": self._tools.pending}
         base = str(self._record.get("base", ""))
         promoted = await self._writer.finish(
             record=self._record,
@@ -513,7 +524,7 @@ class Generation:
                     has_attempt_event = True
                 elif fields.get("e") == "delta":
                     text.append(str(data.get("text", "")))
-                elif fields.get("e") in ("tool_call", "tool_result"):
+                elif fields.get("e") in TOOL_EVENTS:
                     tool_output = True
             start = "(" + page[-1][0]
         return has_attempt_event, "".join(text), tool_output

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from broker import __version__
 from broker.scripts import NAMES as SCRIPT_NAMES
 
-TURN_STATUSES = ("complete", "interrupted", "cancelled", "failed")
+TURN_STATUSES = ("complete", "interrupted", "cancelled", "failed", "requires_action")
 UPSTREAM_OUTCOMES = ("ok", "retryable_error", "fatal_error", "interrupted", "cancelled")
 RETRY_REASONS = ("upstream_error", "upstream_timeout", "worker_lost")
 BUDGET_SCOPES = ("turn", "session")
@@ -53,7 +53,7 @@ STREAM_MODES = ("sse", "json")
 # The doors a stream read comes through (the viewers gauge's ``dialect`` label).
 DIALECTS = ("native", "responses", "chat", "aisdk", "durable")
 STRATEGIES = ("initial", "continue", "regenerate")
-ATTEMPT_OUTCOMES = ("complete", "partial", "cancelled", "failed")
+ATTEMPT_OUTCOMES = ("complete", "partial", "cancelled", "failed", "requires_action")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # What became of one send of a completion webhook (broker.notifier).
 WEBHOOK_OUTCOMES = ("delivered", "retried", "gave_up")

@@ -79,6 +79,7 @@ TURN_STATUS_OF = {
     AttemptStatus.PARTIAL: TurnStatus.INTERRUPTED,
     AttemptStatus.CANCELLED: TurnStatus.CANCELLED,
     AttemptStatus.FAILED: TurnStatus.FAILED,
+    AttemptStatus.REQUIRES_ACTION: TurnStatus.REQUIRES_ACTION,
 }
 
 

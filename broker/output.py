@@ -83,11 +83,19 @@ class AttemptOutput:
 
     async def queue_delta(self, text: str) -> None:
         """Append a delta soon, together with those that arrive while an append is in flight."""
+        await self._queue(("delta", {"attempt": self._n, "text": text}), text)
+
+    async def queue_event(self, event: Event) -> None:
+        """Append a streamed event that holds no text (a piece of a tool call's arguments) as a
+        delta is: soon, grouped with the deltas around it, in order."""
+        await self._queue(event, "")
+
+    async def _queue(self, event: Event, text: str) -> None:
         if self._flush_error is not None:
             await self.drain()  # raises it
         if not self._queued:
             self._first_queued = asyncio.get_running_loop().time()
-        self._queued.append(("delta", {"attempt": self._n, "text": text}))
+        self._queued.append(event)
         self._queued_text.append(text)
         if not self._flushing:
             self._flusher = asyncio.create_task(self._flush(), name="append deltas")
@@ -167,7 +175,7 @@ class AttemptOutput:
             events = [self.attempt_event(), *events]
         await self._writer.append(events)
         self.has_attempt_event = True
-        if any(kind in ("tool_call", "tool_result") for kind, _ in events):
+        if any(kind in ("tool_call", "tool_input_delta", "tool_result") for kind, _ in events):
             self.tool_output = True
 
     def attempt_event(self) -> Event:

@@ -5,6 +5,12 @@ ledger as soon as each is whole, and shown on the stream as a ``tool_call`` and 
 A call is named by its tool and its ordinal (the how-many-th call of that tool in the attempt,
 counted across its steps and upstream calls): that is the ledger slot which makes a call that is
 run again (a retry, a takeover) find its stored outcome instead of running twice.
+
+A call of one of the turn's client tools is not dispatched: its arguments are streamed as
+``tool_input_delta`` events as they arrive, then it is shown as a ``tool_call`` with status
+``client`` and left :attr:`ToolSteps.pending`, for the attempt to end with (``requires_action``).
+Its id is derived from its slot (:func:`~broker.client_tools.client_call_id`), so a retry meets
+the same id.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from broker.client_tools import client_call_id
 from broker.errors import StopRequested, StreamFull
 from broker.lease import TurnWriter
 from broker.ledger import Dispatcher, Outcome, Slot
@@ -52,21 +59,41 @@ class ToolSteps:
         self._metrics = metrics
         self._dispatcher = dispatcher
         self._ordinals: dict[str, int] = {}
+        self._client: frozenset[str] = frozenset()
+        self.pending: list[dict[str, Any]] = []  # client calls whole: {call_id, name, arguments}
+
+    def restart(self, client_tools: frozenset[str]) -> None:
+        """A new upstream call redoes the attempt's steps: ordinals count from 0 again (to
+        meet the same slots), and nothing is pending."""
+        self._client = client_tools
+        self._ordinals = {}
+        self.pending = []
+
+    def is_client(self, name: str) -> bool:
+        """Whether ``name`` is one of the turn's client tools (the client runs its calls)."""
+        return name in self._client
+
+    def _next_ordinal(self, name: str) -> int:
+        ordinal = self._ordinals.get(name, 0)
+        self._ordinals[name] = ordinal + 1
+        return ordinal
 
     def message(self) -> ToolCalls:
         """The calls of the next model message."""
         return ToolCalls(self)
 
     async def run(
-        self, call: dict[str, str], calls: list[dict[str, Any]], results: list[dict[str, Any]]
+        self, call: dict[str, Any], calls: list[dict[str, Any]], results: list[dict[str, Any]]
     ) -> None:
         """Dispatch one complete call through the ledger and put both sides on the stream.
 
         Raises :class:`ToolFailure` when its outcome fails the turn.
         """
+        if self.is_client(call["name"]):
+            await self.hand_over(call, calls, results)
+            return
         name = call["name"]
-        ordinal = self._ordinals.get(name, 0)
-        self._ordinals[name] = ordinal + 1
+        ordinal = self._next_ordinal(name)
         call_id = call["id"] or f"call_{self._n}_{name}_{ordinal}"
         try:
             shown: Any = orjson.loads(call["arguments"] or "{}")
@@ -107,8 +134,60 @@ class ToolSteps:
         content = outcome.error if outcome.error is not None else outcome.result
         results.append({"id": call_id, "name": name, "content": orjson.dumps(content).decode()})
 
+    async def stream_input(self, call: dict[str, Any]) -> None:
+        """A client call's arguments so far: the piece not yet shown goes out as a
+        ``tool_input_delta`` (its slot and id are taken with its first piece)."""
+        if "ordinal" not in call:
+            call["ordinal"] = self._next_ordinal(call["name"])
+            call["call_id"] = client_call_id(
+                self._conversation_id, self._turn_id, call["name"], call["ordinal"]
+            )
+            call["shown"] = 0
+        piece = call["arguments"][call["shown"] :]
+        if not piece:
+            return
+        call["shown"] = len(call["arguments"])
+        data = {
+            "attempt": self._n,
+            "call_id": call["call_id"],
+            "name": call["name"],
+            "ordinal": call["ordinal"],
+            "delta": piece,
+        }
+        await self._output.queue_event(("tool_input_delta", data))
+
+    async def hand_over(
+        self, call: dict[str, Any], calls: list[dict[str, Any]], results: list[dict[str, Any]]
+    ) -> None:
+        """A client call whose arguments are whole: shown ``client`` and left pending; with
+        arguments that are not JSON, shown ``not_run`` (``bad_arguments``) and answered to the
+        model with an error, as a refused server call is."""
+        await self.stream_input(call)
+        arguments = call["arguments"] or "{}"
+        data: dict[str, Any] = {
+            "attempt": self._n,
+            "call_id": call["call_id"],
+            "name": call["name"],
+            "ordinal": call["ordinal"],
+        }
+        try:
+            data["args"] = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            data.update(args=arguments, status="not_run", reason="bad_arguments")
+            await self._output.append([("tool_call", data)])
+            error = {"code": "bad_arguments", "message": "the arguments are not JSON"}
+            calls.append({"id": call["call_id"], "name": call["name"], "arguments": arguments})
+            content = orjson.dumps(error).decode()
+            results.append({"id": call["call_id"], "name": call["name"], "content": content})
+            return
+        data["status"] = "client"
+        await self._output.append([("tool_call", data)])
+        self.pending.append(
+            {"call_id": call["call_id"], "name": call["name"], "arguments": arguments}
+        )
+
     async def _dispatch(
-        self, call: dict[str, str], name: str, ordinal: int, call_id: str
+        self, call: dict[str, Any], name: str, ordinal: int, call_id: str
     ) -> Outcome:
         if self._dispatcher is None:
             return Outcome(
@@ -118,12 +197,17 @@ class ToolSteps:
         row = {"tool": name, "ordinal": ordinal, "attempt": self._n, "call_id": call_id}
         return await self._dispatcher.dispatch(slot, call["arguments"], row, self._writer.token)
 
-    async def abandon(self, call: dict[str, str], *, show: bool) -> None:
-        """A call cut off while its arguments arrived: recorded as not run, never dispatched.
+    async def abandon(self, call: dict[str, Any], *, show: bool) -> None:
+        """A call cut off while its arguments arrived: recorded as not run, never dispatched
+        (a client call: never handed over).
 
         Readers are told (``show``) only when the attempt already reached them; otherwise a
         silent retry follows and the stream stays as if nothing happened.
         """
+        if "ordinal" in call:  # a client call: its id and slot were shown with its input
+            if show:
+                await self._show_not_run(call["call_id"], call["name"], call["ordinal"])
+            return
         row = {
             "tool": call["name"],
             "attempt": self._n,
@@ -137,8 +221,10 @@ class ToolSteps:
             tool = self._dispatcher.registry.get(call["name"])
             kind = tool.kind if tool is not None else "read"
             self._metrics.tool_calls.labels(kind, "not_run").inc()
-        if not show:
-            return
+        if show:
+            await self._show_not_run(call["id"], call["name"], None)
+
+    async def _show_not_run(self, call_id: str, name: str, ordinal: int | None) -> None:
         with contextlib.suppress(StopRequested, StreamFull):
             await self._output.append(
                 [
@@ -146,10 +232,10 @@ class ToolSteps:
                         "tool_call",
                         {
                             "attempt": self._n,
-                            "call_id": call["id"],
-                            "name": call["name"],
+                            "call_id": call_id,
+                            "name": name,
                             "args": None,
-                            "ordinal": None,
+                            "ordinal": ordinal,
                             "status": "not_run",
                             "reason": "connection_lost",
                         },
@@ -164,16 +250,19 @@ class ToolCalls:
 
     def __init__(self, steps: ToolSteps) -> None:
         self._steps = steps
-        self._open: dict[int, dict[str, str]] = {}
+        self._open: dict[int, dict[str, Any]] = {}
         self.calls: list[dict[str, Any]] = []
         self.results: list[dict[str, Any]] = []
 
-    def add(self, chunk: ToolCallChunk) -> None:
-        """One piece of a call: its id and name (once), a piece of its arguments."""
+    async def add(self, chunk: ToolCallChunk) -> None:
+        """One piece of a call: its id and name (once), a piece of its arguments (a client
+        call's is shown at once)."""
         call = self._open.setdefault(chunk.index, {"id": "", "name": "", "arguments": ""})
         call["id"] = chunk.call_id or call["id"]
         call["name"] = chunk.name or call["name"]
         call["arguments"] += chunk.arguments
+        if call["name"] and self._steps.is_client(call["name"]):
+            await self._steps.stream_input(call)
 
     async def end(self, index: int) -> None:
         """The call at ``index`` is whole: run it (an index with no open call is ignored)."""

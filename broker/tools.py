@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import tomllib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -31,10 +30,11 @@ import jsonschema
 import orjson
 
 from broker.errors import BrokerError
+from broker.vocabulary import TOOL_NAME_PATTERN
 
 ToolClass = Literal["read", "keyed_write", "unkeyed_write"]
 TOOL_CLASSES: tuple[ToolClass, ...] = ("read", "keyed_write", "unkeyed_write")
-NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+NAME_PATTERN = TOOL_NAME_PATTERN
 
 ToolFunction = Callable[[dict[str, Any], str], Awaitable[Any]]
 """A Python tool: ``await fn(arguments, idempotency_key)`` returns a JSON-able result."""

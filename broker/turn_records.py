@@ -30,6 +30,8 @@ class StoredRequest:
     model: str | None
     params: dict[str, Any]
     echo: dict[str, Any] = dataclasses.field(default_factory=dict)  # a door's echoed fields
+    # The tools the client runs ({"name", "description"?, "parameters"?}), as the turn got them.
+    client_tools: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def decode(cls, raw: str | None) -> StoredRequest:
@@ -42,6 +44,7 @@ class StoredRequest:
             model=body.get("model"),
             params=dict(body.get("params") or {}),
             echo=dict(body.get("echo") or {}),
+            client_tools=tuple(body.get("client_tools") or ()),
         )
 
 
@@ -57,6 +60,8 @@ class AttemptRecord:
     canonical: bool
     usage: dict[str, Any] | None
     continues: int | None  # a continue's: the attempt whose partial text it continues
+    # ``requires_action``'s: the client calls it ended with ({"call_id", "name", "arguments"})
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def decode(cls, raw: str | None) -> AttemptRecord | None:
@@ -73,6 +78,7 @@ class AttemptRecord:
             canonical=bool(record.get("canonical")),
             usage=record.get("usage"),
             continues=int(continues) if continues else None,
+            tool_calls=tuple(record.get("tool_calls") or ()),
         )
 
 
@@ -123,11 +129,13 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
             attempt["continues"] = record.get("from")
         attempts.append(attempt)
     canonical = None
+    pending: list[dict[str, Any]] = []
     if meta.get("canonical"):
         n = int(meta["canonical"])
         canonical = {"attempt": n, "text": meta.get(f"text:{n}", "")}
+        pending = list(orjson.loads(meta.get(f"attempt:{n}") or "{}").get("tool_calls") or ())
     stream_id = meta["stream_id"]
-    return {
+    state = {
         "turn_id": turn_id,
         "conversation_id": unscoped(conversation_id)[1],
         "stream_id": stream_id,
@@ -138,3 +146,6 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
         "created_ms": int(meta["created_ms"]),
         "links": links(turn_id, stream_id),
     }
+    if pending:
+        state["tool_calls"] = pending  # the client calls the canonical attempt ended with
+    return state

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final
 
 import orjson
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from broker import redis_calls as rc
 from broker.admission import Admission
 from broker.canonical import canonical_json, fingerprint
+from broker.client_tools import check_client_tools, check_tool_messages
 from broker.deps import Deps
 from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
 from broker.jobs import JobQueue
@@ -25,6 +25,15 @@ from broker.turn_records import (
     links,
     turn_state,
 )
+from broker.turn_requests import OPTIONAL_MESSAGE_FIELDS
+
+# The request models are imported from here by the doors, which came before the split.
+from broker.turn_requests import WHOLE as WHOLE
+from broker.turn_requests import AttemptRequest as AttemptRequest
+from broker.turn_requests import CanonicalRequest as CanonicalRequest
+from broker.turn_requests import Message as Message
+from broker.turn_requests import TurnRequest as TurnRequest
+from broker.turn_requests import WholeNumber as WholeNumber
 from broker.vocabulary import (
     FINAL_STATUSES,
     ID_PATTERN,
@@ -33,96 +42,16 @@ from broker.vocabulary import (
     encode_turn_ref,
     scoped,
 )
-from broker.webhooks import NotifyRequest, Webhooks
+from broker.webhooks import Webhooks
 
 log = logging.getLogger("broker.turns")
 
-ID_REGEX = ID_PATTERN.pattern
 RESCUE_INTERVAL_MS = 1_000
 # A stop waits this long for the running attempt to end before it answers, looking this often.
 CANCEL_WAIT_S = 5.0
 CANCEL_POLL_S = 0.02
-
-
-def _whole(value: Any) -> Any:
-    """``60.0`` as ``60``: JSON has one kind of number, and JSON Schema's ``integer`` is any
-    number without a fraction. Fractions, booleans and strings pass unchanged, for the strict
-    integer check to refuse."""
-    if type(value) is float and value.is_integer():
-        return int(value)
-    return value
-
-
-# An integer of a request body (the request models are strict: `true` and `"5"` are not one).
-# Bounds go before it, `Annotated[int, Field(ge=1), WHOLE]`: after it, pydantic's JSON schema
-# spells them `ge`/`le`, which JSON Schema does not know.
-WHOLE = BeforeValidator(_whole)
-# Any other integer of a body is one every JSON parser reads exactly (JavaScript's safe
-# integers): past 64 bits (a float such as 1e300 is a whole number too) it cannot be stored and
-# was a 500, and past 2**53 the body's parser rounds it, so that a value just past a 64-bit
-# bound came in as the bound itself and was taken.
-SAFE_INTEGER: Final = 2**53 - 1
-WholeNumber = Annotated[int, Field(ge=-SAFE_INTEGER, le=SAFE_INTEGER), WHOLE]
-
-
-class Message(BaseModel):
-    """One message of the conversation as the model should see it."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-    name: str | None = Field(default=None, max_length=128)
-    # Set on assistant messages of the conversation history whose answer was cut short; it lets
-    # a client send the history back as it got it. Providers never see it.
-    partial: bool | None = None
-
-
-class TurnRequest(BaseModel):
-    """The body of ``POST /v1/turns``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    conversation_id: str = Field(pattern=ID_REGEX)
-    turn_id: str | None = Field(default=None, pattern=ID_REGEX)
-    messages: list[Message] = Field(min_length=1)
-    # The document lists this broker's providers and models (see broker.api.schemas).
-    provider: str | None = Field(
-        default=None, max_length=64, json_schema_extra={"x-broker-catalogue": "providers"}
-    )
-    model: str | None = Field(
-        default=None, max_length=256, json_schema_extra={"x-broker-catalogue": "models"}
-    )
-    params: dict[str, Any] = Field(default_factory=dict)
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-    response_format: Literal["text", "json"] = "text"
-    session_id: str | None = Field(default=None, pattern=ID_REGEX)
-    # Where to POST once each attempt is at rest; delivery, not the work: not fingerprinted.
-    notify: NotifyRequest | None = None
-    # What a door hands back as the client sent it (OpenAI: instructions, metadata, background):
-    # stored with the request, never sent upstream.
-    echo: dict[str, Any] | None = Field(
-        default=None, description="extension: fields a door echoes in its objects"
-    )
-
-
-class AttemptRequest(BaseModel):
-    """The body of ``POST /v1/turns/{turn_id}/attempts``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    strategy: Literal["continue", "regenerate"]
-
-
-class CanonicalRequest(BaseModel):
-    """The body of ``POST /v1/turns/{turn_id}/canonical``: promote an attempt, by CAS."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    attempt: Annotated[int, Field(ge=1), WHOLE]
-    expected: Annotated[int, Field(ge=1), WHOLE] | None = Field(
-        default=None, description="the canonical attempt the client saw (null: none)"
-    )
+# An attempt that ended with these is a whole answer in the history (not flagged partial).
+WHOLE_ANSWERS: Final = frozenset({AttemptStatus.COMPLETE, AttemptStatus.REQUIRES_ACTION})
 
 
 class Turns:
@@ -135,7 +64,9 @@ class Turns:
         admission: Admission,
         jobs: JobQueue,
         webhooks: Webhooks | None = None,
+        server_tools: frozenset[str] = frozenset(),
     ) -> None:
+        self._server_tools = server_tools  # names a client tool may not take
         self._admission = admission
         self._jobs = jobs
         self._webhooks = webhooks
@@ -160,6 +91,8 @@ class Turns:
                 f"BROKER_MAX_MESSAGE_CHARS={self._settings.max_message_chars}",
                 code="message_too_long",
             )
+        check_client_tools(request.client_tools, self._server_tools)
+        check_tool_messages([m.model_dump() for m in request.messages])
         provider = self._providers.get(request.provider)
         self._providers.model_for(provider, request.model)
         provider.validate_params(request.params)
@@ -179,8 +112,11 @@ class Turns:
         # The session names a retry budget, not the work: it is not part of the fingerprint.
         body = request.model_dump(exclude={"turn_id", "session_id", "notify"})
         for message in body["messages"]:
-            if message.get("partial") is None:
-                message.pop("partial", None)
+            for field in OPTIONAL_MESSAGE_FIELDS:
+                if message.get(field) is None:
+                    message.pop(field, None)
+        if not body["client_tools"]:
+            body.pop("client_tools")  # a turn without them stores what it always did
         if body.get("echo") is None:
             body.pop("echo", None)  # a native turn's fingerprint stays what it was
         body["provider"] = self._providers.get(request.provider).name
@@ -567,11 +503,14 @@ class Turns:
                 decoded = AttemptRecord.decode(record)
                 attempt_status = decoded.status if decoded is not None else None
                 answer: dict[str, Any] = {"role": "assistant", "content": text or ""}
-                if attempt_status != AttemptStatus.COMPLETE:
+                partial = attempt_status not in WHOLE_ANSWERS
+                if partial:
                     answer["partial"] = True
+                if decoded is not None and decoded.tool_calls:
+                    answer["tool_calls"] = [_history_call(c) for c in decoded.tool_calls]
                 messages.append(answer)
                 entry["canonical"] = int(canonical)
-                entry["partial"] = attempt_status != AttemptStatus.COMPLETE
+                entry["partial"] = partial
             turns.append(entry)
         if not turns:
             raise NotFound(f"unknown conversation {client_conversation_id!r}")
@@ -587,6 +526,11 @@ def _new_input(messages: list[dict[str, Any]], *, first: bool) -> list[dict[str,
     if first and start > 0:
         tail = [m for m in messages[:start] if m.get("role") == "system"] + tail
     return tail
+
+
+def _history_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A pending client call as an assistant message's ``tool_calls`` entry."""
+    return {"id": call["call_id"], "name": call["name"], "arguments": call["arguments"]}
 
 
 def _sendable(message: dict[str, Any]) -> dict[str, Any]:

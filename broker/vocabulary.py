@@ -23,6 +23,9 @@ class TurnStatus(StrEnum):
     INTERRUPTED = "interrupted"
     CANCELLED = "cancelled"
     FAILED = "failed"
+    # The model called client tools: the attempt ended with the calls as its outcome, and the
+    # next turn carries their results.
+    REQUIRES_ACTION = "requires_action"
 
 
 class AttemptStatus(StrEnum):
@@ -32,17 +35,29 @@ class AttemptStatus(StrEnum):
     PARTIAL = "partial"
     CANCELLED = "cancelled"
     FAILED = "failed"
+    REQUIRES_ACTION = "requires_action"
 
 
 # A turn at rest: its current attempt ended, and nothing more comes unless a new one starts.
 FINAL_STATUSES: Final = frozenset(
-    {TurnStatus.COMPLETE, TurnStatus.INTERRUPTED, TurnStatus.CANCELLED, TurnStatus.FAILED}
+    {
+        TurnStatus.COMPLETE,
+        TurnStatus.INTERRUPTED,
+        TurnStatus.CANCELLED,
+        TurnStatus.FAILED,
+        TurnStatus.REQUIRES_ACTION,
+    }
 )
 # A turn that holds a stream slot of its tenant: queued, or generating.
 ACTIVE_STATUSES: Final = frozenset({TurnStatus.QUEUED, TurnStatus.STREAMING})
 # The statuses whose text (when there is any) becomes the turn's canonical answer.
 PROMOTED_STATUSES: Final = frozenset(
-    {TurnStatus.COMPLETE, TurnStatus.INTERRUPTED, TurnStatus.CANCELLED}
+    {
+        TurnStatus.COMPLETE,
+        TurnStatus.INTERRUPTED,
+        TurnStatus.CANCELLED,
+        TurnStatus.REQUIRES_ACTION,
+    }
 )
 # The attempt's status for the turn status it ended with: an interrupted turn holds a partial one.
 ATTEMPT_STATUS: Final = {
@@ -50,6 +65,7 @@ ATTEMPT_STATUS: Final = {
     TurnStatus.INTERRUPTED: AttemptStatus.PARTIAL,
     TurnStatus.CANCELLED: AttemptStatus.CANCELLED,
     TurnStatus.FAILED: AttemptStatus.FAILED,
+    TurnStatus.REQUIRES_ACTION: AttemptStatus.REQUIRES_ACTION,
 }
 
 
@@ -83,6 +99,8 @@ def decode_attempt_ref(data: str) -> tuple[str, str, int]:
 
 # Ids chosen by clients become part of key names and hash tags: keep them to a safe alphabet.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# A tool's name, server or client: what the providers' function names take.
+TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 STREAM_ID_PATTERN = re.compile(r"^st_[0-9a-f]{32}$")
 # Tenant names never hold "/", so "<tenant>/<id>" splits one way only (client ids hold no "/").
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@|+:-]{0,127}$")

@@ -158,7 +158,7 @@ def get_turn(base_url: str, turn_id: str, auth: str | None = None) -> dict[str, 
 def wait_final(
     base_url: str, turn_id: str, timeout: float = 15.0, auth: str | None = None
 ) -> dict[str, Any]:
-    final = ("complete", "interrupted", "cancelled", "failed")
+    final = ("complete", "interrupted", "cancelled", "failed", "requires_action")
     turn: dict[str, Any] = wait_until(
         lambda: (t := get_turn(base_url, turn_id, auth))["status"] in final and t, timeout
     )

@@ -113,13 +113,19 @@ def test_the_event_stream_has_a_schema_per_event_type(document: dict[str, Any]) 
     branches = content["text/event-stream"]["itemSchema"]["oneOf"]
     kinds = [branch["properties"]["event"]["const"] for branch in branches]
     assert kinds == [*STORED_EVENTS, *SSE_ONLY_EVENTS]
-    assert {"attempt", "delta", "tool_call", "tool_result", "usage", "error", "end"} <= set(kinds)
+    assert {"attempt", "delta", "tool_call", "tool_input_delta", "tool_result", "end"} <= set(kinds)
     for branch in branches:
         data = branch["properties"]["data"]
         assert data["contentMediaType"] == "application/json"
         assert data["contentSchema"]["$ref"].startswith("#/components/schemas/")
     end = document["components"]["schemas"]["EndEvent"]
-    assert end["properties"]["status"]["enum"] == ["complete", "interrupted", "cancelled", "failed"]
+    assert end["properties"]["status"]["enum"] == [
+        "complete",
+        "interrupted",
+        "cancelled",
+        "failed",
+        "requires_action",
+    ]
     page = document["components"]["schemas"]["StreamPage"]
     assert set(page["required"]) == {"events", "next_offset", "up_to_date", "closed"}
     page_kinds = [
@@ -182,7 +188,29 @@ def turns(broker: RunningBroker) -> list[dict[str, Any]]:
         start_turn(base, "schema-c", auth=KEY, tokens=6, tokens_per_s=0, tool_calls=tools),
         start_turn(base, "schema-f", auth=KEY, tokens=4, fail_before_first=1, error="fatal"),
         start_turn(base, "schema-i", auth=KEY, tokens=8, tokens_per_s=0, fail_after_deltas=3),
+        client_tool_turn(base),
     ]
+
+
+def client_tool_turn(base: str) -> dict[str, Any]:
+    """A turn that ends requires_action with a client tool call (``tool_input_delta``)."""
+    body = {
+        "conversation_id": "conv-1",
+        "turn_id": "schema-r",
+        "messages": [{"role": "user", "content": "Look it up"}],
+        "client_tools": [{"name": "find", "parameters": {"type": "object"}}],
+        "params": {
+            "simulate": {
+                "tokens": 4,
+                "tokens_per_s": 0,
+                "tool_calls": [{"name": "find", "args": {"q": "x"}, "after": 1}],
+            }
+        },
+    }
+    response = httpx.post(f"{base}/v1/turns", json=body, headers=bearer(KEY), timeout=10)
+    assert response.status_code == 201, response.text
+    turn: dict[str, Any] = response.json()
+    return turn
 
 
 def test_the_events_of_real_turns_match_their_schemas(

@@ -103,6 +103,10 @@ def test_the_latest_turn_of_a_conversation(broker: RunningBroker) -> None:
                 "c", ({"role": "user", "content": "hi"},), "simulated", None, {"temperature": 0.5}
             ),
         ),
+        (
+            '{"conversation_id":"c","messages":[],"client_tools":[{"name":"f"}]}',
+            StoredRequest("c", (), None, None, {}, client_tools=({"name": "f"},)),
+        ),
     ],
 )
 def test_a_stored_request_decodes(raw: str | None, expected: StoredRequest) -> None:
@@ -129,6 +133,21 @@ def test_a_stored_request_decodes(raw: str | None, expected: StoredRequest) -> N
             '{"n":3,"strategy":"regenerate","status":"partial","reason":"cut","canonical":false,'
             '"from":2}',
             AttemptRecord(3, "regenerate", "partial", "cut", False, None, None),
+        ),
+        # An attempt that ended with client tool calls keeps them.
+        (
+            '{"n":1,"strategy":"initial","status":"requires_action","reason":"tool_calls",'
+            '"canonical":true,"tool_calls":[{"call_id":"call_1","name":"f","arguments":"{}"}]}',
+            AttemptRecord(
+                1,
+                "initial",
+                "requires_action",
+                "tool_calls",
+                True,
+                None,
+                None,
+                ({"call_id": "call_1", "name": "f", "arguments": "{}"},),
+            ),
         ),
     ],
 )

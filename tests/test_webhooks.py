@@ -185,6 +185,32 @@ def test_a_finished_turn_is_posted_signed_with_its_state(
     assert delivery.headers["webhook-signature"] == expected
 
 
+def test_a_turn_that_ends_with_client_tool_calls_is_posted_requires_action(
+    broker_factory: BrokerFactory, receivers: Callable[..., Receiver]
+) -> None:
+    receiver = receivers()
+    broker = broker_factory(**FAST, webhook_hosts=receiver.host)
+    body = {
+        "conversation_id": "hooks",
+        "turn_id": "calls-1",
+        "messages": [{"role": "user", "content": "what time is it?"}],
+        "client_tools": [{"name": "get_time"}],
+        "notify": {"url": receiver.url},
+        "params": {
+            "simulate": {"tokens": 5, "tokens_per_s": 0, "tool_calls": [{"name": "get_time"}]}
+        },
+    }
+    response = httpx.post(f"{broker.base_url}/v1/turns", json=body, timeout=10)
+    assert response.status_code == 201, response.text
+    (delivery,) = receiver.wait_for(1)
+    data = delivery.payload["data"]
+    assert (data["status"], data["reason"], data["canonical_attempt"]) == (
+        "requires_action",
+        "tool_calls",
+        1,
+    )
+
+
 def test_the_notification_is_in_redis_before_the_turn_can_end(
     broker_factory: BrokerFactory, receivers: Callable[..., Receiver], raw_redis: redis.Redis
 ) -> None:

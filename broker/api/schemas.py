@@ -73,6 +73,14 @@ class CanonicalText(BaseModel):
     text: str
 
 
+class PendingToolCall(BaseModel):
+    """A client tool call the canonical attempt ended with (``requires_action``)."""
+
+    call_id: str = Field(description="derived from the call's slot: the same after a retry")
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
 class TurnState(BaseModel):
     turn_id: str
     conversation_id: str
@@ -83,6 +91,11 @@ class TurnState(BaseModel):
     canonical: CanonicalText | None
     created_ms: int
     links: Links
+    tool_calls: list[PendingToolCall] | None = Field(
+        default=None,
+        description="the client tool calls the canonical attempt ended with, when it ended "
+        "requires_action: run them and send the results in the next turn",
+    )
 
 
 class HistoryTurn(BaseModel):
@@ -147,16 +160,29 @@ class DeltaEvent(BaseModel):
 
 class ToolCallEvent(BaseModel):
     """``tool_call``: the model called a tool; ``dispatched`` before it runs through the
-    ledger, or ``not_run`` when its arguments were cut off (then ``args`` and ``ordinal`` are
-    null and ``reason`` says why)."""
+    ledger, ``client`` when it is a call of a client tool whose arguments are whole (the client
+    runs it: the attempt ends ``requires_action``), or ``not_run`` when its arguments were cut
+    off (``reason`` ``connection_lost``; a server call's ``args`` and ``ordinal`` are null) or
+    are not JSON (``bad_arguments``, a client call's)."""
 
     attempt: int = Field(ge=1)
     call_id: str
     name: str
     args: Any = Field(description="the parsed arguments (their raw text if not JSON)")
     ordinal: int | None = Field(ge=0, description="this tool's how-many-th call in the turn")
-    status: Literal["dispatched", "not_run"]
+    status: Literal["dispatched", "client", "not_run"]
     reason: str | None = None
+
+
+class ToolInputDeltaEvent(BaseModel):
+    """``tool_input_delta``: the next piece of a client tool call's arguments (JSON text) as
+    the model writes them; a ``tool_call`` follows once they are whole (or cut off)."""
+
+    attempt: int = Field(ge=1)
+    call_id: str = Field(description="derived from the call's slot: the same after a retry")
+    name: str
+    ordinal: int = Field(ge=0, description="this tool's how-many-th call in the attempt")
+    delta: str
 
 
 class ToolResultEvent(BaseModel):
@@ -201,8 +227,10 @@ class EndEvent(BaseModel):
     ``complete`` arrived; a connection that closes without one was cut."""
 
     attempt: int = Field(ge=1)
-    status: Literal["complete", "interrupted", "cancelled", "failed"]
-    reason: str | None = None
+    status: Literal["complete", "interrupted", "cancelled", "failed", "requires_action"]
+    reason: str | None = Field(
+        default=None, description="with requires_action: tool_calls (see the turn's tool_calls)"
+    )
 
 
 class ResumePointEvent(BaseModel):
@@ -226,6 +254,7 @@ STORED_EVENTS: dict[str, type[BaseModel]] = {
     "attempt": AttemptEvent,
     "delta": DeltaEvent,
     "tool_call": ToolCallEvent,
+    "tool_input_delta": ToolInputDeltaEvent,
     "tool_result": ToolResultEvent,
     "usage": UsageEvent,
     "error": ErrorEvent,

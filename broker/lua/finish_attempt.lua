@@ -13,7 +13,7 @@
 -- KEYS[5]  conversation turns  {c:<conversation>}:turns
 -- ARGV[1]  token          the fencing token returned by claim_lease
 -- ARGV[2]  attempt        the attempt number being finished
--- ARGV[3]  turn status    complete | interrupted | cancelled | failed
+-- ARGV[3]  turn status    complete | interrupted | cancelled | failed | requires_action
 -- ARGV[4]  record         JSON object of the attempt (n, strategy, status, reason, ...)
 -- ARGV[5]  text           the attempt's text (for `continue`, the partial plus the continuation)
 -- ARGV[6]  ttl_ms         retention of the finished turn's keys

@@ -9,7 +9,9 @@
 --
 -- Returns  {"promoted", attempt}
 --          {"conflict", current}       the canonical attempt is not `expected`
---          {"not_allowed", reason}     the turn is running, or the attempt has no answer
+--          {"not_allowed", reason}     the turn is running, or the attempt has no answer (an
+--                                      attempt that ended requires_action has one: its
+--                                      client tool calls, even without text)
 --          {"missing"}                 no such turn or attempt
 -- Errors   none of its own.
 local turn = KEYS[1]
@@ -25,7 +27,9 @@ if status == 'queued' or status == 'streaming' then
   return {'not_allowed', 'a generation is running'}
 end
 local record = cjson.decode(raw)
-if record['status'] == 'failed' or (redis.call('HSTRLEN', turn, 'text:' .. ARGV[1]) == 0) then
+local calls = record['status'] == 'requires_action'
+local empty = redis.call('HSTRLEN', turn, 'text:' .. ARGV[1]) == 0
+if record['status'] == 'failed' or (empty and not calls) then
   return {'not_allowed', 'the attempt has no answer'}
 end
 local current = redis.call('HGET', turn, 'canonical') or ''

@@ -3,10 +3,12 @@
 How a broker request becomes a Messages call, where the two models differ:
 
 * ``system`` messages become the ``system`` parameter (joined by blank lines). Anthropic has no
-  ``tool`` role and the broker's messages carry no ``tool_use`` id to pair one with, so a ``tool``
-  message is sent as user text. ``name`` (unsupported) and the broker-only ``partial`` flag are
-  dropped, as are empty messages. Consecutive messages of one role are merged into one message of
-  several content blocks: the API wants user and assistant to alternate.
+  ``tool`` role: a ``tool`` message answering a client tool call (``tool_call_id``) becomes a
+  user ``tool_result`` block, and an assistant message's ``tool_calls`` its ``tool_use``
+  blocks; a ``tool`` message without a call id to pair it with is sent as user text. ``name``
+  (unsupported) and the broker-only ``partial`` flag are dropped, as are empty messages.
+  Consecutive messages of one role are merged into one message of several content blocks: the
+  API wants user and assistant to alternate.
 * ``continue``: the broker appends the delivered text as a trailing assistant message, which is
   Anthropic's native prefill: the model carries on from its last character. The API rejects a
   final assistant message that ends in whitespace, so the prefill is sent right-stripped, and
@@ -15,8 +17,9 @@ How a broker request becomes a Messages call, where the two models differ:
 * ``response_format: json``: Anthropic has no JSON mode; an instruction is appended to the system
   prompt, and the broker checks that the answer parses.
 * ``tools`` in OpenAI function format are converted (``parameters`` → ``input_schema``); tools
-  in Anthropic's format pass through. Each tool step is an assistant message (its text, then its
-  ``tool_use`` blocks) followed by a user message of ``tool_result`` blocks.
+  in Anthropic's format pass through; the turn's client tools follow them, converted alike.
+  Each tool step is an assistant message (its text, then its ``tool_use`` blocks) followed by
+  a user message of ``tool_result`` blocks.
 * ``max_tokens`` is required by the API: ``params.max_tokens``, else the constructor's default
   (``BROKER_ANTHROPIC_MAX_TOKENS``). ``stop`` becomes ``stop_sequences``. ``temperature``,
   ``top_p`` and ``top_k`` are sent in the body as the API defines them; SDK 2.x no longer types
@@ -52,6 +55,7 @@ from anthropic.types import (
 )
 from anthropic.types import TextDelta as AnthropicTextDelta
 
+from broker.client_tools import offered_tools
 from broker.errors import BadRequest
 from broker.providers import taxonomy
 from broker.providers.base import (
@@ -318,27 +322,9 @@ def build_body(request: GenerationRequest, default_max_tokens: int) -> tuple[dic
     system: list[str] = []
     messages: list[dict[str, Any]] = []
     for message in request.messages:
-        role, content = message.get("role"), message.get("content")
-        if role == "system":
-            if content is not None and str(content).strip():
-                system.append(str(content))
-        elif role == "tool":
-            name = message.get("name")
-            label = f"[result of the tool {name}]" if name else "[tool result]"
-            _append(messages, "user", _blocks(f"{label}\n{content}" if content else ""))
-        elif role in ("user", "assistant"):
-            _append(messages, str(role), _blocks(content))
+        _add_message(message, system, messages)
     for step in request.tool_steps:
-        uses = [
-            {
-                "type": "tool_use",
-                "id": call["id"],
-                "name": call["name"],
-                "input": _tool_input(call.get("arguments", "")),
-            }
-            for call in step.calls
-        ]
-        _append(messages, "assistant", _blocks(step.text) + uses)
+        _append(messages, "assistant", _blocks(step.text) + _uses(step.calls))
         results = [
             {"type": "tool_result", "tool_use_id": result["id"], "content": result["content"]}
             for result in step.results
@@ -365,9 +351,42 @@ def build_body(request: GenerationRequest, default_max_tokens: int) -> tuple[dic
     for key in SAMPLING:
         if params.get(key) is not None:
             body[key] = params[key]
-    if request.tools:
-        body["tools"] = [_tool(tool) for tool in request.tools]
+    tools = [*request.tools, *offered_tools(request.client_tools)]
+    if tools:
+        body["tools"] = [_tool(tool) for tool in tools]
     return body, stripped
+
+
+def _add_message(
+    message: dict[str, Any], system: list[str], messages: list[dict[str, Any]]
+) -> None:
+    """One broker message into the system prompt or the Messages API's messages."""
+    role, content = message.get("role"), message.get("content")
+    if role == "system":
+        if content is not None and str(content).strip():
+            system.append(str(content))
+    elif role == "tool" and message.get("tool_call_id") is not None:
+        result = {"type": "tool_result", "tool_use_id": message["tool_call_id"]}
+        _append(messages, "user", [{**result, "content": str(content or "")}])
+    elif role == "tool":
+        name = message.get("name")
+        label = f"[result of the tool {name}]" if name else "[tool result]"
+        _append(messages, "user", _blocks(f"{label}\n{content}" if content else ""))
+    elif role in ("user", "assistant"):
+        _append(messages, str(role), _blocks(content) + _uses(message.get("tool_calls") or []))
+
+
+def _uses(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls ({"id", "name", "arguments"}) as ``tool_use`` blocks."""
+    return [
+        {
+            "type": "tool_use",
+            "id": call["id"],
+            "name": call["name"],
+            "input": _tool_input(call.get("arguments", "")),
+        }
+        for call in calls
+    ]
 
 
 def _blocks(content: Any) -> list[dict[str, Any]]:

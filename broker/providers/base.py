@@ -34,6 +34,9 @@ class GenerationRequest:
     upstream_call: int  # 0 for the attempt's first upstream call, counted across retries
     tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     tool_steps: list[ToolStep] = dataclasses.field(default_factory=list)
+    # The turn's client tools ({"name", "description"?, "parameters"?}): offered beside
+    # ``tools``; the broker does not run their calls (see broker.client_tools.offered_tools).
+    client_tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

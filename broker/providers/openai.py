@@ -51,6 +51,7 @@ import httpx
 import openai
 from openai.types.chat import ChatCompletionChunk
 
+from broker.client_tools import offered_tools
 from broker.errors import BadRequest
 from broker.numbers import whole_number
 from broker.providers import taxonomy
@@ -140,7 +141,7 @@ class OpenAIProvider:
                 messages=cast(Any, render_messages(request)),
                 stream=True,
                 stream_options={"include_usage": True},
-                tools=cast(Any, request.tools) if request.tools else openai.omit,
+                tools=cast(Any, tools) if (tools := all_tools(request)) else openai.omit,
                 response_format=(
                     {"type": "json_object"} if request.response_format == "json" else openai.omit
                 ),
@@ -275,37 +276,56 @@ class _StreamState:
             yield Finished("tool_calls" if wants_tools else "stop")
 
 
+def all_tools(request: GenerationRequest) -> list[dict[str, Any]]:
+    """The tools offered to the model: the request's ``tools`` (already in this format), then
+    its client tools as function tools."""
+    return [*request.tools, *offered_tools(request.client_tools)]
+
+
 def render_messages(request: GenerationRequest) -> list[dict[str, Any]]:
     """The request's messages in Chat Completions form, its tool steps after them.
 
     Only ``role``, ``content`` and ``name`` of a message are sent (``partial`` is the broker's);
-    each tool step is the assistant message with its ``tool_calls``, then one ``tool`` message
-    per result.
+    an assistant message's client ``tool_calls`` and a ``tool`` message's ``tool_call_id`` go
+    in this format's shape. Each tool step is the assistant message with its ``tool_calls``,
+    then one ``tool`` message per result.
     """
-    messages = [
-        {key: message[key] for key in MESSAGE_FIELDS if message.get(key) is not None}
-        for message in request.messages
-    ]
+    messages = [_message(message) for message in request.messages]
     for step in request.tool_steps:
         messages.append(
-            {
-                "role": "assistant",
-                "content": step.text or None,
-                "tool_calls": [
-                    {
-                        "id": call["id"],
-                        "type": "function",
-                        "function": {"name": call["name"], "arguments": call["arguments"]},
-                    }
-                    for call in step.calls
-                ],
-            }
+            {"role": "assistant", "content": step.text or None, "tool_calls": _calls(step.calls)}
         )
         messages.extend(
             {"role": "tool", "tool_call_id": result["id"], "content": result["content"]}
             for result in step.results
         )
     return messages
+
+
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("role") == "tool" and message.get("tool_call_id") is not None:
+        return {
+            "role": "tool",
+            "tool_call_id": message["tool_call_id"],
+            "content": message.get("content", ""),
+        }
+    rendered = {key: message[key] for key in MESSAGE_FIELDS if message.get(key) is not None}
+    if message.get("tool_calls"):
+        rendered["tool_calls"] = _calls(message["tool_calls"])
+        rendered["content"] = message.get("content") or None
+    return rendered
+
+
+def _calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls ({"id", "name", "arguments"}) as an assistant message's ``tool_calls``."""
+    return [
+        {
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]},
+        }
+        for call in calls
+    ]
 
 
 async def _read_to_done(chunks: openai.AsyncStream[ChatCompletionChunk]) -> None:

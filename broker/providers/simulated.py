@@ -44,7 +44,8 @@ KNOBS = {
     "first_delta_after_ms": "the turn's first upstream call waits this long before its first "
     "delta (a slow time to first token)",
     "error": "'retryable' (default) or 'fatal': the kind of the injected failures",
-    "tool_calls": "a script of tool calls: [{name, args, after}], one per step, `after` deltas in",
+    "tool_calls": "a script of tool calls: [{name, args, after}], `after` deltas in; calls with "
+    "the same `after` are one message",
     "fail_after_tool_calls": "the first attempt's call breaks right after its Nth tool call ran",
     "cut_during_tool_args": "true: the first attempt's call breaks while a call's args arrive",
     "json": "true: emit a JSON document (the default for response_format json), false: prose",
@@ -205,7 +206,7 @@ class SimulatedProvider:
         prompt, prefill = _split_prefill(request.messages)
         if "json" not in knobs:
             knobs = {**knobs, "json": request.response_format == "json"}
-        pieces = full_answer(prompt, knobs)
+        pieces = _tool_echo(request.messages, knobs) + full_answer(prompt, knobs)
         start = _continued_from(pieces, prefill)
         first_attempt = request.attempt == 1
         wait_ms = int(knobs.get("first_delta_after_ms", 0))
@@ -214,7 +215,8 @@ class SimulatedProvider:
         break_after = knobs.get("fail_after_deltas") if first_attempt else None
         stall_after = knobs.get("stall_after_deltas") if first_attempt else None
         step = len(request.tool_steps)
-        low, high, call = _step_window(knobs.get("tool_calls", []), step, start, len(pieces))
+        messages = _script_messages(knobs.get("tool_calls", []))
+        low, high, calls = _step_window(messages, step, start, len(pieces))
         pace = self.pace(knobs)
         began = time.monotonic()
         sent = 0
@@ -233,18 +235,33 @@ class SimulatedProvider:
                     await asyncio.sleep(0)  # let other turns run between bursts
                 yield TextDelta(pieces[index])
                 sent += 1
-            if call is not None:
-                async for event in _scripted_call(request, knobs, call, step, retryable):
+            if calls:
+                before = sum(len(message) for message in messages[:step])
+                async for event in _scripted_calls(request, knobs, calls, before, retryable):
                     yield event
             yield Usage(input_tokens=len(prompt) // 4 + 1, output_tokens=sent)
             done = True
-            yield Finished("tool_calls" if call is not None else "stop")
+            yield Finished("tool_calls" if calls else "stop")
         except (GeneratorExit, asyncio.CancelledError):
             if not done:
                 # The upstream side of an abort: the call ends here and produces nothing more.
                 self.aborted_calls += 1
                 log.info("simulated call of turn %s aborted after %d deltas", request.turn_id, sent)
             raise
+
+
+def _tool_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[str]:
+    """A prose answer to tool results (the request ends with ``tool`` messages) opens by
+    saying how many it saw and their length: proof the results reached the model."""
+    results = []
+    for message in reversed(messages):
+        if message.get("role") != "tool":
+            break
+        results.append(str(message.get("content", "")))
+    if not results or knobs.get("json"):
+        return []
+    size = sum(len(result) for result in results)
+    return [f"({len(results)} tool results, {size} characters) "]
 
 
 def _continued_from(pieces: list[str], prefill: str) -> int:
@@ -258,39 +275,56 @@ def _continued_from(pieces: list[str], prefill: str) -> int:
     return start if delivered == prefill else 0
 
 
+def _script_messages(script: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The scripted calls grouped into model messages: consecutive calls at the same ``after``
+    are one message's calls."""
+    messages: list[list[dict[str, Any]]] = []
+    for call in script:
+        if messages and messages[-1][0].get("after", 0) == call.get("after", 0):
+            messages[-1].append(call)
+        else:
+            messages.append([call])
+    return messages
+
+
 def _step_window(
-    script: list[dict[str, Any]], step: int, start: int, count: int
-) -> tuple[int, int, dict[str, Any] | None]:
-    """The pieces a tool step writes, ``[low, high)``, and the scripted call that ends it (None
-    for the last step): each scripted call is one step, the text up to its position, then the
-    call."""
-    low = max(start, int(script[step - 1].get("after", 0)) if 0 < step <= len(script) else 0)
-    call = script[step] if step < len(script) else None
-    high = max(low, int(call.get("after", 0))) if call is not None else count
-    return low, high, call
+    messages: list[list[dict[str, Any]]], step: int, start: int, count: int
+) -> tuple[int, int, list[dict[str, Any]]]:
+    """The pieces a tool step writes, ``[low, high)``, and the scripted calls that end it (none
+    for the last step): each scripted message is one step, the text up to its position, then
+    its calls."""
+    previous = messages[step - 1][0] if 0 < step <= len(messages) else None
+    low = max(start, int(previous.get("after", 0)) if previous is not None else 0)
+    calls = messages[step] if step < len(messages) else []
+    high = max(low, int(calls[0].get("after", 0))) if calls else count
+    return low, high, calls
 
 
-async def _scripted_call(
+async def _scripted_calls(
     request: GenerationRequest,
     knobs: dict[str, Any],
-    call: dict[str, Any],
-    step: int,
+    calls: list[dict[str, Any]],
+    before: int,
     retryable: bool,
 ) -> AsyncGenerator[ProviderEvent, None]:
-    """A scripted tool call's chunks (its arguments in two halves), with the faults the knobs
-    inject around it on a first attempt."""
+    """A scripted message's tool calls, each one's arguments in several pieces, with the faults
+    the knobs inject around them on a first attempt (``before``: calls of earlier steps)."""
     first_attempt = request.attempt == 1
-    arguments = orjson.dumps(call.get("args", {})).decode()
-    half = len(arguments) // 2
-    call_id = f"call_{request.turn_id[-8:]}_{step}"
-    yield ToolCallChunk(0, call_id, str(call["name"]), arguments[:half])
-    if first_attempt and knobs.get("cut_during_tool_args"):
-        raise _injected(retryable, "while a tool call's arguments arrived")
-    yield ToolCallChunk(0, arguments=arguments[half:])
-    yield ToolCallEnd(0)
     fail_after = knobs.get("fail_after_tool_calls")
-    if first_attempt and fail_after is not None and step + 1 >= fail_after:
-        raise _injected(retryable, f"after tool call {step + 1} ran")
+    for index, call in enumerate(calls):
+        arguments = orjson.dumps(call.get("args", {})).decode()
+        size = max(1, -(-len(arguments) // 3))
+        parts = [arguments[i : i + size] for i in range(0, len(arguments), size)] or [""]
+        call_id = f"call_{request.turn_id[-8:]}_{before + index}"
+        yield ToolCallChunk(index, call_id, str(call["name"]), parts[0])
+        if first_attempt and knobs.get("cut_during_tool_args"):
+            raise _injected(retryable, "while a tool call's arguments arrived")
+        for part in parts[1:]:
+            yield ToolCallChunk(index, arguments=part)
+        yield ToolCallEnd(index)
+        ran = before + index + 1
+        if first_attempt and fail_after is not None and ran >= fail_after:
+            raise _injected(retryable, f"after tool call {ran} ran")
 
 
 def _validate_tool_script(script: Any) -> None:

@@ -60,6 +60,9 @@ export interface StartTurnOptions {
   model?: string;
   params?: Record<string, unknown>;
   tools?: Array<Record<string, unknown>>;
+  /** Tools the client runs: `{name, description?, parameters?}`; their calls end the turn
+   * `requires_action`. */
+  clientTools?: Array<{ name: string; description?: string; parameters?: Record<string, unknown> }>;
   responseFormat?: Record<string, unknown>;
 }
 

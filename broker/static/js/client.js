@@ -11,7 +11,7 @@ import { SSEDecoder } from "./sse.js";
 
 /** Event types the broker sends on a stream. */
 export const EVENT_TYPES = Object.freeze([
-  "attempt", "delta", "tool_call", "tool_result", "usage", "error", "end",
+  "attempt", "delta", "tool_input_delta", "tool_call", "tool_result", "usage", "error", "end",
 ]);
 
 // The event whose id is where a read from `now` starts (its data repeats it as `offset`).
@@ -164,10 +164,13 @@ export class BrokerClient {
   }
 
   /** Start a turn (POST /v1/turns). With a `turnId` it is idempotent: `created` tells. */
-  async startTurn({ conversationId, messages, turnId, provider, model, params, tools, responseFormat }) {
+  async startTurn({
+    conversationId, messages, turnId, provider, model, params, tools, clientTools, responseFormat,
+  }) {
     const body = { conversation_id: conversationId, messages };
     const optional = {
-      turn_id: turnId, provider, model, params, tools, response_format: responseFormat,
+      turn_id: turnId, provider, model, params, tools, client_tools: clientTools,
+      response_format: responseFormat,
     };
     for (const [key, value] of Object.entries(optional)) if (value != null) body[key] = value;
     const { data, status } = await this._json("POST", "/v1/turns", body);

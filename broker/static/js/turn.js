@@ -32,7 +32,10 @@ export class TurnState {
     return this.slot?.base ?? "";
   }
 
-  /** The newest attempt's end status ("complete", "interrupted", ...) or null while it runs. */
+  /**
+   * The newest attempt's end status ("complete", "interrupted", "requires_action", ...) or null
+   * while it runs.
+   */
   get status() {
     return this.slot?.status ?? null;
   }

@@ -340,12 +340,14 @@ class BrokerClient:
         params: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         response_format: Mapping[str, Any] | None = None,
+        client_tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Turn:
         """Start a generation turn (POST /v1/turns); only arguments that are not None are sent.
 
         With a `turn_id` the call is idempotent: the broker answers 200 with the existing turn and
-        `Turn.created` is False. Raises `Conflict` on 409 and the matching `BrokerHTTPError` on
-        other error statuses.
+        `Turn.created` is False. `client_tools` are tools the client runs: their calls end the
+        turn `requires_action` (see the broker's docs/tools.md). Raises `Conflict` on 409 and
+        the matching `BrokerHTTPError` on other error statuses.
         """
         optional: dict[str, Any] = {
             "turn_id": turn_id,
@@ -353,6 +355,7 @@ class BrokerClient:
             "model": model,
             "params": dict(params) if params is not None else None,
             "tools": [dict(t) for t in tools] if tools is not None else None,
+            "client_tools": [dict(t) for t in client_tools] if client_tools is not None else None,
             "response_format": dict(response_format) if response_format is not None else None,
         }
         body: dict[str, Any] = {
