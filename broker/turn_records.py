@@ -57,6 +57,7 @@ class AttemptRecord:
     canonical: bool
     usage: dict[str, Any] | None
     continues: int | None  # a continue's: the attempt whose partial text it continues
+    error: str | None = None  # a failed attempt's message (its reason is the code)
 
     @classmethod
     def decode(cls, raw: str | None) -> AttemptRecord | None:
@@ -73,6 +74,7 @@ class AttemptRecord:
             canonical=bool(record.get("canonical")),
             usage=record.get("usage"),
             continues=int(continues) if continues else None,
+            error=record.get("error"),
         )
 
 
@@ -121,6 +123,8 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
             attempt["status"] = meta["status"]
         if record.get("strategy") == "continue":
             attempt["continues"] = record.get("from")
+        if record.get("error"):
+            attempt["error"] = record["error"]
         attempts.append(attempt)
     canonical = None
     if meta.get("canonical"):

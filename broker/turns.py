@@ -17,6 +17,7 @@ from broker.deps import Deps
 from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
 from broker.jobs import JobQueue
 from broker.providers import Providers
+from broker.structured_output import ResponseFormat, format_kind
 from broker.turn_records import (
     Attempt,
     AttemptRecord,
@@ -95,7 +96,7 @@ class TurnRequest(BaseModel):
     )
     params: dict[str, Any] = Field(default_factory=dict)
     tools: list[dict[str, Any]] = Field(default_factory=list)
-    response_format: Literal["text", "json"] = "text"
+    response_format: ResponseFormat = "text"
     session_id: str | None = Field(default=None, pattern=ID_REGEX)
     # Where to POST once each attempt is at rest; delivery, not the work: not fingerprinted.
     notify: NotifyRequest | None = None
@@ -238,7 +239,7 @@ class Turns:
             request=canonical_json(body).decode(),
             session=session,
             record=orjson.dumps(record).decode(),
-            response_format=request.response_format,
+            response_format=format_kind(request.response_format),
             notify=request.notify.url if request.notify is not None else "",
         )
         result = created.result
