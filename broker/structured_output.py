@@ -16,12 +16,14 @@ document is not one the model wrote whole, so a cut JSON answer is regenerated i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import orjson
 from jsonschema import exceptions as schema_errors
 from jsonschema import validators
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from referencing.exceptions import Unresolvable
 
 # OpenAI's rule for a format's name; the broker keeps it so that every door can pass it on.
 FORMAT_NAME_REGEX = r"^[A-Za-z0-9_-]{1,64}$"
@@ -51,12 +53,33 @@ ResponseFormat = Literal["text", "json"] | JsonSchemaFormat
 
 
 def schema_problem(schema: dict[str, Any]) -> str | None:
-    """Why ``schema`` is not a JSON Schema (its own meta-schema decides), or None."""
+    """Why ``schema`` is not a JSON Schema (its own meta-schema decides), or None.
+
+    A ``$ref`` must point into the schema itself (``#...``): the broker fetches nothing.
+    """
+    if not isinstance(schema.get("$schema", ""), str):
+        return "schema is not a valid JSON Schema: $schema must be a string"
     try:
         validators.validator_for(schema).check_schema(schema)
     except schema_errors.SchemaError as exc:
         return f"schema is not a valid JSON Schema: {exc.message} (at {_path(exc.path)})"
+    remote = next(_remote_refs(schema), None)
+    if remote is not None:
+        return f"schema: $ref {remote[:128]!r} is not supported (only refs within the schema, #...)"
     return None
+
+
+def _remote_refs(value: Any) -> Iterator[str]:
+    """Every ``$ref`` (and ``$dynamicRef``) of ``value`` that leaves the document."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in ("$ref", "$dynamicRef") and not (isinstance(item, str) and item[:1] == "#"):
+                yield str(item)
+            else:
+                yield from _remote_refs(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _remote_refs(item)
 
 
 def format_kind(response_format: Any) -> str:
@@ -85,7 +108,11 @@ def output_problem(response_format: Any, text: str) -> str | None:
         return None
     schema = response_format["schema"]
     validator = validators.validator_for(schema)(schema)
-    error = schema_errors.best_match(validator.iter_errors(value))
+    try:
+        error = schema_errors.best_match(validator.iter_errors(value))
+    except (Unresolvable, RecursionError) as exc:
+        # A ref into the schema that points nowhere: the schema, not the answer, is at fault.
+        return f"the schema {response_format.get('name', '')!r} could not be applied: {exc}"
     if error is None:
         return None
     name = response_format.get("name", "")

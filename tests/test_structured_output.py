@@ -42,6 +42,8 @@ OUTPUTS: list[tuple[Any, str, str | None]] = [
     (FORM, '{"city": 3, "tunnels": []}', "at $.city: 3 is not of type 'string'"),
     (FORM, '{"city": "B", "tunnels": [], "x": 1}', "at $: Additional properties"),
     (FORM, "[]", "at $: [] is not of type 'object'"),
+    ({**FORM, "schema": {"$ref": "#/nowhere"}}, "{}", "'tunnels' could not be applied"),
+    ({**FORM, "schema": {"$ref": "#"}}, "{}", "could not be applied: maximum recursion"),
 ]
 
 
@@ -67,6 +69,8 @@ def test_the_native_form_is_validated_and_its_schema_meta_checked() -> None:
         "xml",
         {**FORM, "schema": {"type": "nope"}},
         {**FORM, "schema": {"properties": 3}},
+        {**FORM, "schema": {"$schema": 3}},
+        {**FORM, "schema": {"properties": {"a": {"$ref": "https://example.com/a.json"}}}},
         {**FORM, "name": "has space"},
         {**FORM, "extra": 1},
         {"type": "json_schema", "name": "n"},
