@@ -41,6 +41,7 @@ from broker.dialects.openai.formats import responses_format
 from broker.dialects.openai.inputs import Context, context
 from broker.dialects.openai.render import ResponsesRenderer
 from broker.dialects.openai.requests import (
+    INCLUDE_NOTHING,
     ParamError,
     ResponsesRequest,
     check_include,
@@ -406,7 +407,10 @@ def _bool_param(value: str | None, name: str) -> bool:
                 "name": "include",
                 "in": "query",
                 "required": False,
-                "schema": {"type": "array", "items": {"type": "string"}},
+                "schema": {
+                    "type": "array",
+                    "items": {"type": "string", "enum": sorted(INCLUDE_NOTHING)},
+                },
                 "description": "values that change nothing here (see docs/openai.md); others: 400",
             },
         ]
