@@ -60,7 +60,8 @@ export interface StartTurnOptions {
   model?: string;
   params?: Record<string, unknown>;
   tools?: Array<Record<string, unknown>>;
-  responseFormat?: Record<string, unknown>;
+  // "text", "json", or { type: "json_schema", name, schema, strict?, description? }
+  responseFormat?: "text" | "json" | Record<string, unknown>;
 }
 
 export interface TurnInfo {
