@@ -48,6 +48,7 @@ from broker.providers import (
 )
 from broker.retry import RetryPolicy
 from broker.scripts import Claim
+from broker.structured_output import output_problem
 from broker.tool_steps import ToolCalls, ToolFailure, ToolSteps
 from broker.vocabulary import ATTEMPT_STATUS, PROMOTED_STATUSES, TurnStatus
 
@@ -319,12 +320,10 @@ class Generation:
                 f"{self._settings.max_tool_steps} steps",
             )
             return
-        if request.response_format == "json":
-            try:
-                orjson.loads(self._text)
-            except orjson.JSONDecodeError as exc:
-                await self._fail("invalid_output", f"the answer is not valid JSON: {exc}")
-                return
+        problem = output_problem(self._request.get("response_format", "text"), self._text)
+        if problem is not None:
+            await self._fail("invalid_output", problem)
+            return
         await self._finish(TurnStatus.COMPLETE, None)
 
     async def _stream_step(self, provider: Provider, request: GenerationRequest) -> ToolStep | None:
@@ -451,6 +450,7 @@ class Generation:
         error: dict[str, Any] = {"code": code, "retryable": False, "message": message}
         if upstream_code is not None:
             error["upstream_code"] = upstream_code
+        self._record = {**self._record, "error": message}  # why, for the state and the doors
         await self._finish(TurnStatus.FAILED, code, error=error)
 
     async def _finish(

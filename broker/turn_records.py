@@ -62,6 +62,7 @@ class AttemptRecord:
     continues: int | None  # a continue's: the attempt whose partial text it continues
     # ``requires_action``'s: the client calls it ended with ({"call_id", "name", "arguments"})
     tool_calls: tuple[dict[str, Any], ...] = ()
+    error: str | None = None  # a failed attempt's message (its reason is the code)
 
     @classmethod
     def decode(cls, raw: str | None) -> AttemptRecord | None:
@@ -79,6 +80,7 @@ class AttemptRecord:
             usage=record.get("usage"),
             continues=int(continues) if continues else None,
             tool_calls=tuple(record.get("tool_calls") or ()),
+            error=record.get("error"),
         )
 
 
@@ -127,6 +129,8 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
             attempt["status"] = meta["status"]
         if record.get("strategy") == "continue":
             attempt["continues"] = record.get("from")
+        if record.get("error"):
+            attempt["error"] = record["error"]
         attempts.append(attempt)
     canonical = None
     pending: list[dict[str, Any]] = []

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from broker.client_tools import ClientTool, ToolCallPart
+from broker.structured_output import ResponseFormat
 from broker.vocabulary import ID_PATTERN
 from broker.webhooks import NotifyRequest
 
@@ -75,7 +76,7 @@ class TurnRequest(BaseModel):
     # At most MAX_CLIENT_TOOLS, checked with the names (a bound in the schema would have a
     # schema fuzzer send bodies past BROKER_MAX_BODY_BYTES).
     client_tools: list[ClientTool] = Field(default_factory=list)
-    response_format: Literal["text", "json"] = "text"
+    response_format: ResponseFormat = "text"
     session_id: str | None = Field(default=None, pattern=ID_REGEX)
     # Where to POST once each attempt is at rest; delivery, not the work: not fingerprinted.
     notify: NotifyRequest | None = None

@@ -17,6 +17,7 @@ from broker.deps import Deps
 from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
 from broker.jobs import JobQueue
 from broker.providers import Providers
+from broker.structured_output import format_kind
 from broker.turn_records import (
     Attempt,
     AttemptRecord,
@@ -174,7 +175,7 @@ class Turns:
             request=canonical_json(body).decode(),
             session=session,
             record=orjson.dumps(record).decode(),
-            response_format=request.response_format,
+            response_format=format_kind(request.response_format),
             notify=request.notify.url if request.notify is not None else "",
         )
         result = created.result

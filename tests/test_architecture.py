@@ -45,6 +45,7 @@ GROUND = {
     "broker.scripts",
     "broker.settings",
     "broker.sse",
+    "broker.structured_output",
     "broker.vocabulary",
     "broker.webhook_config",
 }

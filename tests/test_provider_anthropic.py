@@ -171,6 +171,26 @@ def test_params_model_and_json_mode_shape_the_request(
     assert call.body["stop_sequences"] == ["END"]
 
 
+def test_a_json_schema_format_is_told_in_the_system_prompt_and_checked(
+    claude: RunningBroker, fake: FakeAnthropic
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    form = {"type": "json_schema", "name": "count", "schema": schema, "description": "a count"}
+    fake.text('{"n":', " 3}")
+    fake.text('{"m":', " 3}")
+    good = run_turn(claude, "schema-good", response_format=form)
+    bad = run_turn(claude, "schema-bad", response_format=form)
+    assert good[-1].data["status"] == "complete"
+    assert bad[-1].data["status"] == "failed"
+    assert bad[-1].data["reason"] == "invalid_output"
+    (error,) = [e.data for e in bad if e.event == "error"]
+    assert "at $: 'n' is a required property" in error["message"]
+    system = fake.calls[0].body["system"]
+    assert system.startswith(JSON_INSTRUCTION)
+    assert "JSON Schema, named count (a count): " in system
+    assert json.loads(system.split("(a count): ", 1)[1]) == schema
+
+
 def test_unknown_params_and_models_are_refused_before_any_call(
     claude: RunningBroker, fake: FakeAnthropic
 ) -> None:

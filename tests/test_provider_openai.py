@@ -166,6 +166,32 @@ def test_params_model_format_and_messages_reach_the_upstream(
     assert "continue_final_message" not in body
 
 
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+}
+
+
+def test_a_json_schema_format_reaches_the_upstream_and_its_answer_is_validated(
+    broker: RunningBroker, fake: FakeOpenAI
+) -> None:
+    fake.respond_text(['{"answer"', ": 42}"])
+    fake.respond_text(['{"answer"', ': "many"}'])
+    form = {"type": "json_schema", "name": "life", "schema": SCHEMA, "strict": True}
+    events = run_turn(broker, "schema-good", response_format=form)
+    assert end_of(events)["status"] == "complete"
+    assert fake.bodies[0]["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "life", "schema": SCHEMA, "strict": True},
+    }
+    events = run_turn(broker, "schema-bad", response_format={**form, "strict": None})
+    assert end_of(events)["status"] == "failed"
+    assert end_of(events)["reason"] == "invalid_output"
+    assert "at $.answer: 'many' is not of type 'integer'" in error_of(events)["message"]
+    assert fake.bodies[1]["response_format"]["json_schema"] == {"name": "life", "schema": SCHEMA}
+
+
 @pytest.fixture
 def weather() -> Iterator[ToolEndpoint]:
     """A tool endpoint that answers every call with the same weather."""

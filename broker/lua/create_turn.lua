@@ -10,7 +10,7 @@
 -- ARGV[5]  request              canonical JSON of the request
 -- ARGV[6]  session              the retry-budget session (the conversation id by default)
 -- ARGV[7]  attempt record       JSON of attempt 1 ({"n":1,"strategy":"initial",...})
--- ARGV[8]  response format      text | json
+-- ARGV[8]  response format      text | json | json_schema
 -- ARGV[9]  notify               the turn's own completion webhook URL ("" or absent: none)
 --
 -- Returns  {"created", stream_id, status, attempt, created_ms}

@@ -20,8 +20,8 @@ if status == 'queued' or status == 'streaming' then
 end
 local strategy = ARGV[1]
 if strategy == 'continue' then
-  if format == 'json' then
-    return {'not_allowed', 'continue is not available for response_format json: regenerate'}
+  if format == 'json' or format == 'json_schema' then
+    return {'not_allowed', 'continue is not available for response_format ' .. format .. ': regenerate'}
   end
   if status ~= 'interrupted' and status ~= 'cancelled' then
     return {'not_allowed', 'continue needs an interrupted or cancelled turn, this one is ' .. status}

@@ -14,8 +14,9 @@ How a broker request becomes a Messages call, where the two models differ:
   final assistant message that ends in whitespace, so the prefill is sent right-stripped, and
   the same whitespace is dropped if the model starts its continuation with it (the delivered
   text already has it).
-* ``response_format: json``: Anthropic has no JSON mode; an instruction is appended to the system
-  prompt, and the broker checks that the answer parses.
+* ``response_format`` ``json`` and the ``json_schema`` form: Anthropic has no JSON mode; an
+  instruction is appended to the system prompt (for a schema, with the schema itself), and the
+  broker checks that the answer parses and validates.
 * ``tools`` in OpenAI function format are converted (``parameters`` → ``input_schema``); tools
   in Anthropic's format pass through; the turn's client tools follow them, converted alike.
   Each tool step is an assistant message (its text, then its ``tool_use`` blocks) followed by
@@ -69,6 +70,7 @@ from broker.providers.base import (
     Usage,
     reject_unknown_params,
 )
+from broker.structured_output import schema_instruction
 
 log = logging.getLogger("broker.providers.anthropic")
 
@@ -335,8 +337,8 @@ def build_body(request: GenerationRequest, default_max_tokens: int) -> tuple[dic
         blocks = message["content"]
         if len(blocks) == 1 and set(blocks[0]) == {"type", "text"} and blocks[0]["type"] == "text":
             message["content"] = blocks[0]["text"]  # the plain form, for one plain text block
-    if request.response_format == "json":
-        system.append(JSON_INSTRUCTION)
+    if request.response_format != "text":
+        system.append(JSON_INSTRUCTION + schema_instruction(request.response_format))
     params = request.params
     body: dict[str, Any] = {
         "model": request.model,

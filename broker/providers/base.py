@@ -30,7 +30,7 @@ class GenerationRequest:
     messages: list[dict[str, Any]]
     model: str | None
     params: dict[str, Any]
-    response_format: str
+    response_format: str | dict[str, Any]  # text | json | the json_schema form
     upstream_call: int  # 0 for the attempt's first upstream call, counted across retries
     tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     tool_steps: list[ToolStep] = dataclasses.field(default_factory=list)

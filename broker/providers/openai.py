@@ -65,6 +65,7 @@ from broker.providers.base import (
     Usage,
     reject_unknown_params,
 )
+from broker.structured_output import chat_response_format
 
 DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
 # Sent when no key is configured: local servers (vLLM, Ollama, llama.cpp) ignore it unless they
@@ -142,9 +143,8 @@ class OpenAIProvider:
                 stream=True,
                 stream_options={"include_usage": True},
                 tools=cast(Any, tools) if (tools := all_tools(request)) else openai.omit,
-                response_format=(
-                    {"type": "json_object"} if request.response_format == "json" else openai.omit
-                ),
+                response_format=cast(Any, chat_response_format(request.response_format))
+                or openai.omit,
                 temperature=params.get("temperature", openai.omit),
                 top_p=params.get("top_p", openai.omit),
                 max_tokens=params.get("max_tokens", openai.omit),

@@ -48,7 +48,8 @@ KNOBS = {
     "the same `after` are one message",
     "fail_after_tool_calls": "the first attempt's call breaks right after its Nth tool call ran",
     "cut_during_tool_args": "true: the first attempt's call breaks while a call's args arrive",
-    "json": "true: emit a JSON document (the default for response_format json), false: prose",
+    "json": "true: emit a JSON document (the default for response_format json and json_schema), "
+    "false: prose, any other JSON value: that value, as compact JSON over `tokens` deltas",
 }
 # The knobs that script what happens to a turn (failures, stalls, delays, tool calls with
 # arguments of the caller's choosing): a broker with credentials refuses them unless
@@ -176,8 +177,6 @@ class SimulatedProvider:
             raise BadRequest("params.simulate.tokens_per_s must be a number from 0 to 1000000")
         if knobs.get("error", "retryable") not in ("retryable", "fatal"):
             raise BadRequest("params.simulate.error must be 'retryable' or 'fatal'")
-        if not isinstance(knobs.get("json", False), bool):
-            raise BadRequest("params.simulate.json must be true or false")
         _validate_tool_script(knobs.get("tool_calls", []))
         _int_knob(knobs, "fail_after_tool_calls", 1, 16)
         if not isinstance(knobs.get("cut_during_tool_args", False), bool):
@@ -205,7 +204,7 @@ class SimulatedProvider:
             raise _injected(retryable, "before the first delta")
         prompt, prefill = _split_prefill(request.messages)
         if "json" not in knobs:
-            knobs = {**knobs, "json": request.response_format == "json"}
+            knobs = {**knobs, "json": request.response_format != "text"}
         pieces = _tool_echo(request.messages, knobs) + full_answer(prompt, knobs)
         start = _continued_from(pieces, prefill)
         first_attempt = request.attempt == 1
@@ -363,10 +362,12 @@ def full_answer(prompt: bytes, knobs: dict[str, Any]) -> list[str]:
     digest = hashlib.sha256(f"{seed!r}".encode() + b"\x00" + prompt).digest()
     rng = random.Random(int.from_bytes(digest[:8], "big"))
     count = int(knobs.get("tokens", DEFAULT_TOKENS))
-    if knobs.get("json"):
-        words = [rng.choice(_WORDS) for _ in range(max(count, 4))]
-        document = orjson.dumps({"answer": " ".join(words), "words": len(words), "seed": seed})
-        text = document.decode()
+    value = knobs.get("json", False)
+    if value is not False:
+        if value is True:
+            words = [rng.choice(_WORDS) for _ in range(max(count, 4))]
+            value = {"answer": " ".join(words), "words": len(words), "seed": seed}
+        text = orjson.dumps(value).decode()
         size = max(1, -(-len(text) // count))
         return [text[i : i + size] for i in range(0, len(text), size)]
     pieces: list[str] = []

@@ -23,6 +23,8 @@ from starlette.responses import Response
 from broker.api.schemas import chunk_event, json_schema
 from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response
+from broker.dialects.openai.events import failure_message
+from broker.dialects.openai.formats import chat_format
 from broker.dialects.openai.render import FINISH, ChatRenderer, usage_of
 from broker.dialects.openai.requests import ChatRequest, chat_messages, turn_params
 from broker.dialects.openai.responses import (
@@ -72,7 +74,8 @@ def _completion(stored: StoredResponse) -> Response:
     status = record.get("status") or state["status"]
     if status not in FINISH:
         reason = record.get("reason") or "the generation failed"
-        return error_response(502, f"the generation failed: {reason}", str(reason))
+        message = failure_message(reason, record.get("error"))
+        return error_response(502, f"the generation failed: {message}", str(reason))
     body = {
         "id": state["turn_id"],
         "object": "chat.completion",
@@ -140,7 +143,10 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
         # Where a stream reattaches: from the start, or after the event it names (there is no
         # `now` here); 400 for a malformed offset, before any turn starts.
         after = Cursor.after_offset(resume) if body.stream and resume != START else ORIGIN
-        turn = to_turn(rt, turn_id, turn_id, body.model, chat_messages(body), params)
+        response_format = chat_format(body.response_format)
+        turn = to_turn(
+            rt, turn_id, turn_id, body.model, chat_messages(body), params, None, response_format
+        )
         await create_turn(rt, turn, principal.tenant, "messages")
         stored = await load(rt, turn_id, principal.tenant)
         if not body.stream:

@@ -111,6 +111,10 @@ def incomplete_details(reason: str | None) -> dict[str, str]:
     return {"reason": "max_output_tokens"}
 
 
+# The response object's ``text`` when the request sent no format.
+TEXT_FORMAT: Final[dict[str, Any]] = {"format": {"type": "text"}}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Head:
     """What every rendering of one response repeats: from the turn's stored request (the
@@ -126,6 +130,7 @@ class Head:
     previous_response_id: str | None
     background: bool
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    text: dict[str, Any] = dataclasses.field(default_factory=lambda: TEXT_FORMAT)
 
     def response(
         self,
@@ -156,7 +161,7 @@ class Head:
             "max_output_tokens": self.max_output_tokens,
             "previous_response_id": self.previous_response_id,
             "metadata": dict(self.metadata),
-            "text": {"format": {"type": "text"}},
+            "text": orjson.loads(orjson.dumps(self.text)),  # a copy: the format as sent
             "truncation": "disabled",
             "error": error,
             "incomplete_details": incomplete_details(reason) if incomplete else None,
@@ -175,6 +180,14 @@ class AttemptEnd:
     answer: str  # the whole answer: for a continue, the partial plus the continuation
     usage: dict[str, Any] | None
     reason: str | None
+    error: str | None = None  # a failed attempt's message
+
+
+def failure_message(reason: str | None, error: str | None) -> str:
+    """Why an attempt failed, in words: its reason code, then its message when it has one."""
+    if error:
+        return f"{reason}: {error}" if reason else error
+    return reason or "the generation failed"
 
 
 def frame(event: dict[str, Any]) -> bytes:
@@ -260,7 +273,7 @@ def expand(
         answer = message_item(head.response_id, attempt, end.answer, item_status)
         error = None
         if terminal == "response.failed":
-            error = {"code": "server_error", "message": end.reason or "the generation failed"}
+            error = {"code": "server_error", "message": failure_message(end.reason, end.error)}
         events += [
             {"type": "response.output_text.done", **common, "text": end.text, "logprobs": []},
             {

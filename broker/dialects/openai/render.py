@@ -17,6 +17,7 @@ from broker.dialects.openai.events import (
     Head,
     expand,
     expansion,
+    failure_message,
     frame,
     opening,
 )
@@ -99,10 +100,10 @@ def usage_of(record: dict[str, Any] | None) -> dict[str, int] | None:
     }
 
 
-def failure(reason: str) -> bytes:
+def failure(reason: str, message: str | None = None) -> bytes:
     """An error event in OpenAI's shape: the SDKs raise it from the stream."""
     error = {
-        "message": f"the generation failed: {reason}",
+        "message": f"the generation failed: {failure_message(reason, message)}",
         "type": "server_error",
         "param": None,
         "code": reason,
@@ -125,6 +126,7 @@ class ChatRenderer:
         self.id, self.model, self.created = completion_id, model, created
         self.include_usage = include_usage
         self.usage: dict[str, Any] | None = None
+        self.error: str | None = None  # the attempt's error message, when one came
 
     @property
     def needs_usage(self) -> bool:
@@ -140,11 +142,14 @@ class ChatRenderer:
             data = orjson.loads(entry.data)
             kind = entry.kind
             if kind == "attempt":
+                self.error = None
                 out.append(self.chunk(entry.offset, {"role": "assistant", "content": ""}))
             elif kind == "delta":
                 out.append(self.chunk(entry.offset, {"content": str(data.get("text", ""))}))
             elif kind == "usage":
                 self.usage = data
+            elif kind == "error":
+                self.error = data.get("message")
             elif kind == "end":
                 out += self._end(entry.offset, data, facts)
         return b"".join(out)
@@ -152,7 +157,7 @@ class ChatRenderer:
     def _end(self, offset: str, data: dict[str, Any], facts: Facts) -> list[bytes]:
         status = str(data.get("status"))
         if status not in FINISH:
-            return [failure(str(data.get("reason") or "failed"))]
+            return [failure(str(data.get("reason") or "failed"), self.error)]
         out = [self.chunk(offset, {}, FINISH[status])]
         if self.include_usage:
             if self.usage is None:  # the usage event came before this read's start

@@ -116,6 +116,10 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     include: list[str] | None = Field(default=None, max_length=16)
     tools: list[Any] | None = Field(default=None, description="empty only (as if absent)")
+    # Checked by broker.dialects.openai.formats, so that a refusal names text.format.
+    text: dict[str, Any] | None = Field(
+        default=None, description="format only: text, json_object or json_schema"
+    )
     # The broker never truncates a conversation to fit: "disabled" (the default) is what it does.
     truncation: Literal["disabled"] | None = None
     stream: bool | None = None
@@ -170,6 +174,8 @@ class ChatRequest(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     n: Annotated[int, Field(ge=1, le=1), WHOLE] | None = None
     user: str | None = Field(default=None, max_length=256)
+    # Checked by broker.dialects.openai.formats: text, json_object or json_schema.
+    response_format: dict[str, Any] | None = None
     broker: BrokerExtension | None = None
 
 

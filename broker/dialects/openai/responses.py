@@ -27,7 +27,17 @@ from starlette.responses import Response
 from broker.api.schemas import ID_PARAMETER, json_schema, response_event
 from broker.auth import Principal
 from broker.dialects.openai.errors import documented, error_response, from_broker_error
-from broker.dialects.openai.events import EXPANSION, OPENING, STATUS, AttemptEnd, Head, message_item
+from broker.dialects.openai.events import (
+    EXPANSION,
+    OPENING,
+    STATUS,
+    TEXT_FORMAT,
+    AttemptEnd,
+    Head,
+    failure_message,
+    message_item,
+)
+from broker.dialects.openai.formats import responses_format
 from broker.dialects.openai.inputs import Context, context
 from broker.dialects.openai.render import ResponsesRenderer
 from broker.dialects.openai.requests import (
@@ -117,6 +127,7 @@ def to_turn(
     messages: list[dict[str, Any]],
     params: dict[str, Any],
     echoed: dict[str, Any] | None = None,
+    response_format: Any = "text",
 ) -> TurnRequest:
     provider, model_name = resolve_model(rt.providers, model)
     try:
@@ -129,6 +140,7 @@ def to_turn(
                 "model": model_name,
                 "params": params,
                 "echo": echoed,
+                "response_format": response_format,
             }
         )
     except ValidationError as exc:
@@ -200,6 +212,7 @@ class StoredResponse:
             previous_response_id=echo.get("previous_response_id"),
             background=bool(echo.get("background", False)),
             metadata=dict(echo.get("metadata") or {}),
+            text=echo.get("text") or TEXT_FORMAT,
         )
 
 
@@ -228,7 +241,8 @@ async def attempt_end(rt: Services, location: Location, attempt: int) -> Attempt
     record = ended.record
     usage = record.usage if record is not None else None
     reason = record.reason if record is not None else None
-    return AttemptEnd(ended.own_text, ended.text, usage, reason)
+    error = record.error if record is not None else None
+    return AttemptEnd(ended.own_text, ended.text, usage, reason, error)
 
 
 async def response_object(rt: Services, stored: StoredResponse) -> dict[str, Any]:
@@ -254,7 +268,8 @@ async def response_object(rt: Services, stored: StoredResponse) -> dict[str, Any
         output.append(message_item(head.response_id, n, text, item_status))
         usage = record.get("usage")
         if state["status"] == "failed":
-            error = {"code": "server_error", "message": record.get("reason") or "failed"}
+            message = failure_message(record.get("reason"), record.get("error"))
+            error = {"code": "server_error", "message": message}
         reason = record.get("reason")
     return head.response(status, output, usage=usage, error=error, reason=reason)
 
@@ -322,11 +337,21 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
         rt = services(request)
         body, _ = await parse(request, ResponsesRequest)
         check_supported(body)
+        response_format, text_echo = responses_format(body.text)
         turn_id = turn_id_of(request, body.metadata, "resp_")
         sent = await context(rt, body, turn_id, principal.tenant)
         params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
-        echoed = echoed_fields(body, sent)
-        turn = to_turn(rt, sent.conversation_id, turn_id, body.model, sent.messages, params, echoed)
+        echoed = echoed_fields(body, sent) | ({"text": text_echo} if text_echo else {})
+        turn = to_turn(
+            rt,
+            sent.conversation_id,
+            turn_id,
+            body.model,
+            sent.messages,
+            params,
+            echoed,
+            response_format,
+        )
         await create_turn(rt, turn, principal.tenant, "input")
         stored = await load(rt, turn_id, principal.tenant)
         if body.stream:

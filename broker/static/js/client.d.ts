@@ -63,7 +63,8 @@ export interface StartTurnOptions {
   /** Tools the client runs: `{name, description?, parameters?}`; their calls end the turn
    * `requires_action`. */
   clientTools?: Array<{ name: string; description?: string; parameters?: Record<string, unknown> }>;
-  responseFormat?: Record<string, unknown>;
+  // "text", "json", or { type: "json_schema", name, schema, strict?, description? }
+  responseFormat?: "text" | "json" | Record<string, unknown>;
 }
 
 export interface TurnInfo {

@@ -339,15 +339,17 @@ class BrokerClient:
         model: str | None = None,
         params: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
-        response_format: Mapping[str, Any] | None = None,
+        response_format: str | Mapping[str, Any] | None = None,
         client_tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Turn:
         """Start a generation turn (POST /v1/turns); only arguments that are not None are sent.
 
-        With a `turn_id` the call is idempotent: the broker answers 200 with the existing turn and
-        `Turn.created` is False. `client_tools` are tools the client runs: their calls end the
-        turn `requires_action` (see the broker's docs/tools.md). Raises `Conflict` on 409 and
-        the matching `BrokerHTTPError` on other error statuses.
+        `response_format` is `"text"`, `"json"` or the JSON Schema form (`{"type":
+        "json_schema", "name", "schema", ...}`). With a `turn_id` the call is idempotent: the
+        broker answers 200 with the existing turn and `Turn.created` is False. `client_tools`
+        are tools the client runs: their calls end the turn `requires_action` (see the broker's
+        docs/tools.md). Raises `Conflict` on 409 and the matching `BrokerHTTPError` on other
+        error statuses.
         """
         optional: dict[str, Any] = {
             "turn_id": turn_id,
@@ -356,7 +358,9 @@ class BrokerClient:
             "params": dict(params) if params is not None else None,
             "tools": [dict(t) for t in tools] if tools is not None else None,
             "client_tools": [dict(t) for t in client_tools] if client_tools is not None else None,
-            "response_format": dict(response_format) if response_format is not None else None,
+            "response_format": (
+                dict(response_format) if isinstance(response_format, Mapping) else response_format
+            ),
         }
         body: dict[str, Any] = {
             "conversation_id": conversation_id,
