@@ -76,6 +76,7 @@ FINISH: Final = {
     "cancelled": "stop",
     "interrupted": "length",
     "partial": "length",
+    "requires_action": "tool_calls",
 }
 DONE: Final = b"data: [DONE]\n\n"
 # The last frame of a read a newer one-viewer connection took over, in the SDKs' error shape.
@@ -111,20 +112,35 @@ def failure(reason: str) -> bytes:
 
 
 class ChatRenderer:
-    """One completion's chunks: ``attempt`` the role chunk, ``delta`` a content chunk, ``end``
-    the finish chunk (and the usage chunk with ``include_usage``), then ``[DONE]``. An
-    ``end``'s facts are the attempt's usage record, looked up when :attr:`needs_usage` (the
-    ``usage`` event came before the read's start)."""
+    """One completion's chunks: ``attempt`` the role chunk, ``delta`` a content chunk, a client
+    tool call's ``tool_input_delta`` a ``tool_calls`` chunk (``index`` in order of first
+    appearance in the attempt, ``id``, ``type`` and ``name`` on the call's first chunk, the
+    arguments' pieces after), ``end`` the finish chunk (and the usage chunk with
+    ``include_usage``), then ``[DONE]``. An ``end``'s facts are the attempt's usage record,
+    looked up when :attr:`needs_usage` (the ``usage`` event came before the read's start).
+
+    A read that resumes after ``skip_through`` (a wire offset) may start at the stream's origin:
+    the events up to that offset are taken in (so that a call's ``index`` is the one the client
+    saw) and give no chunk."""
 
     dialect: ClassVar[str] = "chat"
     raw: ClassVar[bool] = False
     heartbeat: ClassVar[bytes] = PING
     replaced: ClassVar[bytes] = CHAT_REPLACED
 
-    def __init__(self, completion_id: str, model: str, created: int, include_usage: bool) -> None:
+    def __init__(
+        self,
+        completion_id: str,
+        model: str,
+        created: int,
+        include_usage: bool,
+        skip_through: str | None = None,
+    ) -> None:
         self.id, self.model, self.created = completion_id, model, created
         self.include_usage = include_usage
         self.usage: dict[str, Any] | None = None
+        self.skip_through = skip_through
+        self.calls: dict[str, int] = {}  # the attempt's client calls: call id -> index
 
     @property
     def needs_usage(self) -> bool:
@@ -137,17 +153,41 @@ class ChatRenderer:
     def render(self, entries: Sequence[Entry], facts: Facts) -> bytes:
         out: list[bytes] = []
         for entry in entries:
-            data = orjson.loads(entry.data)
-            kind = entry.kind
-            if kind == "attempt":
-                out.append(self.chunk(entry.offset, {"role": "assistant", "content": ""}))
-            elif kind == "delta":
-                out.append(self.chunk(entry.offset, {"content": str(data.get("text", ""))}))
-            elif kind == "usage":
-                self.usage = data
-            elif kind == "end":
-                out += self._end(entry.offset, data, facts)
+            chunks = self._entry(entry, orjson.loads(entry.data), facts)
+            if self.skip_through is None or entry.offset > self.skip_through:
+                out += chunks
         return b"".join(out)
+
+    def _entry(self, entry: Entry, data: dict[str, Any], facts: Facts) -> list[bytes]:
+        kind = entry.kind
+        if kind == "attempt":
+            self.calls = {}
+            return [self.chunk(entry.offset, {"role": "assistant", "content": ""})]
+        if kind == "delta":
+            return [self.chunk(entry.offset, {"content": str(data.get("text", ""))})]
+        if kind == "tool_input_delta":
+            return [self._call(entry.offset, data, str(data.get("delta", "")))]
+        if kind == "tool_call" and data.get("status") == "client":
+            if data.get("call_id") in self.calls:  # its arguments came as tool_input_delta
+                return []
+            return [self._call(entry.offset, data, orjson.dumps(data.get("args", {})).decode())]
+        if kind == "usage":
+            self.usage = data
+        elif kind == "end":
+            return self._end(entry.offset, data, facts)
+        return []
+
+    def _call(self, offset: str, data: dict[str, Any], arguments: str) -> bytes:
+        """A ``tool_calls`` chunk: the call's first carries its id, type and name."""
+        call_id = str(data.get("call_id"))
+        index = self.calls.get(call_id)
+        if index is not None:
+            call: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+        else:
+            index = self.calls[call_id] = len(self.calls)
+            function = {"name": str(data.get("name")), "arguments": arguments}
+            call = {"index": index, "id": call_id, "type": "function", "function": function}
+        return self.chunk(offset, {"tool_calls": [call]})
 
     def _end(self, offset: str, data: dict[str, Any], facts: Facts) -> list[bytes]:
         status = str(data.get("status"))

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from broker.dialects.openai.tools import CHOICES_TAKEN, ChatTool, ChatToolCall, native_calls
 from broker.errors import BadRequest
 from broker.providers import Providers
 from broker.turns import WHOLE, WholeNumber
@@ -134,13 +135,17 @@ class ResponsesRequest(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only beside tool_calls (an assistant message that only called tools)
+    content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, max_length=128)
+    # function tools: an assistant message's calls, a tool message's answer to one
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
 
 
@@ -170,6 +175,10 @@ class ChatRequest(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     n: Annotated[int, Field(ge=1, le=1), WHOLE] | None = None
     user: str | None = Field(default=None, max_length=256)
+    # function tools (broker.dialects.openai.tools)
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     broker: BrokerExtension | None = None
 
 
@@ -223,6 +232,26 @@ def check_supported(request: ResponsesRequest) -> None:
             code="unsupported_parameter",
         )
     check_include(request.include or ())
+
+
+def check_choice(tool_choice: Any, parallel_tool_calls: bool | None) -> None:
+    """400 naming ``tool_choice`` or ``parallel_tool_calls`` for what the providers cannot
+    honour (they let the model choose, any number of calls)."""
+    if tool_choice is not None and tool_choice not in CHOICES_TAKEN:
+        shown = tool_choice if isinstance(tool_choice, str) else "a named tool"
+        raise ParamError(
+            f"tool_choice {str(shown)[:64]!r} is not supported: the providers of this broker "
+            f"let the model choose (this broker takes: {', '.join(CHOICES_TAKEN)})",
+            "tool_choice",
+            code="unsupported_parameter",
+        )
+    if parallel_tool_calls is False:
+        raise ParamError(
+            "parallel_tool_calls false is not supported: the providers of this broker may make "
+            "several calls in one message (send true, or leave it out)",
+            "parallel_tool_calls",
+            code="unsupported_parameter",
+        )
 
 
 def check_include(values: Iterable[str]) -> None:
@@ -291,10 +320,19 @@ def as_message(message: InputMessage) -> dict[str, Any]:
 
 def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for message in request.messages:
+    for i, message in enumerate(request.messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise ParamError(
+                f"messages[{i}].content is required (null only beside an assistant's tool_calls)",
+                "messages",
+            )
         role = "system" if message.role == "developer" else message.role
         entry: dict[str, Any] = {"role": role, "content": message.text()}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:  # an empty list is as if absent
+            entry["tool_calls"] = native_calls(message.tool_calls)
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out

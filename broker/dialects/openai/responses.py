@@ -41,6 +41,7 @@ from broker.dialects.openai.requests import (
     resolve_model,
     turn_params,
 )
+from broker.dialects.openai.tools import renamed
 from broker.errors import REDIS_UNAVAILABLE, BadRequest, BrokerError
 from broker.frames import ORIGIN, Entry
 from broker.http import Services, actor, bearer, caller, json_response, services
@@ -117,6 +118,7 @@ def to_turn(
     messages: list[dict[str, Any]],
     params: dict[str, Any],
     echoed: dict[str, Any] | None = None,
+    client_tools: list[dict[str, Any]] | None = None,
 ) -> TurnRequest:
     provider, model_name = resolve_model(rt.providers, model)
     try:
@@ -129,6 +131,7 @@ def to_turn(
                 "model": model_name,
                 "params": params,
                 "echo": echoed,
+                "client_tools": client_tools or [],
             }
         )
     except ValidationError as exc:
@@ -151,7 +154,12 @@ async def create_turn(rt: Services, turn: TurnRequest, tenant: str | None, messa
     try:
         await rt.turns.create(turn, tenant)
     except BadRequest as exc:
-        if exc.code not in PARAM_OF_CODE or isinstance(exc, ParamError):
+        if isinstance(exc, ParamError):
+            raise
+        message, param = renamed(exc.message, messages)
+        if param is not None:  # the core's checks of client tools and tool messages
+            raise ParamError(message, param, code=exc.code) from None
+        if exc.code not in PARAM_OF_CODE:
             raise
         param = PARAM_OF_CODE[exc.code] or messages
         raise ParamError(exc.message, param, code=exc.code) from None
