@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Final
 
 import orjson
 
+from broker.dialects.openai.calls import Calls
 from broker.dialects.openai.events import (
     OPENING,
     REPLACED,
@@ -29,15 +30,22 @@ from broker.sse import PING
 
 class ResponsesRenderer:
     """A response's events after sequence number ``starting_after`` (-1: all), the first stored
-    event read numbered from ``base``. An ``end``'s facts are its :class:`AttemptEnd`."""
+    event read numbered from ``base``. An ``end``'s facts are its :class:`AttemptEnd`.
+
+    A response with function tools (``calls``) is read from the stream's origin: its client
+    calls' events are rendered too (see :mod:`broker.dialects.openai.calls`), and their number
+    follows from what was read."""
 
     dialect: ClassVar[str] = "responses"
     raw: ClassVar[bool] = False
     heartbeat: ClassVar[bytes] = PING
     replaced: ClassVar[bytes] = REPLACED
 
-    def __init__(self, head: Head, starting_after: int, base: int = OPENING) -> None:
+    def __init__(
+        self, head: Head, starting_after: int, base: int = OPENING, calls: Calls | None = None
+    ) -> None:
         self.head, self.starting_after, self.base = head, starting_after, base
+        self.calls = calls
 
     def opening(self) -> bytes:
         """``response.created`` and ``response.in_progress``, those past ``starting_after``."""
@@ -50,15 +58,36 @@ class ResponsesRenderer:
         frames: list[bytes] = []
         for entry in entries:
             data = orjson.loads(entry.data)
-            count = expansion(entry.kind, data)
-            if not count:
+            if self.calls is not None:
+                events = self._with_calls(self.calls, entry, data, facts)
+            elif expansion(entry.kind, data):
+                end: AttemptEnd | None = facts.get(entry.offset) if entry.kind == "end" else None
+                events = expand(self.head, entry.kind, data, self.base, end)
+            else:
                 continue
-            end: AttemptEnd | None = facts.get(entry.offset) if entry.kind == "end" else None
-            for event in expand(self.head, entry.kind, data, self.base, end):
+            for event in events:
                 if event["sequence_number"] > self.starting_after:
                     frames.append(frame(event))
-            self.base += count
+            self.base += len(events)
         return b"".join(frames)
+
+    def _with_calls(
+        self, calls: Calls, entry: Entry, data: dict[str, Any], facts: Facts
+    ) -> list[dict[str, Any]]:
+        kind = entry.kind
+        if kind in ("tool_input_delta", "tool_call"):
+            events = calls.events(kind, data)
+            for n, event in enumerate(events):
+                event["sequence_number"] = self.base + n
+            return events
+        if not expansion(kind, data):
+            return []
+        attempt = int(data.get("attempt") or 0)
+        index = calls.start(attempt) if kind == "attempt" else calls.messages.get(attempt)
+        end: AttemptEnd | None = facts.get(entry.offset) if kind == "end" else None
+        ended = kind == "end" and data.get("status") == "requires_action"
+        completed = list(calls.completed) if ended else None
+        return expand(self.head, kind, data, self.base, end, index=index, calls=completed)
 
     def caught_up(self) -> bytes:
         return b""

@@ -7,7 +7,15 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from broker.dialects.openai.tools import CHOICES_TAKEN, ChatTool, ChatToolCall, native_calls
+from broker.dialects.openai.tools import (
+    CHOICES_TAKEN,
+    ChatTool,
+    ChatToolCall,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    ResponsesTool,
+    native_calls,
+)
 from broker.errors import BadRequest
 from broker.providers import Providers
 from broker.turns import WHOLE, WholeNumber
@@ -116,7 +124,10 @@ class ResponsesRequest(BaseModel):
     )
     instructions: str | None = None
     include: list[str] | None = Field(default=None, max_length=16)
-    tools: list[Any] | None = Field(default=None, description="empty only (as if absent)")
+    # function tools (broker.dialects.openai.tools): each checked by its type (responses_tools)
+    tools: list[dict[str, Any]] | None = Field(default=None, description="functions only")
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # The broker never truncates a conversation to fit: "disabled" (the default) is what it does.
     truncation: Literal["disabled"] | None = None
     stream: bool | None = None
@@ -222,16 +233,32 @@ def turn_params(
     return params
 
 
-def check_supported(request: ResponsesRequest) -> None:
-    """400 naming ``tools`` or ``include`` for what the broker cannot honour; empty lists and
+def check_supported(request: ResponsesRequest) -> list[ResponsesTool]:
+    """The request's function tools; 400 naming ``tools``, ``tool_choice``,
+    ``parallel_tool_calls`` or ``include`` for what the broker cannot honour; empty lists and
     ``include`` values that change nothing here are taken as if absent."""
-    if request.tools:
-        raise ParamError(
-            "tools are not supported by this broker yet (send none, or an empty list)",
-            "tools",
-            code="unsupported_parameter",
-        )
+    check_choice(request.tool_choice, request.parallel_tool_calls)
     check_include(request.include or ())
+    return responses_tools(request.tools or [])
+
+
+def responses_tools(tools: list[dict[str, Any]]) -> list[ResponsesTool]:
+    """``tools`` as function tools; 400 naming ``tools`` for another type or a bad field."""
+    out = []
+    for n, raw in enumerate(tools):
+        if raw.get("type") != "function":
+            raise ParamError(
+                f"tools[{n}]: tools of type {str(raw.get('type'))[:64]!r} are not supported "
+                "(this broker takes: function)",
+                "tools",
+                code="unsupported_parameter",
+            )
+        try:
+            out.append(ResponsesTool.model_validate(raw))
+        except ValidationError as exc:
+            message, _ = describe(exc)
+            raise ParamError(f"tools[{n}] {message}", "tools") from None
+    return out
 
 
 def check_choice(tool_choice: Any, parallel_tool_calls: bool | None) -> None:
@@ -267,22 +294,29 @@ def check_include(values: Iterable[str]) -> None:
             )
 
 
-def input_items(request: ResponsesRequest) -> list[InputMessage | ItemReference]:
+InputItem = InputMessage | ItemReference | FunctionCallItem | FunctionCallOutputItem
+ITEM_MODELS: Final[dict[str | None, type[InputItem]]] = {
+    None: InputMessage,
+    "message": InputMessage,
+    "item_reference": ItemReference,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+
+
+def input_items(request: ResponsesRequest) -> list[InputItem]:
     """``input`` as typed items; 400 naming ``input`` and the item (and its type) at fault."""
     if isinstance(request.input, str):
         return [InputMessage(role="user", content=request.input)]
-    items: list[InputMessage | ItemReference] = []
+    items: list[InputItem] = []
     for n, raw in enumerate(request.input):
         kind = raw.get("type")
-        model: type[InputMessage | ItemReference]
-        if kind == "item_reference":
-            model = ItemReference
-        elif kind in (None, "message"):
-            model = InputMessage
-        else:
+        model = ITEM_MODELS.get(kind) if kind is None or isinstance(kind, str) else None
+        if model is None:
             raise ParamError(
                 f"input[{n}]: items of type {str(kind)[:64]!r} are not supported "
-                "(this broker takes: message, item_reference)",
+                "(this broker takes: message, item_reference, function_call, "
+                "function_call_output)",
                 "input",
                 code="unsupported_input_item",
             )

@@ -26,8 +26,17 @@ from starlette.responses import Response
 
 from broker.api.schemas import ID_PARAMETER, json_schema, response_event
 from broker.auth import Principal
+from broker.dialects.openai.calls import Calls, function_tools, pending_items
 from broker.dialects.openai.errors import documented, error_response, from_broker_error
-from broker.dialects.openai.events import EXPANSION, OPENING, STATUS, AttemptEnd, Head, message_item
+from broker.dialects.openai.events import (
+    EXPANSION,
+    OPENING,
+    STATUS,
+    WHOLE,
+    AttemptEnd,
+    Head,
+    message_item,
+)
 from broker.dialects.openai.inputs import Context, context
 from broker.dialects.openai.render import ResponsesRenderer
 from broker.dialects.openai.requests import (
@@ -41,7 +50,7 @@ from broker.dialects.openai.requests import (
     resolve_model,
     turn_params,
 )
-from broker.dialects.openai.tools import renamed
+from broker.dialects.openai.tools import renamed, responses_client_tools
 from broker.errors import REDIS_UNAVAILABLE, BadRequest, BrokerError
 from broker.frames import ORIGIN, Entry
 from broker.http import Services, actor, bearer, caller, json_response, services
@@ -208,6 +217,7 @@ class StoredResponse:
             previous_response_id=echo.get("previous_response_id"),
             background=bool(echo.get("background", False)),
             metadata=dict(echo.get("metadata") or {}),
+            tools=function_tools(request.client_tools),
         )
 
 
@@ -258,8 +268,9 @@ async def response_object(rt: Services, stored: StoredResponse) -> dict[str, Any
         n = canonical["attempt"] if canonical else current
         record = records.get(n, {})
         text = canonical["text"] if canonical else ""
-        item_status = "completed" if record.get("status") == "complete" else "incomplete"
+        item_status = "completed" if record.get("status") in WHOLE else "incomplete"
         output.append(message_item(head.response_id, n, text, item_status))
+        output += pending_items(n, state.get("tool_calls") or ())
         usage = record.get("usage")
         if state["status"] == "failed":
             error = {"code": "server_error", "message": record.get("reason") or "failed"}
@@ -275,12 +286,13 @@ async def stream_response(
     location = stored.location
     # The token's rules before the seek, which looks at the stream (the relay checks them too).
     admit(rt.metrics, principal, location.stream_id, sse=True)
-    if starting_after < OPENING - 1:
-        after, base = ORIGIN, OPENING
+    calls = Calls() if stored.request.client_tools else None
+    if starting_after < OPENING - 1 or calls is not None:
+        after, base = ORIGIN, OPENING  # with calls: numbered by what is read (see calls.py)
     else:
         seek = await rt.sequences.seek(location, starting_after, first=OPENING, expansion=EXPANSION)
         after, base = seek.after, seek.base
-    renderer = ResponsesRenderer(stored.head, starting_after, base)
+    renderer = ResponsesRenderer(stored.head, starting_after, base, calls)
     facts = functools.partial(_attempt_end_of, rt, location)
     return await rt.relay(principal, Read(location, after, renderer, facts))
 
@@ -329,12 +341,14 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
     async def work(principal: Principal) -> Response:
         rt = services(request)
         body, _ = await parse(request, ResponsesRequest)
-        check_supported(body)
+        tools = responses_client_tools(check_supported(body), body.tool_choice)
         turn_id = turn_id_of(request, body.metadata, "resp_")
         sent = await context(rt, body, turn_id, principal.tenant)
         params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
         echoed = echoed_fields(body, sent)
-        turn = to_turn(rt, sent.conversation_id, turn_id, body.model, sent.messages, params, echoed)
+        turn = to_turn(
+            rt, sent.conversation_id, turn_id, body.model, sent.messages, params, echoed, tools
+        )
         await create_turn(rt, turn, principal.tenant, "input")
         stored = await load(rt, turn_id, principal.tenant)
         if body.stream:

@@ -107,5 +107,74 @@ def renamed(message: str, messages: str) -> tuple[str, str | None]:
     if message.startswith("client_tools"):
         return "tools" + message.removeprefix("client_tools"), "tools"
     if message.startswith("messages[") and ("tool_call" in message):
-        return messages + message.removeprefix("messages"), messages
+        if messages == "messages":
+            return message, messages
+        return f"{messages}: {message} (of the messages it makes)", messages
     return message, None
+
+
+# --- Responses ----------------------------------------------------------------------------------
+
+
+class ResponsesTool(BaseModel):
+    """One entry of a Responses request's ``tools``: a function (``strict`` taken, not
+    enforced). Other tool types are refused by name before this model is tried."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME_PATTERN.pattern)
+    description: str | None = Field(default=None, max_length=4096)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionCallItem(BaseModel):
+    """A ``function_call`` input item: a call the model made earlier."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=128)
+    arguments: str
+    id: str | None = Field(default=None, max_length=256)
+    status: str | None = Field(default=None, max_length=32)
+
+
+class FunctionCallOutputItem(BaseModel):
+    """A ``function_call_output`` input item: the client's result of a call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=128)
+    output: str
+    id: str | None = Field(default=None, max_length=256)
+    status: str | None = Field(default=None, max_length=32)
+
+
+def responses_client_tools(tools: list[ResponsesTool], tool_choice: Any) -> list[dict[str, Any]]:
+    """A Responses request's ``tools`` as the native ``client_tools``."""
+    if tool_choice == "none":
+        return []
+    return [client_tool(t.name, t.description, t.parameters) for t in tools]
+
+
+def add_call_item(
+    messages: list[dict[str, Any]], item: FunctionCallItem | FunctionCallOutputItem
+) -> None:
+    """A function call item appended to the native messages: a call joins the assistant
+    message before it (a new one if the last message is not the assistant's), an output is a
+    ``tool`` message."""
+    if isinstance(item, FunctionCallOutputItem):
+        messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+        return
+    call = {"id": item.call_id, "name": item.name, "arguments": item.arguments}
+    if any(c["id"] == item.call_id for m in messages for c in m.get("tool_calls") or ()):
+        return  # already there: the previous response's own call, sent back
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != "assistant" or last.get("partial"):
+        last = {"role": "assistant", "content": ""}
+        messages.append(last)
+    last.setdefault("tool_calls", []).append(call)
