@@ -187,7 +187,7 @@ def test_item_references_resolve_to_the_brokers_own_items(broker: RunningBroker)
         with pytest.raises(openai.BadRequestError) as unsupported:
             sdk.responses.create(
                 model="simulated",
-                input=items({"type": "function_call_output", "call_id": "c", "output": "x"}),
+                input=items({"type": "computer_call_output", "call_id": "c", "output": "x"}),
             )
         with pytest.raises(openai.BadRequestError) as image:
             sdk.responses.create(
