@@ -140,6 +140,9 @@ class FunctionCallItem(BaseModel):
     arguments: str
     id: str | None = Field(default=None, max_length=256)
     status: str | None = Field(default=None, max_length=32)
+    # The SDKs' parsed copy of ``arguments`` on the items of a response they parsed, sent back
+    # when a client appends ``response.output`` to its input: nothing of its own to honour.
+    parsed_arguments: Any = None
 
 
 class FunctionCallOutputItem(BaseModel):
