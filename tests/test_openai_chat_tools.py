@@ -19,6 +19,7 @@ from broker.frames import Entry
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.helpers import get_turn
 from tests.openai_spec import spec_errors
+from tests.test_openai_contract import check_chunk
 from tests.test_openai_dialect import client
 
 # --- the renderer, as a table -------------------------------------------------------------------
@@ -250,6 +251,8 @@ def test_an_agent_loop_with_two_tools_runs_to_its_answer(broker: RunningBroker) 
             extra_body=simulate(tool_calls=SCRIPT),
         )
         chunks = list(raw.parse())
+        for chunk in chunks:  # OpenAI's spec and the SDK's types, as every chunk of the door
+            check_chunk(chunk.to_dict())
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         calls = merged(chunks)
         turn = get_turn(broker.base_url, raw.headers["x-broker-turn-id"])
