@@ -186,8 +186,9 @@ class ChatRequest(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     n: Annotated[int, Field(ge=1, le=1), WHOLE] | None = None
     user: str | None = Field(default=None, max_length=256)
-    # function tools (broker.dialects.openai.tools)
-    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    # function tools (broker.dialects.openai.tools); at most MAX_CLIENT_TOOLS, checked by the
+    # core (a bound in the schema would have a schema fuzzer send bodies past the body limit)
+    tools: list[ChatTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     broker: BrokerExtension | None = None
