@@ -301,6 +301,15 @@ def test_a_regenerated_response_hands_the_same_call_ids(broker: RunningBroker) -
     assert after["id"] != before["id"]  # another attempt's item
 
 
+def test_tool_choice_none_offers_no_tools_and_is_echoed(broker: RunningBroker) -> None:
+    body = {"model": "simulated", "input": "x", "tools": [WEATHER], "tool_choice": "none"}
+    answer = httpx.post(f"{broker.base_url}/v1/responses", json={**body, **simulate()}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    check_response(answer.json())
+    assert (answer.json()["tool_choice"], answer.json()["tools"]) == ("none", [])
+    assert "client_tools" not in httpx.get(f"{broker.base_url}/v1/turns/{answer.json()['id']}").text
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [

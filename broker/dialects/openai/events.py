@@ -133,6 +133,7 @@ class Head:
     background: bool
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # function tools
+    tool_choice: str = "auto"
 
     def response(
         self,
@@ -156,7 +157,7 @@ class Head:
             "instructions": self.instructions,
             "output": output,
             "parallel_tool_calls": bool(self.tools),
-            "tool_choice": "auto",
+            "tool_choice": self.tool_choice,
             "tools": list(self.tools),
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -183,6 +183,7 @@ def echoed_fields(body: ResponsesRequest, sent: Context) -> dict[str, Any]:
         "background": body.background or None,
         "store": False if body.store is False else None,
         "input_ids": sent.input_ids or None,
+        "tool_choice": body.tool_choice if body.tool_choice != "auto" else None,
     }
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -218,6 +219,7 @@ class StoredResponse:
             background=bool(echo.get("background", False)),
             metadata=dict(echo.get("metadata") or {}),
             tools=function_tools(request.client_tools),
+            tool_choice=str(echo.get("tool_choice") or "auto"),
         )
 
 
