@@ -187,7 +187,7 @@ def test_item_references_resolve_to_the_brokers_own_items(broker: RunningBroker)
         with pytest.raises(openai.BadRequestError) as unsupported:
             sdk.responses.create(
                 model="simulated",
-                input=items({"type": "function_call_output", "call_id": "c", "output": "x"}),
+                input=items({"type": "computer_call_output", "call_id": "c", "output": "x"}),
             )
         with pytest.raises(openai.BadRequestError) as image:
             sdk.responses.create(
@@ -202,7 +202,7 @@ def test_item_references_resolve_to_the_brokers_own_items(broker: RunningBroker)
     assert "msg_9_nobody" in unknown.value.message
     assert "input.str" not in unknown.value.message
     assert unsupported.value.param == "input"
-    assert "function_call_output" in unsupported.value.message
+    assert "computer_call_output" in unsupported.value.message
     assert image.value.param == "input"
     assert "input_image" in image.value.message
     assert malformed.value.param == "input"

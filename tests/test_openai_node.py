@@ -18,7 +18,9 @@ pytestmark = pytest.mark.client_side
 FOLDER = Path(__file__).resolve().parent / "node" / "openai"
 
 
-def test_the_node_sdk_cuts_and_resumes_a_response_and_a_completion(broker: RunningBroker) -> None:
+def test_the_node_sdk_cuts_and_resumes_a_response_and_a_completion_with_and_without_tools(
+    broker: RunningBroker,
+) -> None:
     node = shutil.which("node")
     if node is None:
         missing_tool("node is not installed (the Node SDK test needs Node >= 20)")
@@ -34,4 +36,4 @@ def test_the_node_sdk_cuts_and_resumes_a_response_and_a_completion(broker: Runni
         env={**os.environ, "BROKER_URL": broker.base_url},
     )
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
-    assert "# pass 3" in result.stdout, result.stdout
+    assert "# pass 5" in result.stdout, result.stdout

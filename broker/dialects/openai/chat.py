@@ -26,7 +26,7 @@ from broker.dialects.openai.errors import documented, error_response
 from broker.dialects.openai.events import failure_message
 from broker.dialects.openai.formats import chat_format
 from broker.dialects.openai.render import FINISH, ChatRenderer, usage_of
-from broker.dialects.openai.requests import ChatRequest, chat_messages, turn_params
+from broker.dialects.openai.requests import ChatRequest, chat_messages, check_choice, turn_params
 from broker.dialects.openai.responses import (
     Credentials,
     StoredResponse,
@@ -38,6 +38,7 @@ from broker.dialects.openai.responses import (
     to_turn,
     turn_id_of,
 )
+from broker.dialects.openai.tools import chat_calls, chat_client_tools
 from broker.frames import ORIGIN, Cursor, Entry
 from broker.http import Services, json_response, services
 from broker.offsets import START
@@ -86,17 +87,24 @@ def _completion(stored: StoredResponse) -> Response:
                 "index": 0,
                 "finish_reason": FINISH[status],
                 "logprobs": None,
-                "message": {
-                    "role": "assistant",
-                    "content": canonical["text"] if canonical else "",
-                    "refusal": None,
-                },
+                "message": _message(state, canonical["text"] if canonical else ""),
             }
         ],
         "usage": usage_of(record.get("usage"))
         or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
     return json_response(body, headers=_headers(stored))
+
+
+def _message(state: dict[str, Any], text: str) -> dict[str, Any]:
+    """The completion's message: its text, and the client tool calls it ended with (a call
+    not run is never one of them)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    pending = state.get("tool_calls")
+    if pending:
+        message["content"] = text or None
+        message["tool_calls"] = chat_calls(pending)
+    return message
 
 
 _ANSWERS: dict[int | str, dict[str, Any]] = {
@@ -139,13 +147,26 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
             params["stop"] = body.stop
         if body.seed is not None:
             params["seed"] = body.seed
+        check_choice(body.tool_choice, body.parallel_tool_calls)
+        tools = chat_client_tools(body.tools, body.tool_choice)
         resume = request.headers.get("last-event-id") or START
         # Where a stream reattaches: from the start, or after the event it names (there is no
-        # `now` here); 400 for a malformed offset, before any turn starts.
-        after = Cursor.after_offset(resume) if body.stream and resume != START else ORIGIN
+        # `now` here); 400 for a malformed offset, before any turn starts. With tools, it reads
+        # from the start and shows what follows that event, so that each call keeps the index
+        # the client saw.
+        resuming = body.stream and resume != START
+        after = Cursor.after_offset(resume) if resuming else ORIGIN
         response_format = chat_format(body.response_format)
         turn = to_turn(
-            rt, turn_id, turn_id, body.model, chat_messages(body), params, None, response_format
+            rt,
+            turn_id,
+            turn_id,
+            body.model,
+            chat_messages(body),
+            params,
+            None,
+            response_format,
+            client_tools=tools,
         )
         await create_turn(rt, turn, principal.tenant, "messages")
         stored = await load(rt, turn_id, principal.tenant)
@@ -154,10 +175,13 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
             return _completion(await load(rt, turn_id, principal.tenant))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head = stored.head
-        renderer = ChatRenderer(stored.state["turn_id"], head.model, head.created_at, include_usage)
+        skip = after.offset if resuming and tools else None
+        renderer = ChatRenderer(
+            stored.state["turn_id"], head.model, head.created_at, include_usage, skip
+        )
         read = Read(
             stored.location,
-            after,
+            ORIGIN if skip else after,
             renderer,
             functools.partial(_usage_record, rt, stored.location, renderer),
             headers=[(k.encode(), v.encode()) for k, v in _headers(stored).items()],

@@ -41,7 +41,12 @@ TERMINAL: Final = {
     "interrupted": ("response.incomplete", "incomplete"),
     "cancelled": ("response.incomplete", "cancelled"),
     "failed": ("response.failed", "failed"),
+    # the model called client tools: the response is complete, its calls are output items
+    "requires_action": ("response.completed", "completed"),
 }
+
+# The statuses of an attempt whose message is whole (with client tool calls or without).
+WHOLE: Final = frozenset({"complete", "requires_action"})
 
 # The broker's turn status as a Responses status.
 STATUS: Final = {
@@ -51,6 +56,7 @@ STATUS: Final = {
     TurnStatus.INTERRUPTED: "incomplete",
     TurnStatus.CANCELLED: "cancelled",
     TurnStatus.FAILED: "failed",
+    TurnStatus.REQUIRES_ACTION: "completed",
 }
 
 
@@ -131,6 +137,8 @@ class Head:
     background: bool
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     text: dict[str, Any] = dataclasses.field(default_factory=lambda: TEXT_FORMAT)
+    tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # function tools
+    tool_choice: str = "auto"
 
     def response(
         self,
@@ -153,9 +161,9 @@ class Head:
             "model": self.model,
             "instructions": self.instructions,
             "output": output,
-            "parallel_tool_calls": False,
-            "tool_choice": "auto",
-            "tools": [],
+            "parallel_tool_calls": bool(self.tools),
+            "tool_choice": self.tool_choice,
+            "tools": list(self.tools),
             "temperature": self.temperature,
             "top_p": self.top_p,
             "max_output_tokens": self.max_output_tokens,
@@ -220,17 +228,26 @@ def opening(head: Head) -> list[dict[str, Any]]:
 
 
 def expand(
-    head: Head, kind: str, data: dict[str, Any], base: int, end: AttemptEnd | None = None
+    head: Head,
+    kind: str,
+    data: dict[str, Any],
+    base: int,
+    end: AttemptEnd | None = None,
+    *,
+    index: int | None = None,
+    calls: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The Responses events of one stored event, numbered from ``base``.
 
     An ``end`` needs ``end``: the attempt's stored text and usage (its deltas may precede the
-    point this read started from).
+    point this read started from). A response with function calls gives the message's
+    ``index`` among the output items, and the attempt's completed ``calls``, which follow its
+    message in the terminal response (see :mod:`broker.dialects.openai.calls`).
     """
     attempt = int(data.get("attempt") or 0)
     common = {
         "item_id": item_id(head.response_id, attempt),
-        "output_index": max(attempt - 1, 0),
+        "output_index": max(attempt - 1, 0) if index is None else index,
         "content_index": 0,
     }
     events: list[dict[str, Any]] = []
@@ -267,7 +284,7 @@ def expand(
         assert end is not None
         status = str(data.get("status") or "failed")
         terminal, response_status = TERMINAL.get(status, TERMINAL["failed"])
-        item_status = "completed" if status == "complete" else "incomplete"
+        item_status = "completed" if status in WHOLE else "incomplete"
         item = message_item(head.response_id, attempt, end.text, item_status)
         # The response holds the whole answer; a continue's item streamed the rest of it only.
         answer = message_item(head.response_id, attempt, end.answer, item_status)
@@ -294,7 +311,11 @@ def expand(
             {
                 "type": terminal,
                 "response": head.response(
-                    response_status, [answer], usage=end.usage, error=error, reason=end.reason
+                    response_status,
+                    [answer, *(calls or ())],
+                    usage=end.usage,
+                    error=error,
+                    reason=end.reason,
                 ),
             },
         ]

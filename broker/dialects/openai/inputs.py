@@ -26,6 +26,7 @@ from broker.dialects.openai.requests import (
     as_message,
     input_items,
 )
+from broker.dialects.openai.tools import add_call_item
 from broker.errors import BrokerError
 from broker.http import Services
 from broker.turn_records import StoredRequest
@@ -68,7 +69,13 @@ class Prior:
             record: dict[str, Any] = next(
                 (a for a in self.state["attempts"] if a["n"] == canonical["attempt"]), {}
             )
-            if record.get("status") != AttemptStatus.COMPLETE:
+            pending = self.state.get("tool_calls")
+            if pending:  # it ended with client tool calls, whose outputs this input may hold
+                answer["tool_calls"] = [
+                    {"id": c["call_id"], "name": c["name"], "arguments": c["arguments"]}
+                    for c in pending
+                ]
+            elif record.get("status") != AttemptStatus.COMPLETE:
                 answer["partial"] = True
             messages.append(answer)
         return messages
@@ -160,16 +167,17 @@ async def context(
         # The chain's input ids carry on, so a reference reaches any earlier response's input.
         input_ids.update(before.input_ids(len(messages)))
         messages += before.context()
-    new_input = 0
+    start = len(messages)
     for item in input_items(body):
         if isinstance(item, InputMessage):
             if item.id is not None:
                 input_ids[item.id] = len(messages)
             messages.append(as_message(item))
-        else:
+        elif isinstance(item, ItemReference):
             messages.append(await resolve(rt, item, before, tenant))
-        new_input += 1
-    if not any(m["role"] != "system" for m in messages[len(messages) - new_input :]):
+        else:
+            add_call_item(messages, item)
+    if not any(m["role"] != "system" for m in messages[start:]):
         raise ParamError("input must hold at least one message", "input", code="empty_input")
     conversation_id = turn_id if before is None else unscoped(before.conversation_id)[1]
     return Context(conversation_id, messages, input_ids)

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Final
 
 import orjson
 
+from broker.dialects.openai.calls import Calls
 from broker.dialects.openai.events import (
     OPENING,
     REPLACED,
@@ -30,15 +31,22 @@ from broker.sse import PING
 
 class ResponsesRenderer:
     """A response's events after sequence number ``starting_after`` (-1: all), the first stored
-    event read numbered from ``base``. An ``end``'s facts are its :class:`AttemptEnd`."""
+    event read numbered from ``base``. An ``end``'s facts are its :class:`AttemptEnd`.
+
+    A response with function tools (``calls``) is read from the stream's origin: its client
+    calls' events are rendered too (see :mod:`broker.dialects.openai.calls`), and their number
+    follows from what was read."""
 
     dialect: ClassVar[str] = "responses"
     raw: ClassVar[bool] = False
     heartbeat: ClassVar[bytes] = PING
     replaced: ClassVar[bytes] = REPLACED
 
-    def __init__(self, head: Head, starting_after: int, base: int = OPENING) -> None:
+    def __init__(
+        self, head: Head, starting_after: int, base: int = OPENING, calls: Calls | None = None
+    ) -> None:
         self.head, self.starting_after, self.base = head, starting_after, base
+        self.calls = calls
 
     def opening(self) -> bytes:
         """``response.created`` and ``response.in_progress``, those past ``starting_after``."""
@@ -51,15 +59,36 @@ class ResponsesRenderer:
         frames: list[bytes] = []
         for entry in entries:
             data = orjson.loads(entry.data)
-            count = expansion(entry.kind, data)
-            if not count:
+            if self.calls is not None:
+                events = self._with_calls(self.calls, entry, data, facts)
+            elif expansion(entry.kind, data):
+                end: AttemptEnd | None = facts.get(entry.offset) if entry.kind == "end" else None
+                events = expand(self.head, entry.kind, data, self.base, end)
+            else:
                 continue
-            end: AttemptEnd | None = facts.get(entry.offset) if entry.kind == "end" else None
-            for event in expand(self.head, entry.kind, data, self.base, end):
+            for event in events:
                 if event["sequence_number"] > self.starting_after:
                     frames.append(frame(event))
-            self.base += count
+            self.base += len(events)
         return b"".join(frames)
+
+    def _with_calls(
+        self, calls: Calls, entry: Entry, data: dict[str, Any], facts: Facts
+    ) -> list[dict[str, Any]]:
+        kind = entry.kind
+        if kind in ("tool_input_delta", "tool_call"):
+            events = calls.events(kind, data)
+            for n, event in enumerate(events):
+                event["sequence_number"] = self.base + n
+            return events
+        if not expansion(kind, data):
+            return []
+        attempt = int(data.get("attempt") or 0)
+        index = calls.start(attempt) if kind == "attempt" else calls.messages.get(attempt)
+        end: AttemptEnd | None = facts.get(entry.offset) if kind == "end" else None
+        ended = kind == "end" and data.get("status") == "requires_action"
+        completed = list(calls.completed) if ended else None
+        return expand(self.head, kind, data, self.base, end, index=index, calls=completed)
 
     def caught_up(self) -> bytes:
         return b""
@@ -77,6 +106,7 @@ FINISH: Final = {
     "cancelled": "stop",
     "interrupted": "length",
     "partial": "length",
+    "requires_action": "tool_calls",
 }
 DONE: Final = b"data: [DONE]\n\n"
 # The last frame of a read a newer one-viewer connection took over, in the SDKs' error shape.
@@ -112,21 +142,36 @@ def failure(reason: str, message: str | None = None) -> bytes:
 
 
 class ChatRenderer:
-    """One completion's chunks: ``attempt`` the role chunk, ``delta`` a content chunk, ``end``
-    the finish chunk (and the usage chunk with ``include_usage``), then ``[DONE]``. An
-    ``end``'s facts are the attempt's usage record, looked up when :attr:`needs_usage` (the
-    ``usage`` event came before the read's start)."""
+    """One completion's chunks: ``attempt`` the role chunk, ``delta`` a content chunk, a client
+    tool call's ``tool_input_delta`` a ``tool_calls`` chunk (``index`` in order of first
+    appearance in the attempt, ``id``, ``type`` and ``name`` on the call's first chunk, the
+    arguments' pieces after), ``end`` the finish chunk (and the usage chunk with
+    ``include_usage``), then ``[DONE]``. An ``end``'s facts are the attempt's usage record,
+    looked up when :attr:`needs_usage` (the ``usage`` event came before the read's start).
+
+    A read that resumes after ``skip_through`` (a wire offset) may start at the stream's origin:
+    the events up to that offset are taken in (so that a call's ``index`` is the one the client
+    saw) and give no chunk."""
 
     dialect: ClassVar[str] = "chat"
     raw: ClassVar[bool] = False
     heartbeat: ClassVar[bytes] = PING
     replaced: ClassVar[bytes] = CHAT_REPLACED
 
-    def __init__(self, completion_id: str, model: str, created: int, include_usage: bool) -> None:
+    def __init__(
+        self,
+        completion_id: str,
+        model: str,
+        created: int,
+        include_usage: bool,
+        skip_through: str | None = None,
+    ) -> None:
         self.id, self.model, self.created = completion_id, model, created
         self.include_usage = include_usage
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None  # the attempt's error message, when one came
+        self.skip_through = skip_through
+        self.calls: dict[str, int] = {}  # the attempt's client calls: call id -> index
 
     @property
     def needs_usage(self) -> bool:
@@ -139,20 +184,43 @@ class ChatRenderer:
     def render(self, entries: Sequence[Entry], facts: Facts) -> bytes:
         out: list[bytes] = []
         for entry in entries:
-            data = orjson.loads(entry.data)
-            kind = entry.kind
-            if kind == "attempt":
-                self.error = None
-                out.append(self.chunk(entry.offset, {"role": "assistant", "content": ""}))
-            elif kind == "delta":
-                out.append(self.chunk(entry.offset, {"content": str(data.get("text", ""))}))
-            elif kind == "usage":
-                self.usage = data
-            elif kind == "error":
-                self.error = data.get("message")
-            elif kind == "end":
-                out += self._end(entry.offset, data, facts)
+            chunks = self._entry(entry, orjson.loads(entry.data), facts)
+            if self.skip_through is None or entry.offset > self.skip_through:
+                out += chunks
         return b"".join(out)
+
+    def _entry(self, entry: Entry, data: dict[str, Any], facts: Facts) -> list[bytes]:
+        kind = entry.kind
+        if kind == "attempt":
+            self.calls, self.error = {}, None
+            return [self.chunk(entry.offset, {"role": "assistant", "content": ""})]
+        if kind == "delta":
+            return [self.chunk(entry.offset, {"content": str(data.get("text", ""))})]
+        if kind == "tool_input_delta":
+            return [self._call(entry.offset, data, str(data.get("delta", "")))]
+        if kind == "tool_call" and data.get("status") == "client":
+            if data.get("call_id") in self.calls:  # its arguments came as tool_input_delta
+                return []
+            return [self._call(entry.offset, data, orjson.dumps(data.get("args", {})).decode())]
+        if kind == "usage":
+            self.usage = data
+        elif kind == "error":
+            self.error = data.get("message")
+        elif kind == "end":
+            return self._end(entry.offset, data, facts)
+        return []
+
+    def _call(self, offset: str, data: dict[str, Any], arguments: str) -> bytes:
+        """A ``tool_calls`` chunk: the call's first carries its id, type and name."""
+        call_id = str(data.get("call_id"))
+        index = self.calls.get(call_id)
+        if index is not None:
+            call: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+        else:
+            index = self.calls[call_id] = len(self.calls)
+            function = {"name": str(data.get("name")), "arguments": arguments}
+            call = {"index": index, "id": call_id, "type": "function", "function": function}
+        return self.chunk(offset, {"tool_calls": [call]})
 
     def _end(self, offset: str, data: dict[str, Any], facts: Facts) -> list[bytes]:
         status = str(data.get("status"))

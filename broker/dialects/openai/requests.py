@@ -7,6 +7,15 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from broker.dialects.openai.tools import (
+    CHOICES_TAKEN,
+    ChatTool,
+    ChatToolCall,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    ResponsesTool,
+    native_calls,
+)
 from broker.errors import BadRequest
 from broker.providers import Providers
 from broker.turns import WHOLE, WholeNumber
@@ -115,6 +124,10 @@ class ResponsesRequest(BaseModel):
     )
     instructions: str | None = None
     include: list[str] | None = Field(default=None, max_length=16)
+    # function tools (broker.dialects.openai.tools): each checked by its type (responses_tools)
+    tools: list[dict[str, Any]] | None = Field(default=None, description="functions only")
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     tools: list[Any] | None = Field(default=None, description="empty only (as if absent)")
     # Checked by broker.dialects.openai.formats, so that a refusal names text.format.
     text: dict[str, Any] | None = Field(
@@ -138,13 +151,17 @@ class ResponsesRequest(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only beside tool_calls (an assistant message that only called tools)
+    content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, max_length=128)
+    # function tools: an assistant message's calls, a tool message's answer to one
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
 
 
@@ -176,6 +193,11 @@ class ChatRequest(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     # Checked by broker.dialects.openai.formats: text, json_object or json_schema.
     response_format: dict[str, Any] | None = None
+    # function tools (broker.dialects.openai.tools); at most MAX_CLIENT_TOOLS, checked by the
+    # core (a bound in the schema would have a schema fuzzer send bodies past the body limit)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     broker: BrokerExtension | None = None
 
 
@@ -219,16 +241,52 @@ def turn_params(
     return params
 
 
-def check_supported(request: ResponsesRequest) -> None:
-    """400 naming ``tools`` or ``include`` for what the broker cannot honour; empty lists and
+def check_supported(request: ResponsesRequest) -> list[ResponsesTool]:
+    """The request's function tools; 400 naming ``tools``, ``tool_choice``,
+    ``parallel_tool_calls`` or ``include`` for what the broker cannot honour; empty lists and
     ``include`` values that change nothing here are taken as if absent."""
-    if request.tools:
+    check_choice(request.tool_choice, request.parallel_tool_calls)
+    check_include(request.include or ())
+    return responses_tools(request.tools or [])
+
+
+def responses_tools(tools: list[dict[str, Any]]) -> list[ResponsesTool]:
+    """``tools`` as function tools; 400 naming ``tools`` for another type or a bad field."""
+    out = []
+    for n, raw in enumerate(tools):
+        if raw.get("type") != "function":
+            raise ParamError(
+                f"tools[{n}]: tools of type {str(raw.get('type'))[:64]!r} are not supported "
+                "(this broker takes: function)",
+                "tools",
+                code="unsupported_parameter",
+            )
+        try:
+            out.append(ResponsesTool.model_validate(raw))
+        except ValidationError as exc:
+            message, _ = describe(exc)
+            raise ParamError(f"tools[{n}] {message}", "tools") from None
+    return out
+
+
+def check_choice(tool_choice: Any, parallel_tool_calls: bool | None) -> None:
+    """400 naming ``tool_choice`` or ``parallel_tool_calls`` for what the providers cannot
+    honour (they let the model choose, any number of calls)."""
+    if tool_choice is not None and tool_choice not in CHOICES_TAKEN:
+        shown = tool_choice if isinstance(tool_choice, str) else "a named tool"
         raise ParamError(
-            "tools are not supported by this broker yet (send none, or an empty list)",
-            "tools",
+            f"tool_choice {str(shown)[:64]!r} is not supported: the providers of this broker "
+            f"let the model choose (this broker takes: {', '.join(CHOICES_TAKEN)})",
+            "tool_choice",
             code="unsupported_parameter",
         )
-    check_include(request.include or ())
+    if parallel_tool_calls is False:
+        raise ParamError(
+            "parallel_tool_calls false is not supported: the providers of this broker may make "
+            "several calls in one message (send true, or leave it out)",
+            "parallel_tool_calls",
+            code="unsupported_parameter",
+        )
 
 
 def check_include(values: Iterable[str]) -> None:
@@ -244,22 +302,29 @@ def check_include(values: Iterable[str]) -> None:
             )
 
 
-def input_items(request: ResponsesRequest) -> list[InputMessage | ItemReference]:
+InputItem = InputMessage | ItemReference | FunctionCallItem | FunctionCallOutputItem
+ITEM_MODELS: Final[dict[str | None, type[InputItem]]] = {
+    None: InputMessage,
+    "message": InputMessage,
+    "item_reference": ItemReference,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+
+
+def input_items(request: ResponsesRequest) -> list[InputItem]:
     """``input`` as typed items; 400 naming ``input`` and the item (and its type) at fault."""
     if isinstance(request.input, str):
         return [InputMessage(role="user", content=request.input)]
-    items: list[InputMessage | ItemReference] = []
+    items: list[InputItem] = []
     for n, raw in enumerate(request.input):
         kind = raw.get("type")
-        model: type[InputMessage | ItemReference]
-        if kind == "item_reference":
-            model = ItemReference
-        elif kind in (None, "message"):
-            model = InputMessage
-        else:
+        model = ITEM_MODELS.get(kind) if kind is None or isinstance(kind, str) else None
+        if model is None:
             raise ParamError(
                 f"input[{n}]: items of type {str(kind)[:64]!r} are not supported "
-                "(this broker takes: message, item_reference)",
+                "(this broker takes: message, item_reference, function_call, "
+                "function_call_output)",
                 "input",
                 code="unsupported_input_item",
             )
@@ -297,10 +362,19 @@ def as_message(message: InputMessage) -> dict[str, Any]:
 
 def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for message in request.messages:
+    for i, message in enumerate(request.messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise ParamError(
+                f"messages[{i}].content is required (null only beside an assistant's tool_calls)",
+                "messages",
+            )
         role = "system" if message.role == "developer" else message.role
         entry: dict[str, Any] = {"role": role, "content": message.text()}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:  # an empty list is as if absent
+            entry["tool_calls"] = native_calls(message.tool_calls)
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out

@@ -26,12 +26,14 @@ from starlette.responses import Response
 
 from broker.api.schemas import ID_PARAMETER, json_schema, response_event
 from broker.auth import Principal
+from broker.dialects.openai.calls import Calls, function_tools, pending_items
 from broker.dialects.openai.errors import documented, error_response, from_broker_error
 from broker.dialects.openai.events import (
     EXPANSION,
     OPENING,
     STATUS,
     TEXT_FORMAT,
+    WHOLE,
     AttemptEnd,
     Head,
     failure_message,
@@ -51,6 +53,7 @@ from broker.dialects.openai.requests import (
     resolve_model,
     turn_params,
 )
+from broker.dialects.openai.tools import renamed, responses_client_tools
 from broker.errors import REDIS_UNAVAILABLE, BadRequest, BrokerError
 from broker.frames import ORIGIN, Entry
 from broker.http import Services, actor, bearer, caller, json_response, services
@@ -128,6 +131,7 @@ def to_turn(
     params: dict[str, Any],
     echoed: dict[str, Any] | None = None,
     response_format: Any = "text",
+    client_tools: list[dict[str, Any]] | None = None,
 ) -> TurnRequest:
     provider, model_name = resolve_model(rt.providers, model)
     try:
@@ -141,6 +145,7 @@ def to_turn(
                 "params": params,
                 "echo": echoed,
                 "response_format": response_format,
+                "client_tools": client_tools or [],
             }
         )
     except ValidationError as exc:
@@ -163,7 +168,12 @@ async def create_turn(rt: Services, turn: TurnRequest, tenant: str | None, messa
     try:
         await rt.turns.create(turn, tenant)
     except BadRequest as exc:
-        if exc.code not in PARAM_OF_CODE or isinstance(exc, ParamError):
+        if isinstance(exc, ParamError):
+            raise
+        message, param = renamed(exc.message, messages)
+        if param is not None:  # the core's checks of client tools and tool messages
+            raise ParamError(message, param, code=exc.code) from None
+        if exc.code not in PARAM_OF_CODE:
             raise
         param = PARAM_OF_CODE[exc.code] or messages
         raise ParamError(exc.message, param, code=exc.code) from None
@@ -178,6 +188,7 @@ def echoed_fields(body: ResponsesRequest, sent: Context) -> dict[str, Any]:
         "background": body.background or None,
         "store": False if body.store is False else None,
         "input_ids": sent.input_ids or None,
+        "tool_choice": body.tool_choice if body.tool_choice != "auto" else None,
     }
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -212,7 +223,14 @@ class StoredResponse:
             previous_response_id=echo.get("previous_response_id"),
             background=bool(echo.get("background", False)),
             metadata=dict(echo.get("metadata") or {}),
-            text=echo.get("text") or TEXT_FORMAT,
+    TEXT_FORMAT,
+    WHOLE,
+    AttemptEnd,
+    Head,
+    failure_message,
+    message_item,
+)
+from broker.dialects.openai.formats import responses_format
         )
 
 
@@ -264,8 +282,9 @@ async def response_object(rt: Services, stored: StoredResponse) -> dict[str, Any
         n = canonical["attempt"] if canonical else current
         record = records.get(n, {})
         text = canonical["text"] if canonical else ""
-        item_status = "completed" if record.get("status") == "complete" else "incomplete"
+        item_status = "completed" if record.get("status") in WHOLE else "incomplete"
         output.append(message_item(head.response_id, n, text, item_status))
+        output += pending_items(n, state.get("tool_calls") or ())
         usage = record.get("usage")
         if state["status"] == "failed":
             message = failure_message(record.get("reason"), record.get("error"))
@@ -282,12 +301,13 @@ async def stream_response(
     location = stored.location
     # The token's rules before the seek, which looks at the stream (the relay checks them too).
     admit(rt.metrics, principal, location.stream_id, sse=True)
-    if starting_after < OPENING - 1:
-        after, base = ORIGIN, OPENING
+    calls = Calls() if stored.request.client_tools else None
+    if starting_after < OPENING - 1 or calls is not None:
+        after, base = ORIGIN, OPENING  # with calls: numbered by what is read (see calls.py)
     else:
         seek = await rt.sequences.seek(location, starting_after, first=OPENING, expansion=EXPANSION)
         after, base = seek.after, seek.base
-    renderer = ResponsesRenderer(stored.head, starting_after, base)
+    renderer = ResponsesRenderer(stored.head, starting_after, base, calls)
     facts = functools.partial(_attempt_end_of, rt, location)
     return await rt.relay(principal, Read(location, after, renderer, facts))
 
@@ -336,7 +356,7 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
     async def work(principal: Principal) -> Response:
         rt = services(request)
         body, _ = await parse(request, ResponsesRequest)
-        check_supported(body)
+        tools = responses_client_tools(check_supported(body), body.tool_choice)
         response_format, text_echo = responses_format(body.text)
         turn_id = turn_id_of(request, body.metadata, "resp_")
         sent = await context(rt, body, turn_id, principal.tenant)
@@ -351,6 +371,7 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
             params,
             echoed,
             response_format,
+            client_tools=tools,
         )
         await create_turn(rt, turn, principal.tenant, "input")
         stored = await load(rt, turn_id, principal.tenant)
