@@ -61,7 +61,7 @@ TOOL = {
     "parameters": None,
     "strict": None,
 }
-HEAD = Head("resp_1", "m", 7, None, None, None, None, None, False, {}, [TOOL])
+HEAD = Head("resp_1", "m", 7, None, None, None, None, None, False, {}, tools=[TOOL])
 STREAM = [
     entry("1-0", "attempt", {"attempt": 1, "strategy": "initial"}),
     entry("1-1", "delta", {"attempt": 1, "text": "Let me look."}),

@@ -128,7 +128,6 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = Field(default=None, description="functions only")
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    tools: list[Any] | None = Field(default=None, description="empty only (as if absent)")
     # Checked by broker.dialects.openai.formats, so that a refusal names text.format.
     text: dict[str, Any] | None = Field(
         default=None, description="format only: text, json_object or json_schema"

@@ -223,14 +223,9 @@ class StoredResponse:
             previous_response_id=echo.get("previous_response_id"),
             background=bool(echo.get("background", False)),
             metadata=dict(echo.get("metadata") or {}),
-    TEXT_FORMAT,
-    WHOLE,
-    AttemptEnd,
-    Head,
-    failure_message,
-    message_item,
-)
-from broker.dialects.openai.formats import responses_format
+            text=echo.get("text") or TEXT_FORMAT,
+            tools=function_tools(request.client_tools),
+            tool_choice=str(echo.get("tool_choice") or "auto"),
         )
 
 
