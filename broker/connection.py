@@ -19,7 +19,12 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.cluster import LoadBalancingStrategy
 from redis.driver_info import DriverInfo
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+)
 from redis.maint_notifications import MaintNotificationsConfig
 
 from broker.errors import BrokerError
@@ -205,9 +210,15 @@ def route(redis: Redis, key: str, *, read: bool = False) -> dict[str, Any]:
     if cluster is None:
         return {}
     strategy = cluster.load_balancing_strategy if read else None
-    node = cluster.nodes_manager.get_node_from_slot(
-        cluster.keyslot(key), strategy is not None, strategy
-    )
+    try:
+        node = cluster.nodes_manager.get_node_from_slot(
+            cluster.keyslot(key), strategy is not None, strategy
+        )
+    except (KeyError, SlotNotCoveredError):
+        # The client has no slot map yet (a client's first command builds it), or its map
+        # lacks the slot: redis-py's own routing finds the node, at the price of its round
+        # trips, and builds or refreshes the map.
+        return {}
     return {"target_nodes": node}
 
 

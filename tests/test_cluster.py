@@ -148,3 +148,17 @@ async def test_keys_of_two_conversations_land_in_their_own_slots(cluster: Redis)
             )
         }
         assert len(slots) == 1
+
+
+async def test_a_command_is_routed_before_the_clients_slot_map_is_built(cluster_port: int) -> None:
+    """A client's first command (a stream feed's XREAD on a client that sent nothing yet) finds
+    no slot map: redis-py routes it itself, and builds the map, instead of a KeyError."""
+    from broker.connection import client, route
+
+    fresh = client(f"redis+cluster://127.0.0.1:{cluster_port}")
+    try:
+        assert route(fresh, "{c:x}:k") == {}  # (a KeyError before)
+        assert await fresh.set("{c:x}:k", "v")
+        assert "target_nodes" in route(fresh, "{c:x}:k")  # the map is built now
+    finally:
+        await fresh.aclose()

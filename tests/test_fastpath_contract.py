@@ -36,6 +36,15 @@ from tests.conftest import BrokerFactory
 from tests.helpers import read_sse, start_turn
 
 
+def single_node(redis_url: str) -> str:
+    """A URL of one server: the first node of a cluster's (the pools below are a single
+    server's; a cluster client keeps one per node, and the fast path has none for them)."""
+    scheme, sep, rest = redis_url.partition("+cluster://")
+    if not sep:
+        return redis_url
+    return f"{scheme}://{rest.split(',')[0].split('?')[0]}"
+
+
 def changed(library: str, what: str) -> str:
     """The message of a contract that a release broke."""
     return (
@@ -174,7 +183,7 @@ def test_uvicorn_asks_only_what_a_lazy_event_answers_of_its_two_events() -> None
 
 
 async def test_redis_pools_keep_their_idle_list_and_in_use_set(redis_url: str) -> None:
-    pool = ConnectionPool.from_url(redis_url)
+    pool = ConnectionPool.from_url(single_node(redis_url))
     try:
         idle = getattr(pool, "_available_connections", None)
         in_use = getattr(pool, "_in_use_connections", None)
@@ -203,7 +212,7 @@ async def test_redis_pools_keep_their_idle_list_and_in_use_set(redis_url: str) -
 async def test_redis_blocking_pool_and_connection_keep_their_condition_and_writer(
     redis_url: str,
 ) -> None:
-    pool = BlockingConnectionPool.from_url(redis_url, max_connections=2)
+    pool = BlockingConnectionPool.from_url(single_node(redis_url), max_connections=2)
     try:
         assert isinstance(getattr(pool, "_condition", None), asyncio.Condition), changed(
             "redis", "BlockingConnectionPool._condition is no longer an asyncio.Condition"
@@ -265,6 +274,7 @@ def test_a_bad_fast_path_setting_stops_the_broker_with_one_line(value: str) -> N
 
 
 def test_a_client_on_the_stock_path_has_redis_pys_bounded_pool(redis_url: str) -> None:
+    redis_url = single_node(redis_url)
     stock = client(redis_url, wait_s=5.0, max_connections=7, fast=False)
     assert type(stock.connection_pool) is BlockingConnectionPool
     assert stock.connection_pool.max_connections == 7
@@ -283,7 +293,8 @@ def test_a_broker_whose_names_are_gone_serves_on_stock_parts_and_says_so_once(
     assert "RequestResponseCycle._gone" in lines[0]
     assert "ConnectionPool._gone" in lines[0]
     assert issubclass(broker.server.config.http_protocol_class, StockHttpProtocol)
-    assert type(broker.runtime.redis.connection_pool) is BlockingConnectionPool
+    if not broker.runtime.settings.cluster:  # (a cluster client's pools are redis-py's own)
+        assert type(broker.runtime.redis.connection_pool) is BlockingConnectionPool
     turn = start_turn(broker.base_url, turn_id="stock-parts", tokens=6)
     read = read_sse(broker.base_url, turn["stream_id"])
     assert [e.event for e in read.events][-1] == "end"
@@ -293,4 +304,5 @@ def test_a_broker_whose_names_are_gone_serves_on_stock_parts_and_says_so_once(
 def test_a_broker_on_the_fast_path_uses_the_fast_parts(broker_factory: BrokerFactory) -> None:
     broker = broker_factory(fast_path="auto")
     assert issubclass(broker.server.config.http_protocol_class, FastHttpProtocol)
-    assert isinstance(broker.runtime.redis.connection_pool, FastBlockingPool)
+    if not broker.runtime.settings.cluster:  # (the fast pools are a single server's)
+        assert isinstance(broker.runtime.redis.connection_pool, FastBlockingPool)
