@@ -1,4 +1,5 @@
-"""The official openai Node SDK against a live broker, under Node's built-in test runner."""
+"""The official openai Node SDK against a live broker, under Node's built-in test runner: cut and
+resume, an agent loop with function tools, and structured output with the SDK's parse helpers."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.client_side
 FOLDER = Path(__file__).resolve().parent / "node" / "openai"
 
 
-def test_the_node_sdk_cuts_and_resumes_a_response_and_a_completion_with_and_without_tools(
+def test_the_node_sdk_cuts_resumes_calls_tools_and_extracts_json(
     broker: RunningBroker,
 ) -> None:
     node = shutil.which("node")
@@ -36,4 +37,4 @@ def test_the_node_sdk_cuts_and_resumes_a_response_and_a_completion_with_and_with
         env={**os.environ, "BROKER_URL": broker.base_url},
     )
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
-    assert "# pass 5" in result.stdout, result.stdout
+    assert "# pass 9" in result.stdout, result.stdout
