@@ -1,10 +1,11 @@
-"""Command line: ``broker serve [--host --port --role all|api|worker]``."""
+"""Command line: ``broker serve [--host --port --workers N|auto --role all|api|worker]``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
@@ -19,6 +20,7 @@ from broker.providers import Providers
 from broker.settings import ROLES, Settings, SettingsError
 from broker.tools import ToolConfigError, ToolRegistry
 from broker.webhook_config import new_secret
+from broker.workers import serve_workers
 
 
 def _loadgen() -> ModuleType | None:
@@ -40,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (BROKER_HOST, default 127.0.0.1)")
     serve.add_argument("--port", help="port to bind, 0 = any free (BROKER_PORT, 8000)")
     serve.add_argument("--role", choices=ROLES, help="all (default), api or worker (BROKER_ROLE)")
+    serve.add_argument(
+        "--workers", help="processes serving the port: a number or auto (BROKER_WORKERS, 1)"
+    )
+    # How a supervisor (broker.workers) hands its processes the socket and a pipe for "ready".
+    serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     commands.add_parser("providers", help="list the configured providers and their models")
     commands.add_parser("new-key", help="print a new random API key (for BROKER_API_KEYS)")
     commands.add_parser(
@@ -96,14 +104,24 @@ def audit_tools(path: str | None) -> int:
     return 0
 
 
+def given_flags(args: argparse.Namespace) -> dict[str, str]:
+    """The flags of ``broker serve`` that were given, as the variables they stand for."""
+    flags = {
+        "BROKER_HOST": args.host,
+        "BROKER_PORT": args.port,
+        "BROKER_ROLE": args.role,
+        "BROKER_WORKERS": args.workers,
+    }
+    return {name: value for name, value in flags.items() if value is not None}
+
+
 def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     """What ``broker serve`` runs with: ``environ``, and its flags over it.
 
     A flag is read as the variable it names, by the same parser: one check, one message, which
     names the flag when the flag's value is the bad one.
     """
-    flags = {"BROKER_HOST": args.host, "BROKER_PORT": args.port, "BROKER_ROLE": args.role}
-    given = {name: value for name, value in flags.items() if value is not None}
+    given = given_flags(args)
     try:
         return Settings.from_env({**environ, **given})
     except SettingsError as exc:
@@ -113,8 +131,11 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Sett
         raise SettingsError(f"{exc} (given as --{flag.removeprefix('BROKER_').lower()})") from None
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, listen_fd: int | None = None, ready_fd: int | None = None) -> int:
     """Run the broker until SIGINT/SIGTERM; returns the exit code.
+
+    ``listen_fd`` and ``ready_fd``: one of a supervisor's processes (see :mod:`broker.workers`)
+    serves the socket it inherited and writes a line to the pipe once it serves.
 
     On uvloop when it is installed (a dependency, except on Windows): the event loop does the
     fan-out's socket work, and uvloop does it in C.
@@ -122,18 +143,20 @@ def serve(settings: Settings) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve(settings))
-    return uvloop.run(_serve(settings))
+        return asyncio.run(_serve(settings, listen_fd, ready_fd))
+    return uvloop.run(_serve(settings, listen_fd, ready_fd))
 
 
-async def _serve(settings: Settings) -> int:
+async def _serve(settings: Settings, listen_fd: int | None, ready_fd: int | None) -> int:
     # Start Redis (or connect) before uvicorn, so a failure is one clear line, not a traceback.
     runtime = await Runtime.start(settings)
     raise_file_limit(settings)
     server = Server(server_config(settings, create_app(settings, runtime)))
+    server.ready_fd = ready_fd
+    sockets = None if listen_fd is None else [socket.socket(fileno=listen_fd)]
     settle()  # everything is loaded: the collector's full passes need not walk it again
     try:
-        await server.serve()
+        await server.serve(sockets)
     finally:
         await runtime.close()  # idempotent; covers a bind failure before the lifespan ran
     return 0 if server.started else 1
@@ -165,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logs.configure(settings.log_level, settings.log_format)
     try:
-        return serve(settings)
+        if settings.workers != "1" and args.listen_fd is None:
+            return serve_workers(settings, {**os.environ, **given_flags(args)})
+        return serve(settings, args.listen_fd, args.ready_fd)
     except (RedisConnectError, EmbeddedRedisError, ToolConfigError) as exc:
         print(f"broker: {exc}", file=sys.stderr)
         return 1

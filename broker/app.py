@@ -492,6 +492,10 @@ class Server(uvicorn.Server):
     # True once startup has printed its address and set its gauges: startup writes nothing more
     # to stdout after this, so an in-process caller can wait for it instead of `started`.
     announced: bool = False
+    # One of several processes on one listening socket (broker.workers): where to say it is
+    # ready, instead of printing the address, which the supervisor prints once for all.
+    ready_fd: int | None = None
+    _counting: Periodic | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -515,17 +519,36 @@ class Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started and self.servers:
+        rt = _find_runtime(self.config.loaded_app)
+        if rt is not None:
+            self._count_connections(rt.metrics)
+        if self.started and self.ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.ready_fd, b"ready\n")
+            os.close(self.ready_fd)
+        elif self.started and self.servers:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in str(host) else host
             print(f"broker serving on http://{shown}:{port}", flush=True)
-        rt = _find_runtime(self.config.loaded_app)
-        if rt is not None:
-            connections = self.server_state.connections
-            rt.metrics.http_connections.set_function(lambda: len(connections))
         self.announced = self.started
 
+    def _count_connections(self, metrics: Metrics) -> None:
+        """The open connections gauge: read at each scrape, or with several processes (whose
+        gauges are files) written every second."""
+        connections = self.server_state.connections
+        if metrics.shared_directory is None:
+            metrics.http_connections.set_function(lambda: len(connections))
+            return
+
+        async def count() -> bool:
+            metrics.http_connections.set(len(connections))
+            return True
+
+        self._counting = Periodic(count, 1.0, name="connections gauge", first_s=0)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._counting is not None:
+            await self._counting.stop()
         rt = _find_runtime(self.config.loaded_app)
         if rt is not None:
             try:

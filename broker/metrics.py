@@ -4,14 +4,21 @@ Names follow ``broker_<noun>_<unit>``; counters end in ``_total``; labels come f
 sets (never ids or messages) and every known label set is created at zero so that rates and
 alerts work from the first scrape. Each app gets its own registry, so several brokers can run in
 one process (the tests do) without sharing counts.
+
+Several processes serving one port (``broker serve --workers N``) keep their values in files of
+one directory, ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode: the
+supervisor sets it for the processes it starts), and any of them answers a scrape with the sums:
+counters and histograms added up, gauges added over the live processes.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from itertools import product
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from broker import __version__
 from broker.scripts import NAMES as SCRIPT_NAMES
@@ -176,14 +183,16 @@ class Metrics:
         _at_zero(self.resumes, RESUME_RESULTS)
         self.live_streams = Gauge(
             "broker_live_streams",
-            "Streams with at least one live reader in this process.",
+            "Streams with at least one live reader in this broker's processes.",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.viewers = Gauge(
             "broker_stream_viewers",
-            "Open stream reads in this process, by mode and by door.",
+            "Open stream reads in this broker's processes, by mode and by door.",
             ["mode", "dialect"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         _at_zero(self.viewers, product(STREAM_MODES, DIALECTS))
         self.append_seconds = Histogram(
@@ -201,6 +210,7 @@ class Metrics:
             "broker_redis_eviction_policy_safe",
             "1 when Redis maxmemory-policy is noeviction, 0 when keys may be evicted or unknown.",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.retries = Counter(
             "broker_retries_total",
@@ -273,7 +283,10 @@ class Metrics:
         )
         _at_zero(self.tool_calls, product(("read", "keyed_write", "unkeyed_write"), TOOL_OUTCOMES))
         self.http_connections = Gauge(
-            "broker_http_connections", "HTTP connections open in this process.", registry=r
+            "broker_http_connections",
+            "HTTP connections open in this broker's processes.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.connections_closed = Counter(
             "broker_http_connections_closed_total",
@@ -323,6 +336,17 @@ class Metrics:
             "networks; nothing was done for them).",
             registry=r,
         )
+        # The registry a scrape reads: this one, or with several processes the sums of all.
+        self.shared_directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        self._scraped = r
+        if self.shared_directory is not None:
+            self._scraped = CollectorRegistry()
+            MultiProcessCollector(self._scraped, self.shared_directory)  # type: ignore[no-untyped-call]
+            self._scraped.register(self.build_info)  # the same in every process: not summed
+
+    def exposition(self) -> bytes:
+        """What ``/metrics`` answers: the Prometheus text format of every metric."""
+        return generate_latest(self._scraped)
 
 
 def error_code(code: str | None) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.errors import BrokerError
+from broker.networks import parse_networks
 from broker.webhook_config import (
     WebhookConfigError,
     decode_secret,
@@ -25,6 +26,7 @@ from broker.webhook_config import (
 
 ROLES = ("all", "api", "worker")
 FAST_PATH_MODES = ("auto", "off")
+MAX_WORKERS = 64
 # The providers a broker can serve (BROKER_PROVIDERS names some of them).
 PROVIDER_NAMES = ("simulated", "openai", "anthropic")
 SIMULATE_SCRIPTING = ("auto", "on", "off")
@@ -70,6 +72,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     role: str = "all"
+    workers: str = "1"  # processes serving one port: a number, or auto (one per core)
     key_prefix: str = "broker"
     stream_ttl: float = 86_400.0  # seconds
     tombstone_ttl: float = 7 * 86_400.0  # seconds
@@ -477,27 +480,19 @@ def _check_numbers(settings: Settings) -> None:
             raise SettingsError(f"BROKER_{name.upper()} must be positive")
 
 
-LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
-
-
-def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
-    """Networks from a comma-separated list of addresses, networks (``10.0.0.0/8``),
-    ``loopback`` or ``none``; ValueError names the entry that is none of these."""
-    networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
-    for entry in (e.strip() for e in text.split(",")):
-        if entry.lower() == "none" or not entry:
-            continue
-        names = LOOPBACK_NETWORKS if entry.lower() == "loopback" else (entry,)
-        networks.extend(ipaddress.ip_network(name, strict=False) for name in names)
-    return tuple(networks)
-
-
 def _check_connections(settings: Settings) -> None:
+    """The connection settings are in range, and the uncapped addresses parse."""
     if settings.fast_path not in FAST_PATH_MODES:
         raise SettingsError(
             f"BROKER_FAST_PATH must be auto or off, not {_shown(settings.fast_path)}"
         )
-    """The connection settings are in range, and the uncapped addresses parse."""
+    if settings.workers != "auto" and not (
+        settings.workers.isdigit() and 1 <= int(settings.workers) <= MAX_WORKERS
+    ):
+        raise SettingsError(
+            f"BROKER_WORKERS must be auto or from 1 to {MAX_WORKERS}, "
+            f"not {_shown(settings.workers)}"
+        )
     if not settings.body_timeout_s > 0:  # (NaN too)
         raise SettingsError("BROKER_BODY_TIMEOUT_S must be positive")
     for name in ("max_connections_per_address", "max_connections_per_tenant"):

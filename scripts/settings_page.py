@@ -72,6 +72,13 @@ GROUPS = (
                 ),
             ),
             Row(
+                ("workers",),
+                (
+                    "processes serving one port (`--workers`): a number from 1 to 64, or `auto` "
+                    "(one per core); they share the embedded server, and `/metrics` sums them"
+                ),
+            ),
+            Row(
                 ("role",),
                 (
                     "`all`, `api` (HTTP only) or `worker` (generations only; serves `/healthz` and "

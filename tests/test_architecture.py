@@ -38,6 +38,7 @@ GROUND = {
     "broker.logs",
     "broker.memory",
     "broker.metrics",
+    "broker.networks",
     "broker.numbers",
     "broker.offsets",
     "broker.periodic",
@@ -75,7 +76,7 @@ TURNS = {"broker.turns", "broker.turn_records", "broker.turn_requests"}
 # Durable Streams' own streams: a service beside the core. The HTTP door reaches it through the
 # package's public names and its pure protocol rules, never its keys, scripts or replies.
 DURABLE_STORE_DOORS = {"broker.durable_store", "broker.durable_store.protocol"}
-ASSEMBLY = {"broker.app", "broker.__main__"}
+ASSEMBLY = {"broker.app", "broker.__main__", "broker.workers"}
 
 # Which rooms a room may import at run time (besides itself).
 MAY_IMPORT = {

@@ -31,7 +31,8 @@ from broker.fastpath import (
     http_protocol_class,
     uncapped_addresses,
 )
-from broker.settings import Settings, SettingsError, parse_networks
+from broker.networks import parse_networks
+from broker.settings import Settings, SettingsError
 
 HEADER_S = 10.0
 BODY_S = 30.0

@@ -172,6 +172,9 @@ SHOWN_ONLY = {
     ("operations/cluster.md", "Redis Cluster"): "needs a Redis Cluster at those addresses",
     ("operations/deployment.md", "The image"): "needs Docker and a Redis",
     ("operations/deployment.md", "The whole stack with Docker Compose"): "needs Docker",
+    ("operations/deployment.md", "Every core of one machine: `--workers`"): (
+        "serves until stopped; tests/test_workers.py runs broker serve --workers 2"
+    ),
     ("operations/metrics.md", "Dashboards with something to show"): (
         "needs the stack; tests/test_loadgen.py runs broker loadgen"
     ),

@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Query, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import PlainTextResponse, Response
 
@@ -365,5 +365,5 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus text format (behind ``Bearer <BROKER_METRICS_TOKEN>`` when that is set)."""
     services(request).auth.check_metrics(request.headers.get("authorization"))
-    body = generate_latest(services(request).metrics.registry)
+    body = services(request).metrics.exposition()
     return Response(body, media_type=CONTENT_TYPE_LATEST)
