@@ -3,7 +3,8 @@
 It is the default provider, the demo and the test bench. Its behaviour is chosen per turn in
 ``params.simulate`` (see ``KNOBS``); the text is a pure function of ``seed`` and the prompt, so the
 same turn run twice gives the same bytes, and a continued attempt ends with the same text an
-uninterrupted one would have had.
+uninterrupted one would have had. A prose answer to images opens by naming them
+(:func:`image_echo`); the simulator never fetches an image.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import orjson
 
 from broker.canonical import canonical_json
+from broker.content import Image, images_of
 from broker.errors import BadRequest
 from broker.providers.base import (
     Finished,
@@ -205,7 +207,8 @@ class SimulatedProvider:
         prompt, prefill = _split_prefill(request.messages)
         if "json" not in knobs:
             knobs = {**knobs, "json": request.response_format != "text"}
-        pieces = _tool_echo(request.messages, knobs) + full_answer(prompt, knobs)
+        echoes = _image_echo(request.messages, knobs) + _tool_echo(request.messages, knobs)
+        pieces = echoes + full_answer(prompt, knobs)
         start = _continued_from(pieces, prefill)
         first_attempt = request.attempt == 1
         wait_ms = int(knobs.get("first_delta_after_ms", 0))
@@ -261,6 +264,22 @@ def _tool_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[st
         return []
     size = sum(len(result) for result in results)
     return [f"({len(results)} tool results, {size} characters) "]
+
+
+def image_echo(images: list[Image]) -> str:
+    """What the simulator says about the images it was shown: how many, and each one's media
+    type (a data URL) or host (a URL it never fetches)."""
+    what = ", ".join(image.media_type or image.host for image in images)
+    return f"(shown {len(images)} image{'s' if len(images) != 1 else ''}: {what}) "
+
+
+def _image_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[str]:
+    """A prose answer to a request with images opens with :func:`image_echo`: proof the images
+    reached the model."""
+    images = [image for message in messages for image in images_of(message.get("content"))]
+    if not images or knobs.get("json"):
+        return []
+    return [image_echo(images)]
 
 
 def _continued_from(pieces: list[str], prefill: str) -> int:
