@@ -173,7 +173,8 @@ class BrokerExtension(BaseModel):
 
 
 # ``include`` values that change nothing here: they ask for more of output items the broker never
-# produces (its Responses output is messages of text) or of input it refuses (images). Any other
+# produces (its Responses output is messages of text) or of input it does not echo (the response
+# object does not list its input, images included). Any other
 # value (``message.output_text.logprobs``: logprobs the broker does not have) is a 400.
 INCLUDE_NOTHING: Final = frozenset(
     {
