@@ -36,4 +36,4 @@ def test_the_node_sdk_cuts_and_resumes_a_response_and_a_completion_with_and_with
         env={**os.environ, "BROKER_URL": broker.base_url},
     )
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
-    assert "# pass 5" in result.stdout, result.stdout
+    assert "# pass 7" in result.stdout, result.stdout
