@@ -35,6 +35,7 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.fake_openai import FakeOpenAI
 from tests.helpers import get_turn, read_sse, text_of
 from tests.test_openai_dialect import client
+from tests.test_openai_fidelity import sent_messages
 
 PNG_DATA = (  # a 1x1 PNG
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9aw"
@@ -553,3 +554,37 @@ def test_an_image_question_reaches_the_anthropic_upstream(
     ]
     state = get_turn(broker.base_url, completion.id)
     assert state["status"] == "complete"
+
+
+def test_an_image_input_carries_over_previous_response_id_and_item_reference(
+    simulated: RunningBroker,
+) -> None:
+    knobs = {"broker": {"params": {"simulate": {"tokens": 4, "tokens_per_s": 0}}}}
+    asked: Any = {
+        "type": "message",
+        "id": "in_img",
+        "role": "user",
+        "content": [
+            {"type": "input_text", "text": QUESTION},
+            {"type": "input_image", "image_url": PNG, "detail": "low"},
+        ],
+    }
+    with client(simulated) as sdk:
+        first = sdk.responses.create(model="simulated", input=[asked], extra_body=knobs)
+        again = sdk.responses.create(
+            model="simulated",
+            previous_response_id=first.id,
+            input=[{"type": "item_reference", "id": "in_img"}],
+            extra_body=knobs,
+        )
+    assert first.output_text.startswith("(shown 1 image: image/png) ")
+    # The earlier question (with its image), its answer, then the same question by reference.
+    assert again.output_text.startswith("(shown 2 images: image/png, image/png) ")
+    sent = sent_messages(simulated, again.id)
+    image = {"type": "image", "url": PNG, "detail": "low"}
+    question = {"role": "user", "content": [{"type": "text", "text": QUESTION}, image]}
+    assert sent == [
+        question,
+        {"role": "assistant", "content": first.output_text},
+        question,
+    ]
