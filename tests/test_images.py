@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from broker.canonical import fingerprint
+from broker.canonical import canonical_json, fingerprint
 from broker.content import MAX_IMAGES, parse_image_url
 from broker.dialects.openai.requests import (
     ChatRequest,
@@ -27,7 +27,7 @@ from broker.dialects.openai.requests import (
 from broker.providers.anthropic import build_body
 from broker.providers.base import GenerationRequest
 from broker.providers.openai import render_messages
-from broker.providers.simulated import image_echo
+from broker.providers.simulated import IMAGE_TOKENS, image_echo, input_tokens
 from broker.turn_requests import stored_request
 from broker.turns import TurnRequest
 from tests.conftest import BrokerFactory, RunningBroker
@@ -588,3 +588,17 @@ def test_an_image_input_carries_over_previous_response_id_and_item_reference(
         {"role": "assistant", "content": first.output_text},
         question,
     ]
+
+
+def test_the_simulator_counts_an_image_as_a_fixed_number_of_tokens_not_its_bytes() -> None:
+    plain: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+    big = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(3000)).decode()
+    with_image: list[dict[str, Any]] = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": QUESTION}, {"type": "image", "url": big}],
+        }
+    ]
+    assert input_tokens(canonical_json(plain), plain) == len(canonical_json(plain)) // 4 + 1
+    counted = input_tokens(canonical_json(with_image), with_image)
+    assert IMAGE_TOKENS < counted < IMAGE_TOKENS + 40
