@@ -12,10 +12,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from broker.canonical import canonical_json, fingerprint
-from broker.content import MAX_IMAGES, parse_image_url
+from broker.content import MAX_IMAGES, Image, parse_image_url
 from broker.dialects.openai.requests import (
     ChatRequest,
     ParamError,
@@ -602,3 +604,24 @@ def test_the_simulator_counts_an_image_as_a_fixed_number_of_tokens_not_its_bytes
     assert input_tokens(canonical_json(plain), plain) == len(canonical_json(plain)) // 4 + 1
     counted = input_tokens(canonical_json(with_image), with_image)
     assert IMAGE_TOKENS < counted < IMAGE_TOKENS + 40
+
+
+@given(
+    st.one_of(
+        st.text(max_size=40),
+        st.builds(lambda s: "data:" + s, st.text(max_size=40)),
+        st.builds(lambda s: "data:image/png;base64," + s, st.text(max_size=40)),
+        st.builds(lambda s: "https://" + s, st.text(max_size=40)),
+        st.builds(lambda s: "http://[" + s, st.text(max_size=40)),
+    )
+)
+def test_any_image_url_is_taken_or_refused_with_a_reason_never_an_error(url: str) -> None:
+    outcome: Image | str
+    try:
+        outcome = parse_image_url(url)
+    except ValueError as exc:
+        outcome = str(exc)
+    if isinstance(outcome, str):
+        assert outcome  # the reason, for the 400
+    else:
+        assert outcome.media_type is not None or outcome.host
