@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from broker.client_tools import ClientTool, ToolCallPart
+from broker.content import Content, check_parts, stored
 from broker.structured_output import ResponseFormat
 from broker.vocabulary import ID_PATTERN
 from broker.webhooks import NotifyRequest
@@ -42,7 +43,10 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    # A string, or (user messages) text and image parts: see broker.content.
+    content: Content = Field(
+        description="a string, or for a user message a list of text and image parts"
+    )
     name: str | None = Field(default=None, max_length=128)
     # Set on assistant messages of the conversation history whose answer was cut short; it lets
     # a client send the history back as it got it. Providers never see it.
@@ -50,6 +54,11 @@ class Message(BaseModel):
     # An assistant message's calls of client tools, and a tool message's answer to one of them.
     tool_calls: list[ToolCallPart] | None = None
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @model_validator(mode="after")
+    def _parts(self) -> Message:
+        check_parts(self.role, self.content)
+        return self
 
 
 # Message fields that are left out of the stored request (and its fingerprint) when unset.
@@ -85,6 +94,25 @@ class TurnRequest(BaseModel):
     echo: dict[str, Any] | None = Field(
         default=None, description="extension: fields a door echoes in its objects"
     )
+
+
+def stored_request(request: TurnRequest, provider: str) -> dict[str, Any]:
+    """The request as the turn stores and fingerprints it: what was sent, with ``provider``
+    resolved. Unset optional fields are left out, so that a request without them (a plain
+    message, a turn without client tools) stores and fingerprints what it always did."""
+    # The session names a retry budget, not the work: it is not part of the fingerprint.
+    body = request.model_dump(exclude={"turn_id", "session_id", "notify"})
+    for message in body["messages"]:
+        message["content"] = stored(message["content"])
+        for field in OPTIONAL_MESSAGE_FIELDS:
+            if message.get(field) is None:
+                message.pop(field, None)
+    if not body["client_tools"]:
+        body.pop("client_tools")
+    if body.get("echo") is None:
+        body.pop("echo", None)
+    body["provider"] = provider
+    return body
 
 
 class AttemptRequest(BaseModel):

@@ -13,6 +13,7 @@ from broker import redis_calls as rc
 from broker.admission import Admission
 from broker.canonical import canonical_json, fingerprint
 from broker.client_tools import check_client_tools, check_tool_messages
+from broker.content import MAX_IMAGES, count_images, text_of
 from broker.deps import Deps
 from broker.errors import BadRequest, Conflict, Gone, NotAllowed, NotFound
 from broker.jobs import JobQueue
@@ -26,7 +27,6 @@ from broker.turn_records import (
     links,
     turn_state,
 )
-from broker.turn_requests import OPTIONAL_MESSAGE_FIELDS
 
 # The request models are imported from here by the doors, which came before the split.
 from broker.turn_requests import WHOLE as WHOLE
@@ -35,6 +35,7 @@ from broker.turn_requests import CanonicalRequest as CanonicalRequest
 from broker.turn_requests import Message as Message
 from broker.turn_requests import TurnRequest as TurnRequest
 from broker.turn_requests import WholeNumber as WholeNumber
+from broker.turn_requests import stored_request
 from broker.vocabulary import (
     FINAL_STATUSES,
     ID_PATTERN,
@@ -85,7 +86,14 @@ class Turns:
                 f"{len(request.messages)} messages is more than BROKER_MAX_MESSAGES={limit}",
                 code="too_many_messages",
             )
-        longest = max(len(m.content) for m in request.messages)
+        dumped = [m.model_dump() for m in request.messages]
+        images = count_images(dumped)
+        if images > MAX_IMAGES:
+            raise BadRequest(
+                f"{images} images is more than this broker takes in one request ({MAX_IMAGES})",
+                code="too_many_images",
+            )
+        longest = max(len(text_of(m["content"])) for m in dumped)
         if longest > self._settings.max_message_chars:
             raise BadRequest(
                 f"a message has {longest} characters, more than "
@@ -93,7 +101,7 @@ class Turns:
                 code="message_too_long",
             )
         check_client_tools(request.client_tools, self._server_tools)
-        check_tool_messages([m.model_dump() for m in request.messages])
+        check_tool_messages(dumped)
         provider = self._providers.get(request.provider)
         self._providers.model_for(provider, request.model)
         provider.validate_params(request.params)
@@ -110,17 +118,7 @@ class Turns:
         self._check_notify(request)
         turn_id = request.turn_id or f"t_{secrets.token_hex(16)}"
         conversation_id = scoped(tenant, request.conversation_id)
-        # The session names a retry budget, not the work: it is not part of the fingerprint.
-        body = request.model_dump(exclude={"turn_id", "session_id", "notify"})
-        for message in body["messages"]:
-            for field in OPTIONAL_MESSAGE_FIELDS:
-                if message.get(field) is None:
-                    message.pop(field, None)
-        if not body["client_tools"]:
-            body.pop("client_tools")  # a turn without them stores what it always did
-        if body.get("echo") is None:
-            body.pop("echo", None)  # a native turn's fingerprint stays what it was
-        body["provider"] = self._providers.get(request.provider).name
+        body = stored_request(request, self._providers.get(request.provider).name)
         fp = fingerprint(body)
         keys = self._keys
         index_ttl_ms = self._settings.index_ttl_ms

@@ -31,6 +31,7 @@ GROUND = {
     "broker.client_tools",
     "broker.compression",
     "broker.connection",
+    "broker.content",
     "broker.deps",
     "broker.embedded_redis",
     "broker.errors",

@@ -1,5 +1,5 @@
 """The official openai Node SDK against a live broker, under Node's built-in test runner: cut and
-resume, an agent loop with function tools, and structured output with the SDK's parse helpers."""
+resume, an agent loop with function tools, structured output with the parse helpers, images."""
 
 from __future__ import annotations
 
@@ -37,4 +37,4 @@ def test_the_node_sdk_cuts_resumes_calls_tools_and_extracts_json(
         env={**os.environ, "BROKER_URL": broker.base_url},
     )
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
-    assert "# pass 9" in result.stdout, result.stdout
+    assert "# pass 11" in result.stdout, result.stdout

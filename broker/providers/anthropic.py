@@ -9,6 +9,9 @@ How a broker request becomes a Messages call, where the two models differ:
   (unsupported) and the broker-only ``partial`` flag are dropped, as are empty messages.
   Consecutive messages of one role are merged into one message of several content blocks: the
   API wants user and assistant to alternate.
+* Images (a user message's image parts, :mod:`broker.content`) become ``image`` blocks: a URL
+  as a ``url`` source (Anthropic fetches it), a data URL as a ``base64`` source with its media
+  type. ``detail`` has no Anthropic counterpart and is not sent.
 * ``continue``: the broker appends the delivered text as a trailing assistant message, which is
   Anthropic's native prefill: the model carries on from its last character. The API rejects a
   final assistant message that ends in whitespace, so the prefill is sent right-stripped, and
@@ -57,6 +60,7 @@ from anthropic.types import (
 from anthropic.types import TextDelta as AnthropicTextDelta
 
 from broker.client_tools import offered_tools
+from broker.content import images_of
 from broker.errors import BadRequest
 from broker.providers import taxonomy
 from broker.providers.base import (
@@ -392,11 +396,24 @@ def _uses(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _blocks(content: Any) -> list[dict[str, Any]]:
-    """Content blocks for a message's content; blank text has none (the API rejects it)."""
-    if isinstance(content, list):  # already content blocks
-        return [dict(block) for block in content if isinstance(block, dict)]
+    """Content blocks for a message's content (a string, or the broker's text and image
+    parts); blank text has none (the API rejects it)."""
+    if isinstance(content, list):
+        return [block for part in content for block in _part_blocks(part)]
     text = "" if content is None else str(content)
     return [{"type": "text", "text": text}] if text.strip() else []
+
+
+def _part_blocks(part: dict[str, Any]) -> list[dict[str, Any]]:
+    """One content part as Messages API blocks: an image as an ``image`` block whose source is
+    its URL or its base64 data (Anthropic has no ``detail``: it is not sent)."""
+    if part.get("type") != "image":
+        return _blocks(str(part.get("text", "")))
+    (image,) = images_of([part])
+    if image.data is None:
+        return [{"type": "image", "source": {"type": "url", "url": image.url}}]
+    source = {"type": "base64", "media_type": image.media_type, "data": image.data}
+    return [{"type": "image", "source": source}]
 
 
 def _append(messages: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:

@@ -286,6 +286,7 @@ def render_messages(request: GenerationRequest) -> list[dict[str, Any]]:
     """The request's messages in Chat Completions form, its tool steps after them.
 
     Only ``role``, ``content`` and ``name`` of a message are sent (``partial`` is the broker's);
+    a user message's content parts become ``text`` and ``image_url`` parts;
     an assistant message's client ``tool_calls`` and a ``tool`` message's ``tool_call_id`` go
     in this format's shape. Each tool step is the assistant message with its ``tool_calls``,
     then one ``tool`` message per result.
@@ -310,10 +311,23 @@ def _message(message: dict[str, Any]) -> dict[str, Any]:
             "content": message.get("content", ""),
         }
     rendered = {key: message[key] for key in MESSAGE_FIELDS if message.get(key) is not None}
+    if isinstance(rendered.get("content"), list):
+        rendered["content"] = [_part(part) for part in rendered["content"]]
     if message.get("tool_calls"):
         rendered["tool_calls"] = _calls(message["tool_calls"])
         rendered["content"] = message.get("content") or None
     return rendered
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    """One of the broker's content parts as a Chat Completions content part: an image as an
+    ``image_url`` part (its URL or data URL as given, and its ``detail`` when set)."""
+    if part.get("type") != "image":
+        return {"type": "text", "text": part.get("text", "")}
+    image_url: dict[str, Any] = {"url": part["url"]}
+    if part.get("detail") is not None:
+        image_url["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image_url}
 
 
 def _calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@
 It is the default provider, the demo and the test bench. Its behaviour is chosen per turn in
 ``params.simulate`` (see ``KNOBS``); the text is a pure function of ``seed`` and the prompt, so the
 same turn run twice gives the same bytes, and a continued attempt ends with the same text an
-uninterrupted one would have had.
+uninterrupted one would have had. A prose answer to images opens by naming them
+(:func:`image_echo`); the simulator never fetches an image.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import orjson
 
 from broker.canonical import canonical_json
+from broker.content import Image, images_of
 from broker.errors import BadRequest
 from broker.providers.base import (
     Finished,
@@ -68,6 +70,7 @@ SCRIPTING_KNOBS = frozenset(
 )
 GENERIC_PARAMS = frozenset({"simulate", "temperature", "top_p", "max_tokens", "stop", "seed"})
 DEFAULT_TOKENS = 48
+IMAGE_TOKENS = 85  # what the simulator counts an image as (OpenAI's price of a low-detail one)
 DEFAULT_TOKENS_PER_S = 25.0
 MAX_TOKENS = 100_000
 
@@ -205,7 +208,8 @@ class SimulatedProvider:
         prompt, prefill = _split_prefill(request.messages)
         if "json" not in knobs:
             knobs = {**knobs, "json": request.response_format != "text"}
-        pieces = _tool_echo(request.messages, knobs) + full_answer(prompt, knobs)
+        echoes = _image_echo(request.messages, knobs) + _tool_echo(request.messages, knobs)
+        pieces = echoes + full_answer(prompt, knobs)
         start = _continued_from(pieces, prefill)
         first_attempt = request.attempt == 1
         wait_ms = int(knobs.get("first_delta_after_ms", 0))
@@ -238,7 +242,7 @@ class SimulatedProvider:
                 before = sum(len(message) for message in messages[:step])
                 async for event in _scripted_calls(request, knobs, calls, before, retryable):
                     yield event
-            yield Usage(input_tokens=len(prompt) // 4 + 1, output_tokens=sent)
+            yield Usage(input_tokens=input_tokens(prompt, request.messages), output_tokens=sent)
             done = True
             yield Finished("tool_calls" if calls else "stop")
         except (GeneratorExit, asyncio.CancelledError):
@@ -261,6 +265,30 @@ def _tool_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[st
         return []
     size = sum(len(result) for result in results)
     return [f"({len(results)} tool results, {size} characters) "]
+
+
+def input_tokens(prompt: bytes, messages: list[dict[str, Any]]) -> int:
+    """The simulator's count of a prompt's tokens: a quarter of its characters, and
+    :data:`IMAGE_TOKENS` for each image in place of its URL (a data URL is not text)."""
+    images = [image for message in messages for image in images_of(message.get("content"))]
+    chars = len(prompt) - sum(len(image.url) for image in images)
+    return chars // 4 + 1 + IMAGE_TOKENS * len(images)
+
+
+def image_echo(images: list[Image]) -> str:
+    """What the simulator says about the images it was shown: how many, and each one's media
+    type (a data URL) or host (a URL it never fetches)."""
+    what = ", ".join(image.media_type or image.host for image in images)
+    return f"(shown {len(images)} image{'s' if len(images) != 1 else ''}: {what}) "
+
+
+def _image_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[str]:
+    """A prose answer to a request with images opens with :func:`image_echo`: proof the images
+    reached the model."""
+    images = [image for message in messages for image in images_of(message.get("content"))]
+    if not images or knobs.get("json"):
+        return []
+    return [image_echo(images)]
 
 
 def _continued_from(pieces: list[str], prefill: str) -> int:

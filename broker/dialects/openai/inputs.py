@@ -168,11 +168,11 @@ async def context(
         input_ids.update(before.input_ids(len(messages)))
         messages += before.context()
     start = len(messages)
-    for item in input_items(body):
+    for n, item in enumerate(input_items(body)):
         if isinstance(item, InputMessage):
             if item.id is not None:
                 input_ids[item.id] = len(messages)
-            messages.append(as_message(item))
+            messages.append(as_message(item, n))
         elif isinstance(item, ItemReference):
             messages.append(await resolve(rt, item, before, tenant))
         else:

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from broker.content import Detail, parse_image_url
 from broker.dialects.openai.tools import (
     CHOICES_TAKEN,
     ChatTool,
@@ -60,6 +61,69 @@ class ContentPart(BaseModel):
     annotations: list[Any] | None = None
 
 
+class InputImage(BaseModel):
+    """A Responses ``input_image`` content part: ``image_url`` a URL or a data URL (there is no
+    files API here, so ``file_id`` is refused by :func:`input_items`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Detail | None = None
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    url: str
+    detail: Detail | None = None
+
+
+class ChatImagePart(BaseModel):
+    """A Chat Completions ``image_url`` content part."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ResponsesPart = Annotated[ContentPart | InputImage, Field(discriminator="type")]
+ChatPart = Annotated[ContentPart | ChatImagePart, Field(discriminator="type")]
+
+
+def image_part(where: str, param: str, url: str | None, detail: str | None) -> dict[str, Any]:
+    """An image part of a door as the native one (see broker.content); 400 naming ``param``
+    when its URL is not one the broker takes."""
+    if url is None:
+        raise ParamError(f"{where}: an image URL is required", param, code="invalid_image")
+    try:
+        parse_image_url(url)
+    except ValueError as exc:
+        raise ParamError(f"{where}: {exc}", param, code="invalid_image") from None
+    part = {"type": "image", "url": url}
+    if detail is not None:
+        part["detail"] = detail
+    return part
+
+
+def native_content(
+    role: str, parts: list[Any], images: dict[int, dict[str, Any]], where: str, param: str
+) -> str | list[dict[str, Any]]:
+    """A door message's parts as native content: the text joined, as it always was, or, when
+    it holds ``images`` (native image parts by index), text and image parts in order."""
+    if not images:
+        return "".join(part.text for part in parts)
+    if role != "user":
+        raise ParamError(f"{where}: images are for user messages only", param, code="invalid_image")
+    out = []
+    for n, part in enumerate(parts):
+        image = images.get(n)
+        out.append(image if image is not None else {"type": "text", "text": part.text})
+    return out
+
+
 class ItemReference(BaseModel):
     """An ``item_reference`` input item: an output item of this broker's, by its id."""
 
@@ -76,14 +140,28 @@ class InputMessage(BaseModel):
 
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+    content: str | list[ResponsesPart]
     id: str | None = Field(default=None, max_length=256)
     status: str | None = Field(default=None, max_length=32)
 
-    def text(self) -> str:
+    def native(self, n: int) -> str | list[dict[str, Any]]:
+        """Its content as native content; 400 naming ``input`` for a bad image."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        where = f"input[{n}] (message item)"
+        images = {}
+        for i, part in enumerate(self.content):
+            if isinstance(part, InputImage):
+                if part.file_id is not None:
+                    raise ParamError(
+                        f"{where} content[{i}]: input_image file_id is not supported (there "
+                        "is no files API here): send image_url, a URL or a data URL",
+                        "input",
+                        code="unsupported_content",
+                    )
+                at = f"{where} content[{i}] (input_image)"
+                images[i] = image_part(at, "input", part.image_url, part.detail)
+        return native_content(self.role, self.content, images, where, "input")
 
 
 class BrokerExtension(BaseModel):
@@ -95,7 +173,8 @@ class BrokerExtension(BaseModel):
 
 
 # ``include`` values that change nothing here: they ask for more of output items the broker never
-# produces (its Responses output is messages of text) or of input it refuses (images). Any other
+# produces (its Responses output is messages of text) or of input it does not echo (the response
+# object does not list its input, images included). Any other
 # value (``message.output_text.logprobs``: logprobs the broker does not have) is a 400.
 INCLUDE_NOTHING: Final = frozenset(
     {
@@ -152,16 +231,27 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # null only beside tool_calls (an assistant message that only called tools)
-    content: str | list[ContentPart] | None = None
+    content: str | list[ChatPart] | None = None
     name: str | None = Field(default=None, max_length=128)
     # function tools: an assistant message's calls, a tool message's answer to one
     tool_calls: list[ChatToolCall] | None = None
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
 
-    def text(self) -> str:
+    def native(self, i: int) -> str | list[dict[str, Any]]:
+        """Its content as native content; 400 naming ``messages`` for a bad image."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.text for part in self.content)
+        images = {
+            n: image_part(
+                f"messages[{i}].content[{n}].image_url",
+                "messages",
+                part.image_url.url,
+                part.image_url.detail,
+            )
+            for n, part in enumerate(self.content)
+            if isinstance(part, ChatImagePart)
+        }
+        return native_content(self.role, self.content, images, f"messages[{i}]", "messages")
 
 
 class StreamOptions(BaseModel):
@@ -337,7 +427,7 @@ def input_items(request: ResponsesRequest) -> list[InputItem]:
     return items
 
 
-PART_TYPES: Final = ("input_text", "output_text", "text")
+PART_TYPES: Final = ("input_text", "output_text", "text", "input_image")
 
 
 def _check_parts(n: int, content: Any) -> None:
@@ -353,10 +443,10 @@ def _check_parts(n: int, content: Any) -> None:
             )
 
 
-def as_message(message: InputMessage) -> dict[str, Any]:
-    """One input message as the native role/content message."""
+def as_message(message: InputMessage, n: int = 0) -> dict[str, Any]:
+    """One input message (``input[n]``) as the native role/content message."""
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": message.text()}
+    return {"role": role, "content": message.native(n)}
 
 
 def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
@@ -368,7 +458,7 @@ def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
                 "messages",
             )
         role = "system" if message.role == "developer" else message.role
-        entry: dict[str, Any] = {"role": role, "content": message.text()}
+        entry: dict[str, Any] = {"role": role, "content": message.native(i)}
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls:  # an empty list is as if absent

@@ -159,6 +159,7 @@ PARAM_OF_CODE = {
     "unknown_provider": "model",
     "provider_not_served": "model",
     "too_many_messages": None,
+    "too_many_images": None,
     "message_too_long": None,
 }
 
