@@ -16,7 +16,8 @@ from broker.api.schemas import ID_PARAMETER, errors, resume_parameters, ui_strea
 from broker.auth import Principal
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.dialects.aisdk.render import UIMessageRenderer
-from broker.errors import NotFound
+from broker.dialects.aisdk.tools import renamed
+from broker.errors import BadRequest, NotFound
 from broker.frames import ORIGIN, Cursor, Entry
 from broker.http import (
     Actor,
@@ -120,7 +121,10 @@ async def post_chat(request: Request, principal: Actor) -> Response:
                 chat.turn_id, AttemptRequest(strategy="regenerate"), tenant
             )
             return await _stream(rt, principal, location, after, after)
-    _, turn = await rt.turns.create(turn_request, tenant)
+    try:
+        _, turn = await rt.turns.create(turn_request, tenant)
+    except BadRequest as exc:
+        raise renamed(exc) from None
     return await _replay(rt, turn["stream_id"], principal)
 
 
