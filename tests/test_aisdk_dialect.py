@@ -70,6 +70,26 @@ def test_the_ai_sdk_transport_and_reader_against_a_live_broker(
     )
 
 
+def test_client_tools_run_in_the_ai_sdk_chat_against_a_live_broker(
+    broker_factory: BrokerFactory,
+) -> None:
+    """Two client tools run by the package's Chat, a cut mid-call resumed, a regenerate."""
+    node = _node()
+    broker = broker_factory()
+    result = subprocess.run(
+        [node, "--test", "--test-timeout=60000", "test/tools.test.mjs"],
+        cwd=NODE_DIR,
+        env={**os.environ, "BROKER_URL": broker.base_url},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
+    assert "# fail 0" in result.stdout
+    assert "# pass 4" in result.stdout  # every test ran
+
+
 def _chat(chat_id: str, message_id: str, **extra: object) -> dict[str, object]:
     return {
         "id": chat_id,
