@@ -10,7 +10,13 @@ from pydantic import ValidationError
 
 from broker.api.errors import describe_validation
 from broker.dialects.aisdk.messages import ChatRequest
-from broker.dialects.aisdk.tools import follow_up_turn_id, renamed, reply_id
+from broker.dialects.aisdk.tools import (
+    PRELUDE_PARTS,
+    follow_up_turn_id,
+    prelude,
+    renamed,
+    reply_id,
+)
 from broker.errors import BadRequest
 
 QUESTION = {"id": "u1", "role": "user", "parts": [{"type": "text", "text": "Oslo?"}]}
@@ -257,3 +263,134 @@ def test_a_long_assistant_message_id_cannot_name_a_follow_up() -> None:
 )
 def test_the_cores_tool_checks_speak_of_tools(core: str, door: str) -> None:
     assert renamed(BadRequest(core)).message == door
+
+
+def test_a_follow_up_keeps_the_parts_its_replay_shows_again() -> None:
+    body = chat(
+        QUESTION,
+        reply(
+            {"type": "text", "text": "Looking.", "state": "done", "providerMetadata": {"x": 1}},
+            {"type": "data-broker", "id": "broker", "data": {"turnId": "u1"}},
+            {"type": "reasoning", "text": "hm"},
+            weather(output={"sky": "clear"}, rawInput=None, title="Weather"),
+        ),
+    )
+    request = ChatRequest.model_validate(body).turn_request()
+    assert request.echo == {
+        PRELUDE_PARTS: [
+            {"type": "step-start"},
+            {"type": "text", "text": "Looking."},
+            {
+                "type": "tool-get_weather",
+                "toolCallId": "call_w",
+                "state": "output-available",
+                "input": {"city": "Oslo"},
+                "output": {"sky": "clear"},
+                "providerExecuted": False,
+            },
+        ]
+    }
+    assert ChatRequest.model_validate(chat(QUESTION)).turn_request().echo is None
+
+
+TOOL = {"toolCallId": "call_w", "toolName": "get_weather"}
+STEP, END_STEP = {"type": "start-step"}, {"type": "finish-step"}
+
+
+@pytest.mark.parametrize(
+    ("parts", "chunks"),
+    [
+        ([], []),
+        (  # a client call is rebuilt from its input, never made available again (onToolCall)
+            [
+                {"type": "step-start"},
+                {"type": "text", "text": "Looking."},
+                {
+                    "type": "tool-get_weather",
+                    "toolCallId": "call_w",
+                    "state": "output-available",
+                    "input": {"city": "Oslo"},
+                    "output": {"sky": "clear"},
+                    "providerExecuted": False,
+                },
+            ],
+            [
+                STEP,
+                {"type": "text-start", "id": "0-1"},
+                {"type": "text-delta", "id": "0-1", "delta": "Looking."},
+                {"type": "text-end", "id": "0-1"},
+                {"type": "tool-input-start", **TOOL},
+                {
+                    "type": "tool-input-delta",
+                    "toolCallId": "call_w",
+                    "inputTextDelta": '{"city":"Oslo"}',
+                },
+                {
+                    "type": "tool-output-available",
+                    "toolCallId": "call_w",
+                    "output": {"sky": "clear"},
+                },
+                END_STEP,
+            ],
+        ),
+        (  # the broker's own call, an error output, a dynamic tool, two steps
+            [
+                {
+                    "type": "tool-get_weather",
+                    "toolCallId": "call_s",
+                    "state": "output-available",
+                    "input": {},
+                    "output": 1,
+                    "providerExecuted": True,
+                },
+                {"type": "step-start"},
+                {
+                    "type": "dynamic-tool",
+                    "toolName": "get_weather",
+                    "toolCallId": "call_w",
+                    "state": "output-error",
+                    "errorText": "offline",
+                    "providerExecuted": False,
+                },
+            ],
+            [
+                STEP,
+                {
+                    "type": "tool-input-available",
+                    "toolCallId": "call_s",
+                    "toolName": "get_weather",
+                    "input": {},
+                    "providerExecuted": True,
+                },
+                {
+                    "type": "tool-output-available",
+                    "toolCallId": "call_s",
+                    "output": 1,
+                    "providerExecuted": True,
+                },
+                END_STEP,
+                STEP,
+                {"type": "tool-input-start", **TOOL, "dynamic": True},
+                {"type": "tool-input-delta", "toolCallId": "call_w", "inputTextDelta": "{}"},
+                {"type": "tool-output-error", "toolCallId": "call_w", "errorText": "offline"},
+                END_STEP,
+            ],
+        ),
+    ],
+    ids=["nothing", "a client call", "the broker's call and a dynamic one"],
+)
+def test_the_prelude_rebuilds_the_steps_before_a_follow_up(
+    parts: list[dict[str, Any]], chunks: list[dict[str, Any]]
+) -> None:
+    assert prelude(parts) == chunks
+
+
+def test_a_call_met_twice_in_a_message_is_one_call() -> None:
+    again = weather(output="clear")
+    body = chat(QUESTION, reply(again, {"type": "step-start"}, again))
+    request = ChatRequest.model_validate(body).turn_request()
+    assert [m.model_dump(exclude_none=True) for m in request.messages] == [
+        USER,
+        {"role": "assistant", "content": "", "tool_calls": [CALL_W]},
+        {"role": "tool", "content": "clear", "tool_call_id": "call_w"},
+    ]

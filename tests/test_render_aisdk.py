@@ -240,3 +240,11 @@ def test_a_follow_up_turn_goes_on_in_the_message_of_its_calls() -> None:
     renderer = UIMessageRenderer("m1-reply.tools-0123456789abcdef", "st1")
     first = orjson.loads(renderer.render([ATTEMPT], {})[len(b"data: ") :].split(b"\n\n")[0])
     assert first == {"type": "start", "messageId": "m1-reply"}
+
+
+def test_a_prelude_goes_out_after_start_and_before_the_turns_own_steps() -> None:
+    before = [{"type": "start-step"}, {"type": "finish-step"}]
+    renderer = UIMessageRenderer("t1", "st1", ORIGIN, before)
+    assert renderer.render([ATTEMPT], {}) == frames(O1, *START, *before, {"type": "start-step"})
+    resumed = UIMessageRenderer("t1", "st1", ATTEMPT.cursor, before)
+    assert resumed.render([ATTEMPT, DELTA], {}) == DELTA_FRAMES, "past the start: not again"

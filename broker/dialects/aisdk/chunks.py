@@ -10,7 +10,8 @@ that does not want a full replay resumes after it.
 
 | broker event | chunks |
 |---|---|
-| first event of a read | ``start`` (``messageId``), ``data-broker`` |
+| first event of a read | ``start`` (``messageId``), ``data-broker``; a follow-up turn's |
+|  | replay from ``start``: the steps of the message before it (``tools.prelude``) |
 | ``attempt`` | ``start-step`` (a continue attempt: a new step of the same message) |
 | ``delta`` | ``text-start`` (first of a part), ``text-delta`` (with its offset) |
 | ``tool_input_delta`` | ``tool-input-start`` (a call's first), ``tool-input-delta`` |
@@ -30,6 +31,7 @@ retry, a regenerate or a resume (see :mod:`broker.client_tools`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 import orjson
@@ -65,9 +67,10 @@ def encode(offset: str, chunks: list[Chunk]) -> bytes:
 class Renderer:
     """Turns one stream's events, in order, into UI message chunks."""
 
-    def __init__(self, turn_id: str, stream_id: str) -> None:
+    def __init__(self, turn_id: str, stream_id: str, prelude: Sequence[Chunk] = ()) -> None:
         self.turn_id = turn_id
         self.stream_id = stream_id
+        self.prelude = list(prelude)  # the steps before this turn's, after ``start``
         self.started = False
         self.finished = False  # a terminal chunk went out: [DONE] follows
         self._attempt = 0
@@ -101,6 +104,7 @@ class Renderer:
             self.started = True
             chunks.append({"type": "start", "messageId": message_id(self.turn_id)})
             chunks.append(self.facts(entry.offset, TurnStatus.STREAMING))
+            chunks += self.prelude
         kind = entry.kind
         if kind == "attempt":
             chunks += self._close_step()

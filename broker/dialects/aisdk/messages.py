@@ -16,7 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.api.errors import describe_validation
 from broker.client_tools import ClientTool
-from broker.dialects.aisdk.tools import UITool, assistant_messages, client_tools, follow_up_turn_id
+from broker.dialects.aisdk.tools import (
+    PRELUDE_PARTS,
+    UITool,
+    assistant_messages,
+    client_tools,
+    follow_up_turn_id,
+    kept_parts,
+)
 from broker.errors import BadRequest
 from broker.turns import Message, TurnRequest
 from broker.vocabulary import ID_PATTERN
@@ -135,6 +142,10 @@ class ChatRequest(BaseModel):
             )
         native = self.native_messages()
         turn_id = self.answered_turn_id(native)
+        echo = None
+        if turn_id != self.messages[-1].id:  # a follow-up: its replay shows the steps before it
+            parts = [p.model_dump() for p in self.messages[-1].parts]
+            echo = {PRELUDE_PARTS: kept_parts(parts)}
         try:
             return TurnRequest(
                 conversation_id=self.id,
@@ -145,6 +156,7 @@ class ChatRequest(BaseModel):
                 params=self.params,
                 client_tools=[ClientTool.model_validate(t) for t in client_tools(self.tools)],
                 session_id=self.session_id,
+                echo=echo,
             )
         except ValidationError as exc:
             raise BadRequest(describe_validation(exc.errors())) from None

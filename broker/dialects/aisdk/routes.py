@@ -7,6 +7,7 @@ conversation, a user message is a turn, regenerate and continue are attempts of 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Header, Request
@@ -14,9 +15,10 @@ from starlette.responses import Response
 
 from broker.api.schemas import ID_PARAMETER, errors, resume_parameters, ui_stream_event
 from broker.auth import Principal
+from broker.dialects.aisdk.chunks import Chunk
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.dialects.aisdk.render import UIMessageRenderer
-from broker.dialects.aisdk.tools import renamed
+from broker.dialects.aisdk.tools import FOLLOW_UP, PRELUDE_PARTS, prelude, renamed
 from broker.errors import BadRequest, NotFound
 from broker.frames import ORIGIN, Cursor, Entry
 from broker.http import (
@@ -50,12 +52,17 @@ UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
 
 
 async def _stream(
-    rt: Services, principal: Principal, location: Location, render_after: Cursor, emit_after: Cursor
+    rt: Services,
+    principal: Principal,
+    location: Location,
+    render_after: Cursor,
+    emit_after: Cursor,
+    prelude: Sequence[Chunk] = (),
 ) -> Response:
     """The UI message stream of ``location``: events past ``render_after`` are rendered, and
     those past ``emit_after`` sent (the ones before only bring the renderer to where the client
     stands); read by ``principal`` through the relay (see :mod:`broker.relay`)."""
-    renderer = UIMessageRenderer(location.turn_id, location.stream_id, emit_after)
+    renderer = UIMessageRenderer(location.turn_id, location.stream_id, emit_after, prelude)
     facts = functools.partial(_final, rt, location)
     read = Read(location, render_after, renderer, facts, headers=UI_STREAM_HEADERS)
     return await rt.relay(principal, read)
@@ -89,12 +96,19 @@ async def _latest_turn(rt: Services, chat_id: str, tenant: str | None) -> str | 
     return await rt.turns.latest(chat_id, tenant)
 
 
-async def _replay(rt: Services, stream_id: str, principal: Principal) -> Response:
-    """The whole answer of a turn, from its ``start``."""
+async def _replay(
+    rt: Services, stream_id: str, principal: Principal, *, whole: bool = False
+) -> Response:
+    """The whole answer of a turn, from its ``start``; ``whole``: for a client that rebuilds
+    the message from it (a resume), a follow-up turn's starts with the steps before it."""
     location = await rt.streams.locate(stream_id, principal.tenant)
     state = await rt.turns.get(location.turn_id, principal.tenant)
     after = await _chain_start(rt, location) if state["attempt"] > 1 else ORIGIN
-    return await _stream(rt, principal, location, after, after)
+    steps: list[Chunk] = []
+    if whole and FOLLOW_UP.fullmatch(location.turn_id):
+        request = await rt.turns.request(location.conversation_id, location.turn_id)
+        steps = prelude(request.echo.get(PRELUDE_PARTS) or [])
+    return await _stream(rt, principal, location, after, after, steps)
 
 
 @router.post(
@@ -167,7 +181,7 @@ async def resume_chat(
     if emit_after is None:
         if state["status"] in FINAL_STATUSES:
             return no_content
-        return await _replay(rt, state["stream_id"], principal)
+        return await _replay(rt, state["stream_id"], principal, whole=True)
     if await rt.streams.finished_before(location, emit_after):
         return no_content
     return await _stream(rt, principal, location, ORIGIN, emit_after)

@@ -142,6 +142,7 @@ class _Segments:
         self._text: list[str] = []
         self._calls: list[dict[str, Any]] = []
         self._results: list[dict[str, Any]] = []
+        self._ids: set[str] = set()
 
     def text(self, text: str) -> None:
         if self._calls:
@@ -149,6 +150,9 @@ class _Segments:
         self._text.append(text)
 
     def call(self, tool: ToolPart) -> None:
+        if tool.toolCallId in self._ids:
+            return  # the same slot called again (a continued attempt): one call, one result
+        self._ids.add(tool.toolCallId)
         arguments = orjson.dumps(tool.input if tool.input is not None else {}).decode()
         self._calls.append({"id": tool.toolCallId, "name": tool.name, "arguments": arguments})
         self._results.append(
@@ -171,7 +175,8 @@ def assistant_messages(
     """The native messages of one assistant UI message (``where``: its place, for a 400): its
     text, and each client tool call with a result as an assistant call and a ``tool`` message.
     A call without a result is left out of an earlier message (never answered: the chat went
-    on); in the last message it is a 400, since the turn would answer it."""
+    on); in the last message it is a 400, since the turn would answer it. A call id met again
+    in the message (the same slot, called again by a continued attempt) is one call."""
     segments = _Segments()
     for j, part in enumerate(parts):
         kind = str(part.get("type"))
@@ -212,3 +217,88 @@ def reply_id(turn_id: str) -> str:
     if follow_up is not None:
         return follow_up.group("reply")
     return f"{turn_id}-reply"
+
+
+# The parts of the message a follow-up turn goes on in, kept with its request (``echo``), for a
+# replay of its answer to show the steps before it: what the AI SDK keeps of them.
+PRELUDE_PARTS: Final = "reply_parts"
+
+
+def kept_parts(parts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The parts of a follow-up's message that its replay shows again: steps, text, tools."""
+    kept: list[dict[str, Any]] = []
+    for part in parts:
+        kind = str(part.get("type"))
+        if kind == "step-start":
+            kept.append({"type": kind})
+        elif kind == "text":
+            kept.append({"type": kind, "text": part.get("text")})
+        elif is_tool_part(kind):
+            fields = ("toolCallId", "toolName", "state", "input", "output", "errorText")
+            tool = {k: part[k] for k in fields if part.get(k) is not None}
+            kept.append(
+                {"type": kind, **tool, "providerExecuted": bool(part.get("providerExecuted"))}
+            )
+    return kept
+
+
+def _prelude_tool(part: dict[str, Any]) -> list[dict[str, Any]]:
+    """A tool part as chunks that rebuild it. A client call is rebuilt from its input, never
+    made ``tool-input-available`` again: that would hand it to ``onToolCall`` a second time."""
+    call_id, state = part["toolCallId"], part["state"]
+    name = part.get("toolName") if part["type"] == "dynamic-tool" else part["type"][5:]
+    head: dict[str, Any] = {"toolCallId": call_id, "toolName": name}
+    if part["type"] == "dynamic-tool":
+        head["dynamic"] = True
+    own = {"providerExecuted": True} if part["providerExecuted"] else {}
+    if own:
+        chunks = [{"type": "tool-input-available", **head, "input": part.get("input"), **own}]
+    else:
+        text = orjson.dumps(part.get("input") if part.get("input") is not None else {}).decode()
+        chunks = [
+            {"type": "tool-input-start", **head},
+            {"type": "tool-input-delta", "toolCallId": call_id, "inputTextDelta": text},
+        ]
+    if state == "output-available":
+        chunks.append(
+            {
+                "type": "tool-output-available",
+                "toolCallId": call_id,
+                "output": part.get("output"),
+                **own,
+            }
+        )
+    elif state == "output-error":
+        error = str(part.get("errorText") or "error")
+        chunks.append(
+            {"type": "tool-output-error", "toolCallId": call_id, "errorText": error, **own}
+        )
+    return chunks
+
+
+def prelude(parts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chunks that rebuild the steps a follow-up turn's message had before it (its kept
+    parts), for a replay from ``start``: each step, its text (ids ``0-<n>``) and its tools."""
+    chunks: list[dict[str, Any]] = []
+    step_open, texts = False, 0
+    for part in parts:
+        if part["type"] == "step-start" or not step_open:
+            if step_open:
+                chunks.append({"type": "finish-step"})
+            chunks.append({"type": "start-step"})
+            step_open = True
+            if part["type"] == "step-start":
+                continue
+        if part["type"] == "text":
+            texts += 1
+            text_id = f"0-{texts}"
+            chunks += [
+                {"type": "text-start", "id": text_id},
+                {"type": "text-delta", "id": text_id, "delta": str(part.get("text") or "")},
+                {"type": "text-end", "id": text_id},
+            ]
+        else:
+            chunks += _prelude_tool(part)
+    if step_open:
+        chunks.append({"type": "finish-step"})
+    return chunks

@@ -56,7 +56,7 @@ async function waitFor(check, what, timeoutMs = 15_000) {
 }
 
 /** A chat whose tools run here: each call id runs once (a call seen again gets its output). */
-function toolChat({ fetch: fetchImpl, simulate = {}, transport = {} } = {}) {
+function toolChat({ fetch: fetchImpl, simulate = {}, answer = {}, transport = {} } = {}) {
   const ran = new Map(); // call id -> output
   const seen = [];
   const chat = new Chat({
@@ -68,7 +68,7 @@ function toolChat({ fetch: fetchImpl, simulate = {}, transport = {} } = {}) {
       // The simulated model is scripted per request: calls for the question, prose after.
       prepareSendMessagesRequest: ({ id, messages, body, trigger, messageId }) => {
         const asking = messages.at(-1).role === "user";
-        const script = asking ? { tool_calls: CALLS, tokens: 12 } : { tokens: 10 };
+        const script = asking ? { tool_calls: CALLS, tokens: 12 } : { tokens: 10, ...answer };
         return {
           body: { ...body, id, messages, trigger, messageId,
                   params: { simulate: { seed: 3, tokens_per_s: 0, ...simulate, ...script } } },
@@ -183,6 +183,59 @@ test("a reader cut while a call's arguments stream resumes and gets the call onc
   assert.deepEqual(seen, tools.map((p) => p.toolCallId), "each call handed over once");
   const question = chat.messages[0];
   assert.deepEqual((await turn(question.id)).tool_calls.map((c) => c.call_id), seen);
+});
+
+test("a resume that replays the answer to the outputs rebuilds the whole message", async () => {
+  let dropped = false;
+  // A network that drops the request with the outputs once its answer began to stream.
+  async function flaky(url, init) {
+    const response = await fetch(url, init);
+    if (init.method !== "POST" || dropped || JSON.parse(init.body).messages.length < 2) {
+      return response;
+    }
+    const reader = response.body.getReader();
+    const body = new ReadableStream({
+      async pull(controller) {
+        const { done, value } = await reader.read();
+        if (done) return controller.close();
+        controller.enqueue(value);
+        if (new TextDecoder().decode(value).includes('"text-delta"')) {
+          dropped = true;
+          await reader.cancel();
+          controller.error(new TypeError("network error"));
+        }
+      },
+    });
+    return new Response(body, { status: response.status, headers: response.headers });
+  }
+  // The answer to the outputs is slow enough to be running when the chat resumes.
+  const { chat, seen } = toolChat({ fetch: flaky, answer: { tokens: 40, tokens_per_s: 20 } });
+  await chat.sendMessage({ text: "What is the weather and the time in Oslo?" });
+  await waitFor(() => dropped && chat.status === "error", "the drop mid-answer");
+  const followUp = chat.messages[1].parts.find((p) => p.type === "data-broker").data.turnId;
+  assert.notEqual((await turn(followUp)).status, "complete", "the drop came mid-answer");
+  await chat.resumeStream(); // the transport's default: a full replay from `start`
+  await waitFor(() => chat.status === "ready", "the resumed answer");
+  assert.deepEqual(chat.messages.map((m) => m.role), ["user", "assistant"]);
+  const answer = chat.messages[1];
+  const tools = toolParts(answer);
+  assert.deepEqual(tools.map((p) => p.type), ["tool-get_weather", "tool-get_time"]);
+  assert.deepEqual(tools.map((p) => p.state), ["output-available", "output-available"]);
+  assert.deepEqual(tools.map((p) => p.input), [{ city: "Oslo" }, { city: "Oslo" }]);
+  assert.deepEqual(tools.map((p) => p.output), [{ city: "Oslo", sky: "clear" },
+                                                { city: "Oslo", time: "12:00" }]);
+  assert.deepEqual(seen, tools.map((p) => p.toolCallId), "the replay hands no call over again");
+  assert.equal(answer.parts.filter((p) => p.type === "step-start").length, 2);
+  assert.equal(answer.id, `${chat.messages[0].id}-reply`);
+  // The text of both steps, each once: the calls' turn's, then the answer's.
+  const [first, second] = [await turn(chat.messages[0].id), await turn(followUp)];
+  assert.equal(second.status, "complete");
+  assert.ok(second.canonical.text.startsWith("(2 tool results"));
+  assert.equal(textOf(answer), first.canonical.text + second.canonical.text);
+  // The chat goes on from the rebuilt message: its next question is a turn like any other.
+  await chat.sendMessage({ text: "Thanks!" });
+  await waitFor(() => chat.status === "ready" && chat.messages.length === 4, "the next answer");
+  assert.ok(textOf(chat.messages[3]).length > 0);
 });
 
 test("a regenerate hands the same call ids, and the client runs nothing twice", async () => {
