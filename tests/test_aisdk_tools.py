@@ -177,6 +177,9 @@ def test_the_outputs_start_a_follow_up_turn_in_the_same_message() -> None:
     assert reply_id("u1") == "u1-reply"
     other = ChatRequest.model_validate(chat(QUESTION, reply(weather(output="rain"))))
     assert other.turn_request().turn_id != request.turn_id, "other outputs: another turn"
+    facts = {"type": "data-broker", "id": "broker", "data": {"turnId": "u1", "attempt": 2}}
+    regenerated = ChatRequest.model_validate(chat(QUESTION, reply(facts, weather(output="clear"))))
+    assert regenerated.turn_request().turn_id != request.turn_id, "another attempt's calls"
 
 
 def turn_request(body: dict[str, Any]) -> None:

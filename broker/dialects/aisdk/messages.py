@@ -19,6 +19,7 @@ from broker.client_tools import ClientTool
 from broker.dialects.aisdk.tools import (
     PRELUDE_PARTS,
     UITool,
+    answered_attempt,
     assistant_messages,
     client_tools,
     follow_up_turn_id,
@@ -113,7 +114,8 @@ class ChatRequest(BaseModel):
                     "assistant's ending with the outputs of its tool calls",
                     code="bad_messages",
                 )
-            return follow_up_turn_id(self.id, last.id, native)
+            answered = answered_attempt([p.model_dump() for p in last.parts])
+            return follow_up_turn_id(self.id, last.id, native, answered)
         return self.turn_id
 
     @property

@@ -197,16 +197,30 @@ def assistant_messages(
     return segments.messages or [{"role": "assistant", "content": ""}]
 
 
-def follow_up_turn_id(chat_id: str, reply: str, messages: Sequence[dict[str, Any]]) -> str:
+def answered_attempt(parts: Sequence[dict[str, Any]]) -> list[Any]:
+    """The turn and attempt whose calls a message's outputs answer, as its ``data-broker``
+    part says (empty without one): a regenerated answer's calls keep their ids, and it is
+    this that makes their outputs another turn than the first answer's."""
+    for part in parts:
+        data = part.get("data")
+        if part.get("type") == "data-broker" and isinstance(data, dict):
+            return [data.get("turnId"), data.get("attempt")]
+    return []
+
+
+def follow_up_turn_id(
+    chat_id: str, reply: str, messages: Sequence[dict[str, Any]], answered: Sequence[Any] = ()
+) -> str:
     """The turn that answers tool results: the assistant message's id (``reply``) and a digest
-    of the chat and its messages, so the same request is the same turn."""
+    of the chat, its messages and the attempt ``answered``, so the same request is the same
+    turn, and the outputs of a regenerated answer's calls another one."""
     if len(reply) > MAX_REPLY_ID or not ID_PATTERN.fullmatch(reply):
         raise BadRequest(
             f"message id {reply[:80]!r} is not a usable assistant message id for a turn that "
             f"answers tool results: 1-{MAX_REPLY_ID} of A-Z a-z 0-9 . _ : -",
             code="bad_message_id",
         )
-    payload = orjson.dumps([chat_id, list(messages)], option=orjson.OPT_SORT_KEYS)
+    payload = orjson.dumps([chat_id, list(messages), list(answered)], option=orjson.OPT_SORT_KEYS)
     return f"{reply}{FOLLOW_UP_MARK}{hashlib.sha256(payload).hexdigest()[:DIGEST_HEX]}"
 
 

@@ -244,6 +244,8 @@ test("a regenerate hands the same call ids, and the client runs nothing twice", 
   await waitFor(() => answered(chat), "the first answer");
   const firstIds = toolParts(chat.messages[1]).map((p) => p.toolCallId);
   assert.equal(firstIds.length, 2);
+  const turnOf = () => chat.messages[1].parts.find((p) => p.type === "data-broker").data.turnId;
+  const firstAnswer = turnOf();
   await chat.regenerate();
   await waitFor(() => answered(chat), "the regenerated answer");
   const question = chat.messages[0];
@@ -255,6 +257,10 @@ test("a regenerate hands the same call ids, and the client runs nothing twice", 
   assert.deepEqual(again.map((p) => p.state), ["output-available", "output-available"]);
   assert.deepEqual(seen, [...firstIds, ...firstIds], "handed over again, under the same ids");
   assert.equal(ran.size, 2, "and run once each: the client deduplicates on the id");
+  // The outputs of the regenerated answer's calls are a turn of their own: a new answer.
+  assert.notEqual(turnOf(), firstAnswer);
+  assert.equal((await turn(turnOf())).status, "complete");
+  assert.equal((await turn(firstAnswer)).attempts.length, 1, "the first answer untouched");
 });
 
 test("the broker refuses tools it cannot take, naming them", async () => {
