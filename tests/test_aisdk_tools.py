@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from broker.api.errors import describe_validation
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.dialects.aisdk.tools import (
+    ANSWERS,
     PRELUDE_PARTS,
     follow_up_turn_id,
     prelude,
@@ -291,7 +292,8 @@ def test_a_follow_up_keeps_the_parts_its_replay_shows_again() -> None:
                 "output": {"sky": "clear"},
                 "providerExecuted": False,
             },
-        ]
+        ],
+        ANSWERS: "u1",  # the turn the data-broker part names: a resume looks for it
     }
     assert ChatRequest.model_validate(chat(QUESTION)).turn_request().echo is None
 

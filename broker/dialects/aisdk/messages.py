@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from broker.api.errors import describe_validation
 from broker.client_tools import ClientTool
 from broker.dialects.aisdk.tools import (
+    ANSWERS,
     PRELUDE_PARTS,
     UITool,
     answered_attempt,
@@ -144,10 +145,13 @@ class ChatRequest(BaseModel):
             )
         native = self.native_messages()
         turn_id = self.answered_turn_id(native)
-        echo = None
+        echo: dict[str, Any] | None = None
         if turn_id != self.messages[-1].id:  # a follow-up: its replay shows the steps before it
             parts = [p.model_dump() for p in self.messages[-1].parts]
             echo = {PRELUDE_PARTS: kept_parts(parts)}
+            answered = answered_attempt(parts)
+            if answered and isinstance(answered[0], str):
+                echo[ANSWERS] = answered[0]
         try:
             return TurnRequest(
                 conversation_id=self.id,

@@ -18,7 +18,7 @@ from broker.auth import Principal
 from broker.dialects.aisdk.chunks import Chunk
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.dialects.aisdk.render import UIMessageRenderer
-from broker.dialects.aisdk.tools import FOLLOW_UP, PRELUDE_PARTS, prelude, renamed
+from broker.dialects.aisdk.tools import ANSWERS, FOLLOW_UP, PRELUDE_PARTS, prelude, renamed
 from broker.errors import BadRequest, NotFound
 from broker.frames import ORIGIN, Cursor, Entry
 from broker.http import (
@@ -43,6 +43,8 @@ UI_STREAM_HEADERS: Final = [
     (b"cache-control", b"no-cache"),
     (b"x-vercel-ai-ui-message-stream", b"v1"),
 ]
+# How many follow-up turns back a resume looks for an answer that runs again.
+MAX_FOLLOW_UPS: Final = 16
 UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
     200: {
         "content": {"text/event-stream": {"itemSchema": ui_stream_event()}},
@@ -94,6 +96,33 @@ async def _latest_turn(rt: Services, chat_id: str, tenant: str | None) -> str | 
     if not ID_PATTERN.fullmatch(chat_id):
         raise NotFound(f"unknown chat {chat_id[:80]!r}")
     return await rt.turns.latest(chat_id, tenant)
+
+
+async def _running(
+    rt: Services, location: Location, state: dict[str, Any], tenant: str | None
+) -> tuple[Location, dict[str, Any]]:
+    """The turn a replay resumes: the chat's newest, unless that one is a follow-up at rest and
+    a turn it answers runs again (a regenerate of the answer whose calls it took the outputs
+    of; the follow-up stays the newest turn)."""
+    newest = (location, state)
+    for _ in range(MAX_FOLLOW_UPS):
+        if state["status"] not in FINAL_STATUSES or not FOLLOW_UP.fullmatch(location.turn_id):
+            break
+        stored = await rt.turns.request(location.conversation_id, location.turn_id)
+        answered = stored.echo.get(ANSWERS)
+        if not isinstance(answered, str) or not ID_PATTERN.fullmatch(answered):
+            break
+        try:
+            state = await rt.turns.get(answered, tenant)
+        except NotFound:
+            break
+        older = await rt.streams.locate(state["stream_id"], tenant)
+        if older.conversation_id != location.conversation_id:
+            break  # not this chat's: the client's facts part named another turn
+        location = older
+    if state["status"] in FINAL_STATUSES:
+        return newest
+    return location, state
 
 
 async def _replay(
@@ -179,6 +208,7 @@ async def resume_chat(
         return no_content  # being created this instant, or gone
     location = await rt.streams.locate(state["stream_id"], principal.tenant)
     if emit_after is None:
+        location, state = await _running(rt, location, state, principal.tenant)
         if state["status"] in FINAL_STATUSES:
             return no_content
         return await _replay(rt, state["stream_id"], principal, whole=True)

@@ -236,6 +236,9 @@ def reply_id(turn_id: str) -> str:
 # The parts of the message a follow-up turn goes on in, kept with its request (``echo``), for a
 # replay of its answer to show the steps before it: what the AI SDK keeps of them.
 PRELUDE_PARTS: Final = "reply_parts"
+# The turn whose calls a follow-up answers (as the message's ``data-broker`` part names it), kept
+# with its request: a resume finds that turn when it runs again (a regenerate).
+ANSWERS: Final = "answers"
 
 
 def kept_parts(parts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

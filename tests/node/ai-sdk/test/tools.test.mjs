@@ -5,7 +5,9 @@ import { randomUUID } from "node:crypto";
 import { test } from "node:test";
 
 import { Chat } from "@ai-sdk/react";
-import { DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls } from "ai";
+import {
+  DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls, readUIMessageStream,
+} from "ai";
 
 const BASE = process.env.BROKER_URL;
 assert.ok(BASE, "BROKER_URL must name a running broker");
@@ -56,7 +58,7 @@ async function waitFor(check, what, timeoutMs = 15_000) {
 }
 
 /** A chat whose tools run here: each call id runs once (a call seen again gets its output). */
-function toolChat({ fetch: fetchImpl, simulate = {}, answer = {}, transport = {} } = {}) {
+function toolChat({ fetch: fetchImpl, simulate = {}, ask = {}, answer = {}, transport = {} } = {}) {
   const ran = new Map(); // call id -> output
   const seen = [];
   const chat = new Chat({
@@ -68,7 +70,7 @@ function toolChat({ fetch: fetchImpl, simulate = {}, answer = {}, transport = {}
       // The simulated model is scripted per request: calls for the question, prose after.
       prepareSendMessagesRequest: ({ id, messages, body, trigger, messageId }) => {
         const asking = messages.at(-1).role === "user";
-        const script = asking ? { tool_calls: CALLS, tokens: 12 } : { tokens: 10, ...answer };
+        const script = asking ? { tool_calls: CALLS, tokens: 12, ...ask } : { tokens: 10, ...answer };
         return {
           body: { ...body, id, messages, trigger, messageId,
                   params: { simulate: { seed: 3, tokens_per_s: 0, ...simulate, ...script } } },
@@ -261,6 +263,36 @@ test("a regenerate hands the same call ids, and the client runs nothing twice", 
   assert.notEqual(turnOf(), firstAnswer);
   assert.equal((await turn(turnOf())).status, "complete");
   assert.equal((await turn(firstAnswer)).attempts.length, 1, "the first answer untouched");
+});
+
+test("a resume while a regenerate runs shows the regenerated answer and its calls", async () => {
+  const slow = [{ ...CALLS[0], after: 20 }, { ...CALLS[1], after: 20 }];
+  const { chat } = toolChat({ ask: { tool_calls: slow, tokens: 30, tokens_per_s: 20 } });
+  await chat.sendMessage({ text: "What is the weather and the time in Oslo?" });
+  await waitFor(() => answered(chat), "the first answer");
+  const question = chat.messages[0];
+  const firstIds = toolParts(chat.messages[1]).map((p) => p.toolCallId);
+  const regenerated = chat.regenerate();
+  await waitFor(async () => {
+    const state = await turn(question.id);
+    return state.attempts.length === 2 && state.status === "streaming";
+  }, "the regenerate to run");
+  // Another tab resumes the chat: the answer running is the regenerate, not the newest turn
+  // (the outputs' turn of the first answer, at rest).
+  const stream = await new DefaultChatTransport({ api: API }).reconnectToStream({ chatId: chat.id });
+  assert.ok(stream, "a running answer to resume");
+  const chunks = [];
+  let message;
+  const seen = stream.pipeThrough(new TransformStream({
+    transform(chunk, controller) { chunks.push(chunk); controller.enqueue(chunk); },
+  }));
+  for await (const snapshot of readUIMessageStream({ stream: seen })) message = snapshot;
+  assert.equal(chunks.at(-1).finishReason, "tool-calls");
+  assert.deepEqual(toolParts(message).map((p) => p.toolCallId), firstIds);
+  const facts = message.parts.find((p) => p.type === "data-broker").data;
+  assert.deepEqual([facts.turnId, facts.attempt], [question.id, 2]);
+  await regenerated;
+  await waitFor(() => answered(chat), "the regenerated answer");
 });
 
 test("the broker refuses tools it cannot take, naming them", async () => {
