@@ -87,7 +87,7 @@ def test_client_tools_run_in_the_ai_sdk_chat_against_a_live_broker(
     )
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
     assert "# fail 0" in result.stdout
-    assert "# pass 6" in result.stdout  # every test ran
+    assert "# pass 7" in result.stdout  # every test ran
 
 
 def _chat(chat_id: str, message_id: str, **extra: object) -> dict[str, object]:

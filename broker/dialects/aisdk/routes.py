@@ -219,12 +219,19 @@ async def resume_chat(
 
 @router.post("/v1/ui/chat/{chat_id}/stop", responses=errors(410))
 async def stop_chat(request: Request, chat_id: str, principal: Actor) -> Response:
-    """The stop button: cancel the chat's newest turn, keeping its partial answer."""
+    """The stop button: cancel the chat's running answer (its newest turn, or the regenerate
+    behind a turn that took tool outputs), keeping its partial answer."""
     rt = services(request)
-    turn_id = await _latest_turn(rt, chat_id, principal.tenant)
+    tenant = principal.tenant
+    turn_id = await _latest_turn(rt, chat_id, tenant)
     if turn_id is None:
         raise NotFound(f"chat {chat_id!r} has no turn")
-    return json_response(await rt.turns.cancel(turn_id, principal.tenant))
+    if FOLLOW_UP.fullmatch(turn_id):
+        state = await rt.turns.get(turn_id, tenant)
+        location = await rt.streams.locate(state["stream_id"], tenant)
+        location, _ = await _running(rt, location, state, tenant)
+        turn_id = location.turn_id
+    return json_response(await rt.turns.cancel(turn_id, tenant))
 
 
 @router.post("/v1/ui/chat/{chat_id}/continue", responses={**UI_STREAM, **errors(409, 410, 422)})

@@ -295,6 +295,25 @@ test("a resume while a regenerate runs shows the regenerated answer and its call
   await waitFor(() => answered(chat), "the regenerated answer");
 });
 
+test("stop while a regenerate runs stops the regenerate", async () => {
+  const slow = [{ ...CALLS[0], after: 20 }, { ...CALLS[1], after: 20 }];
+  const { chat } = toolChat({ ask: { tool_calls: slow, tokens: 30, tokens_per_s: 20 } });
+  await chat.sendMessage({ text: "What is the weather and the time in Oslo?" });
+  await waitFor(() => answered(chat), "the first answer");
+  const question = chat.messages[0];
+  const followUp = chat.messages[1].parts.find((p) => p.type === "data-broker").data.turnId;
+  const regenerated = chat.regenerate();
+  await waitFor(async () => {
+    const state = await turn(question.id);
+    return state.attempts.length === 2 && state.status === "streaming";
+  }, "the regenerate to run");
+  const stopped = await fetch(`${API}/${chat.id}/stop`, { method: "POST" });
+  assert.equal(stopped.status, 200);
+  await regenerated;
+  await waitFor(async () => (await turn(question.id)).status === "cancelled", "the stop");
+  assert.equal((await turn(followUp)).status, "complete", "the turn at rest is left alone");
+});
+
 test("the broker refuses tools it cannot take, naming them", async () => {
   const response = await fetch(API, {
     method: "POST",
