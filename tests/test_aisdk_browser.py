@@ -169,7 +169,7 @@ def test_a_client_tool_runs_in_the_page_and_the_answer_follows(
         assert first["status"] == "requires_action"
         [call] = first["tool_calls"]
         assert call["name"] == "local_time"
-        output = json.loads(tool.text_content().split(": ", 1)[1])
+        output = json.loads((tool.text_content() or "").split(": ", 1)[1])
         assert set(output) == {"time", "zone"}, "the page's own tool ran"
         assert page.locator("[role=alert]").count() == 0
     finally:
