@@ -101,7 +101,7 @@ async def _latest_turn(rt: Services, chat_id: str, tenant: str | None) -> str | 
 async def _running(
     rt: Services, location: Location, state: dict[str, Any], tenant: str | None
 ) -> tuple[Location, dict[str, Any]]:
-    """The turn a replay resumes: the chat's newest, unless that one is a follow-up at rest and
+    """The turn a resume reads: the chat's newest, unless that one is a follow-up at rest and
     a turn it answers runs again (a regenerate of the answer whose calls it took the outputs
     of; the follow-up stays the newest turn)."""
     newest = (location, state)
@@ -207,8 +207,8 @@ async def resume_chat(
     except NotFound:
         return no_content  # being created this instant, or gone
     location = await rt.streams.locate(state["stream_id"], principal.tenant)
+    location, state = await _running(rt, location, state, principal.tenant)
     if emit_after is None:
-        location, state = await _running(rt, location, state, principal.tenant)
         if state["status"] in FINAL_STATUSES:
             return no_content
         return await _replay(rt, state["stream_id"], principal, whole=True)
