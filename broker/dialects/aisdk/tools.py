@@ -8,9 +8,11 @@ an object from tool name to ``{"description"?, "inputSchema"?}`` (a JSON Schema 
 core's ``client_tools``. The model's calls come out as the AI SDK's tool parts; the client runs
 them (``onToolCall``, ``addToolOutput``) and sends the chat again, its last message the assistant
 one with the outputs. That request is a turn of its own, a *follow-up*: its id is the assistant
-message's id and a digest of the request's messages (:func:`follow_up_turn_id`), so the same
-request sent twice is one turn, and its answer goes on in the same assistant message
-(:func:`reply_id`).
+message's id and a digest of the request's messages and of the attempt whose calls they answer
+(:func:`follow_up_turn_id`), so the same request sent twice is one turn, and its answer goes on
+in the same assistant message (:func:`reply_id`). It keeps the message's parts and the turn it
+answers with its request (``echo``): a resume that replays it from ``start`` rebuilds the steps
+before it (:func:`prelude`), and finds that turn when it runs again (a regenerate).
 
 Parts with ``providerExecuted`` (the broker's own calls through the ledger, and calls it refused)
 are the broker's business: their results were part of the attempt, and they are not sent again.
