@@ -138,3 +138,40 @@ def test_reload_mid_answer_resumes_and_completes_once(
     finally:
         server.kill()
         server.wait(timeout=10)
+
+
+def test_a_client_tool_runs_in_the_page_and_the_answer_follows(
+    broker_factory: BrokerFactory, page: Page
+) -> None:
+    """useChat runs the page's own tool (local_time) on the broker's call and sends the
+    output back by itself; the answer to it goes on in the same message."""
+    broker = broker_factory()
+    server, base = serve_example(broker.base_url)
+    simulate = {
+        "seed": "tools",
+        "tokens": 12,
+        "tokens_per_s": 0,
+        "tool_calls": [{"name": "local_time", "args": {}, "after": 3}],
+    }
+    try:
+        page.goto(f"{base}/?chat=tools-chat&simulate={json.dumps(simulate)}")
+        page.get_by_placeholder("Ask").fill("What time is it here?")
+        page.get_by_role("button", name="Send").click()
+        tool = page.locator("article[data-role=assistant] .tool")
+        expect(tool).to_have_attribute("data-state", "output-available")
+        answer = page.locator("article[data-role=assistant] .text")
+        expect(answer).to_contain_text("(1 tool results")
+        expect(page.locator("main")).to_have_attribute("data-status", "ready")
+        expect(page.locator("article[data-role=assistant]")).to_have_count(1)
+        expect(tool).to_have_count(1)
+        turn_id = page.locator("article[data-role=user]").get_attribute("data-id")
+        first = httpx.get(f"{broker.base_url}/v1/turns/{turn_id}", timeout=10).json()
+        assert first["status"] == "requires_action"
+        [call] = first["tool_calls"]
+        assert call["name"] == "local_time"
+        output = json.loads((tool.text_content() or "").split(": ", 1)[1])
+        assert set(output) == {"time", "zone"}, "the page's own tool ran"
+        assert page.locator("[role=alert]").count() == 0
+    finally:
+        server.kill()
+        server.wait(timeout=10)

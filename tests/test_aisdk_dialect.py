@@ -70,6 +70,41 @@ def test_the_ai_sdk_transport_and_reader_against_a_live_broker(
     )
 
 
+def test_client_tools_run_in_the_ai_sdk_chat_against_a_live_broker(
+    broker_factory: BrokerFactory,
+) -> None:
+    """Two client tools run by the package's Chat, a cut mid-call resumed, a regenerate."""
+    node = _node()
+    broker = broker_factory()
+    result = subprocess.run(
+        [node, "--test", "--test-timeout=60000", "test/tools.test.mjs"],
+        cwd=NODE_DIR,
+        env={**os.environ, "BROKER_URL": broker.base_url},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
+    assert "# fail 0" in result.stdout
+    assert "# pass 7" in result.stdout  # every test ran
+
+
+def test_a_client_tool_named_as_a_server_tool_is_a_400_naming_it(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
+    tools = tmp_path / "tools.json"
+    server_tool = {"name": "get_weather", "class": "read", "endpoint": "http://127.0.0.1:9/"}
+    tools.write_text(json.dumps({"tools": [server_tool]}))
+    broker = broker_factory(tools=str(tools))
+    body = _chat("c-clash", "m-clash", tools={"get_time": {}, "get_weather": {}})
+    response = httpx.post(f"{broker.base_url}/v1/ui/chat", json=body, timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith(
+        "tools.get_weather is a server tool of this broker"
+    )
+
+
 def _chat(chat_id: str, message_id: str, **extra: object) -> dict[str, object]:
     return {
         "id": chat_id,
@@ -143,6 +178,24 @@ BAD_BODIES: list[tuple[str, object]] = [
     ("unusable chat id", _chat("c 1/x", "m1")),
     ("unknown body field", {**_chat("c1", "m1"), "temperature": 2}),
     ("unknown simulate knob", {**_chat("c1", "m1"), "params": {"simulate": {"nope": 1}}}),
+    ("unusable tool name", {**_chat("c1", "m1"), "tools": {"get weather": {}}}),
+    ("unknown tool field", {**_chat("c1", "m1"), "tools": {"f": {"parameters": {}}}}),
+    (
+        "tool call without its output",
+        {
+            **_chat("c1", "m1"),
+            "messages": [
+                {"id": "m1", "role": "user", "parts": [{"type": "text", "text": "hi"}]},
+                {
+                    "id": "m1-reply",
+                    "role": "assistant",
+                    "parts": [
+                        {"type": "tool-f", "toolCallId": "call_1", "state": "input-available"}
+                    ],
+                },
+            ],
+        },
+    ),
 ]
 
 

@@ -123,3 +123,128 @@ def test_ui_message_fixed_frames() -> None:
     assert (
         renderer.replaced == REPLACED == b'data: {"type":"error","errorText":"viewer_replaced"}\n\n'
     )
+
+
+# Client tool calls: the arguments stream as tool input, the call is the client's to run, and
+# the attempt that ends requires_action finishes the message for tool calls.
+CALL = "call_0123456789abcdef01234567"
+PIECE_1 = entry(
+    "1-3",
+    "tool_input_delta",
+    f'{{"attempt":1,"call_id":"{CALL}","name":"get_weather","ordinal":0,"delta":"{{\\"city\\""}}',
+)
+PIECE_2 = entry(
+    "1-4",
+    "tool_input_delta",
+    f'{{"attempt":1,"call_id":"{CALL}","name":"get_weather","ordinal":0,"delta":":\\"Oslo\\"}}"}}',
+)
+CLIENT_CALL = entry(
+    "1-5",
+    "tool_call",
+    f'{{"attempt":1,"call_id":"{CALL}","name":"get_weather","ordinal":0,"args":{{"city":"Oslo"}},"status":"client"}}',
+)
+NOT_RUN = entry(
+    "1-5",
+    "tool_call",
+    f'{{"attempt":1,"call_id":"{CALL}","name":"get_weather","ordinal":0,"args":null,"status":"not_run","reason":"connection_lost"}}',
+)
+ACTION = entry("2-0", "end", '{"attempt":1,"status":"requires_action","reason":"tool_calls"}')
+CUT = entry("2-0", "end", '{"attempt":1,"status":"interrupted","reason":"connection_lost"}')
+START_INPUT = {"type": "tool-input-start", "toolCallId": CALL, "toolName": "get_weather"}
+INPUT_1 = {"type": "tool-input-delta", "toolCallId": CALL, "inputTextDelta": '{"city"'}
+INPUT_2 = {"type": "tool-input-delta", "toolCallId": CALL, "inputTextDelta": ':"Oslo"}'}
+AVAILABLE = {
+    "type": "tool-input-available",
+    "toolCallId": CALL,
+    "toolName": "get_weather",
+    "input": {"city": "Oslo"},
+}
+TOOL_CALLS_FINISH = (
+    {"type": "finish-step"},
+    facts(ACTION.offset, "requires_action", reason="tool_calls"),
+    {"type": "finish", "finishReason": "tool-calls"},
+)
+O4, O5, O6 = PIECE_1.offset, PIECE_2.offset, CLIENT_CALL.offset
+
+
+@pytest.mark.parametrize(
+    ("emit_after", "entries", "expected", "closing"),
+    [
+        (
+            ORIGIN,
+            [ATTEMPT, DELTA, PIECE_1, PIECE_2, CLIENT_CALL, ACTION],
+            frames(O1, *START, {"type": "start-step"})
+            + DELTA_FRAMES
+            + frames(O4, {"type": "text-end", "id": "1-1"}, START_INPUT, INPUT_1)
+            + frames(O5, INPUT_2)
+            + frames(O6, AVAILABLE)
+            + frames(ACTION.offset, *TOOL_CALLS_FINISH),
+            DONE,
+        ),
+        (  # arguments that came whole, with no piece before: the input starts with the call
+            ORIGIN,
+            [ATTEMPT, CLIENT_CALL, ACTION],
+            frames(O1, *START, {"type": "start-step"})
+            + frames(O6, START_INPUT, AVAILABLE)
+            + frames(ACTION.offset, *TOOL_CALLS_FINISH),
+            DONE,
+        ),
+        (  # a resume between two pieces of one call: the call's input started before the cut
+            PIECE_1.cursor,
+            [ATTEMPT, DELTA, PIECE_1, PIECE_2, CLIENT_CALL, ACTION],
+            frames(O5, INPUT_2) + frames(O6, AVAILABLE) + frames(ACTION.offset, *TOOL_CALLS_FINISH),
+            DONE,
+        ),
+        (  # arguments cut off: never available; an error the client does not run (the broker's)
+            ORIGIN,
+            [ATTEMPT, PIECE_1, NOT_RUN, CUT],
+            frames(
+                O1,
+                *START,
+                {"type": "start-step"},
+            )
+            + frames(O4, START_INPUT, INPUT_1)
+            + frames(
+                O6,
+                {
+                    "type": "tool-input-error",
+                    "toolCallId": CALL,
+                    "toolName": "get_weather",
+                    "input": None,
+                    "providerExecuted": True,
+                    "errorText": "not_run: connection_lost",
+                },
+            )
+            + frames(
+                CUT.offset,
+                {"type": "finish-step"},
+                facts(CUT.offset, "interrupted", reason="connection_lost", partial=True),
+                {"type": "error", "errorText": "turn_interrupted"},
+                {"type": "finish", "finishReason": "interrupted"},
+            ),
+            DONE,
+        ),
+    ],
+    ids=["a client call", "a call without pieces", "a resume mid-call", "a call cut off"],
+)
+def test_client_tool_call_frames(
+    emit_after: Cursor, entries: list[Entry], expected: bytes, closing: bytes
+) -> None:
+    renderer = UIMessageRenderer("t1", "st1", emit_after)
+    final = {entries[-1].offset: True}
+    assert renderer.render(entries, final) == expected
+    assert renderer.closing() == closing
+
+
+def test_a_follow_up_turn_goes_on_in_the_message_of_its_calls() -> None:
+    renderer = UIMessageRenderer("m1-reply.tools-0123456789abcdef", "st1")
+    first = orjson.loads(renderer.render([ATTEMPT], {})[len(b"data: ") :].split(b"\n\n")[0])
+    assert first == {"type": "start", "messageId": "m1-reply"}
+
+
+def test_a_prelude_goes_out_after_start_and_before_the_turns_own_steps() -> None:
+    before = [{"type": "start-step"}, {"type": "finish-step"}]
+    renderer = UIMessageRenderer("t1", "st1", ORIGIN, before)
+    assert renderer.render([ATTEMPT], {}) == frames(O1, *START, *before, {"type": "start-step"})
+    resumed = UIMessageRenderer("t1", "st1", ATTEMPT.cursor, before)
+    assert resumed.render([ATTEMPT, DELTA], {}) == DELTA_FRAMES, "past the start: not again"

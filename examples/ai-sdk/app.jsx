@@ -1,6 +1,6 @@
 // A chat page on the AI SDK's useChat, with the broker as its backend.
 import { useChat } from "@ai-sdk/react";
-import { DefaultChatTransport } from "ai";
+import { DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls } from "ai";
 import { useState } from "react";
 import { createRoot } from "react-dom/client";
 
@@ -11,9 +11,31 @@ sessionStorage.setItem("chat", chatId);
 // The simulated model's knobs (docs/providers.md); a real model needs none of this.
 const simulate = JSON.parse(query.get("simulate") ?? '{"tokens": 120, "tokens_per_s": 15}');
 
+// A tool that runs here, in the browser: the broker streams the model's calls to it, and the
+// chat sends the outputs back by itself (docs/aisdk.md, Client tools).
+const tools = {
+  local_time: {
+    description: "The user's local time and time zone",
+    inputSchema: { type: "object", properties: {} },
+  },
+};
+const done = new Map(); // call id -> output: a call handed over again never runs twice
+
+function localTime() {
+  const zone = Intl.DateTimeFormat().resolvedOptions().timeZone;
+  return { time: new Date().toLocaleTimeString(), zone };
+}
+
 const transport = new DefaultChatTransport({
   api: "/v1/ui/chat",
-  body: { params: { simulate } },
+  body: { tools },
+  // The simulated model calls tools only where the knobs script it: when the user asks, not
+  // when the outputs come back (a real model decides by itself).
+  prepareSendMessagesRequest: ({ id, messages, body, trigger, messageId }) => {
+    const asking = messages.at(-1).role === "user";
+    const knobs = asking ? simulate : { ...simulate, tool_calls: undefined };
+    return { body: { ...body, id, messages, trigger, messageId, params: { simulate: knobs } } };
+  },
 });
 
 function textOf(message) {
@@ -21,10 +43,17 @@ function textOf(message) {
 }
 
 function App() {
-  const { messages, sendMessage, status, stop, error } = useChat({
+  const { messages, sendMessage, addToolOutput, status, stop, error } = useChat({
     id: chatId,
     transport,
     resume: true,
+    sendAutomaticallyWhen: lastAssistantMessageIsCompleteWithToolCalls,
+    onToolCall({ toolCall }) {
+      if (toolCall.toolName !== "local_time") return;
+      if (!done.has(toolCall.toolCallId)) done.set(toolCall.toolCallId, localTime());
+      addToolOutput({ tool: "local_time", toolCallId: toolCall.toolCallId,
+                      output: done.get(toolCall.toolCallId) });
+    },
   });
   const [input, setInput] = useState("");
   const busy = status === "submitted" || status === "streaming";
@@ -48,6 +77,11 @@ function App() {
       {messages.map((message) => (
         <article key={message.id} data-id={message.id} data-role={message.role}>
           <b>{message.role === "user" ? "You" : "Model"}: </b>
+          {message.parts.filter((part) => part.type.startsWith("tool-")).map((part) => (
+            <code key={part.toolCallId} className="tool" data-state={part.state}>
+              {part.type.slice(5)}: {part.state === "output-available" ? JSON.stringify(part.output) : "…"}{" "}
+            </code>
+          ))}
           <span className="text">{textOf(message)}</span>
         </article>
       ))}

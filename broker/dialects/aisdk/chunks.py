@@ -10,23 +10,33 @@ that does not want a full replay resumes after it.
 
 | broker event | chunks |
 |---|---|
-| first event of a read | ``start`` (``messageId``), ``data-broker`` |
+| first event of a read | ``start`` (``messageId``), ``data-broker``; a follow-up turn's |
+|  | replay from ``start``: the steps of the message before it (``tools.prelude``) |
 | ``attempt`` | ``start-step`` (a continue attempt: a new step of the same message) |
 | ``delta`` | ``text-start`` (first of a part), ``text-delta`` (with its offset) |
-| ``tool_call`` | ``tool-input-available`` (dispatched), ``tool-input-error`` (not run) |
+| ``tool_input_delta`` | ``tool-input-start`` (a call's first), ``tool-input-delta`` |
+| ``tool_call`` | ``tool-input-available`` (dispatched: ``providerExecuted``; client: the |
+|  | client's to run, after a ``tool-input-start`` if none came), ``tool-input-error`` (not |
+|  | run: ``providerExecuted``, so that the client never runs it) |
 | ``tool_result`` | ``tool-output-available`` or ``tool-output-error`` |
 | ``error`` | kept for the ``end`` that follows |
 | ``usage`` | nothing (``GET /v1/turns/{id}`` has it) |
-| ``end`` | ``text-end``, ``finish-step``, ``data-broker``; at rest: ``finish`` (complete), |
-|  | ``abort`` (cancelled), ``error`` + ``finish`` (interrupted, failed) |
+| ``end`` | ``text-end``, ``finish-step``, ``data-broker``; at rest: ``finish`` (complete; |
+|  | ``tool-calls`` for requires_action), ``abort`` (cancelled), ``error`` + ``finish`` |
+|  | (interrupted, failed) |
+
+A client call's ``toolCallId`` is the broker's call id, derived from its slot: the same after a
+retry, a regenerate or a resume (see :mod:`broker.client_tools`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 import orjson
 
+from broker.dialects.aisdk.tools import reply_id
 from broker.frames import Entry
 from broker.vocabulary import TurnStatus
 
@@ -42,8 +52,9 @@ Chunk = dict[str, Any]
 
 
 def message_id(turn_id: str) -> str:
-    """The assistant message's id: one per turn, whichever attempt is shown."""
-    return f"{turn_id}-reply"
+    """The assistant message's id: one per turn, whichever attempt is shown (a turn that
+    answers tool results goes on in the message of the calls)."""
+    return reply_id(turn_id)
 
 
 def encode(offset: str, chunks: list[Chunk]) -> bytes:
@@ -56,9 +67,10 @@ def encode(offset: str, chunks: list[Chunk]) -> bytes:
 class Renderer:
     """Turns one stream's events, in order, into UI message chunks."""
 
-    def __init__(self, turn_id: str, stream_id: str) -> None:
+    def __init__(self, turn_id: str, stream_id: str, prelude: Sequence[Chunk] = ()) -> None:
         self.turn_id = turn_id
         self.stream_id = stream_id
+        self.prelude = list(prelude)  # the steps before this turn's, after ``start``
         self.started = False
         self.finished = False  # a terminal chunk went out: [DONE] follows
         self._attempt = 0
@@ -66,6 +78,7 @@ class Renderer:
         self._text: str | None = None  # the open text part's id
         self._parts = 0  # text parts of the current attempt
         self._error: dict[str, Any] | None = None
+        self._inputs: set[str] = set()  # client calls of the attempt whose input started
 
     def facts(self, offset: str, status: str, **extra: Any) -> Chunk:
         """The broker's own facts as one data part, updated in place (fixed ``id``)."""
@@ -86,10 +99,12 @@ class Renderer:
         attempt = data.get("attempt")
         if isinstance(attempt, int) and attempt != self._attempt:
             self._attempt, self._parts = attempt, 0
+            self._inputs = set()
         if not self.started:
             self.started = True
             chunks.append({"type": "start", "messageId": message_id(self.turn_id)})
             chunks.append(self.facts(entry.offset, TurnStatus.STREAMING))
+            chunks += self.prelude
         kind = entry.kind
         if kind == "attempt":
             chunks += self._close_step()
@@ -110,8 +125,14 @@ class Renderer:
                     "providerMetadata": {"broker": {"offset": entry.offset}},
                 }
             )
+        elif kind == "tool_input_delta":
+            chunks += self._open_step() + self._close_text() + self._input_start(data)
+            delta = {"toolCallId": str(data.get("call_id")), "inputTextDelta": str(data["delta"])}
+            chunks.append({"type": "tool-input-delta", **delta})
         elif kind == "tool_call":
             chunks += self._open_step() + self._close_text()
+            if data.get("status") == "client":
+                chunks += self._input_start(data)
             chunks.append(self._tool_call(data))
         elif kind == "tool_result":
             chunks += self._open_step() + self._close_text()
@@ -141,9 +162,24 @@ class Renderer:
             chunks.append({"type": "finish-step"})
         return chunks
 
+    def _input_start(self, data: dict[str, Any]) -> list[Chunk]:
+        """A client call's ``tool-input-start``, before its first piece of input."""
+        call_id = str(data.get("call_id"))
+        if call_id in self._inputs:
+            return []
+        self._inputs.add(call_id)
+        return [{"type": "tool-input-start", "toolCallId": call_id, "toolName": data.get("name")}]
+
     @staticmethod
     def _tool_call(data: dict[str, Any]) -> Chunk:
         call_id, name = str(data.get("call_id")), str(data.get("name"))
+        if data.get("status") == "client":
+            return {
+                "type": "tool-input-available",
+                "toolCallId": call_id,
+                "toolName": name,
+                "input": data.get("args"),
+            }
         if data.get("status") == "dispatched":
             return {
                 "type": "tool-input-available",
@@ -194,6 +230,8 @@ class Renderer:
         self.finished = True
         if status == "complete":
             chunks.append({"type": "finish", "finishReason": "stop"})
+        elif status == "requires_action":  # the client runs the calls, then sends the chat
+            chunks.append({"type": "finish", "finishReason": "tool-calls"})
         elif status == "cancelled":
             chunks.append({"type": "abort", "reason": "cancelled"})
         else:

@@ -1,8 +1,11 @@
 """The AI SDK's chat request, and its translation to a broker :class:`TurnRequest`.
 
 The chat id is the conversation id and the id of the last user message, minted by the client,
-is the turn id: the same message sent twice (two tabs, a double click) is one turn. Only text
-parts reach the model; other parts (files, tool parts, data parts) of the history are skipped.
+is the turn id: the same message sent twice (two tabs, a double click) is one turn. A chat whose
+last message is the assistant's, with the outputs of its client tool calls, is a follow-up turn
+that answers them (see :mod:`broker.dialects.aisdk.tools`). Text parts and the client tool parts
+of assistant messages reach the model; other parts (files, data parts, the broker's own tool
+parts) of the history are skipped.
 """
 
 from __future__ import annotations
@@ -12,6 +15,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.api.errors import describe_validation
+from broker.client_tools import ClientTool
+from broker.dialects.aisdk.tools import (
+    ANSWERS,
+    PRELUDE_PARTS,
+    UITool,
+    answered_attempt,
+    assistant_messages,
+    client_tools,
+    follow_up_turn_id,
+    kept_parts,
+)
 from broker.errors import BadRequest
 from broker.turns import Message, TurnRequest
 from broker.vocabulary import ID_PATTERN
@@ -71,6 +85,39 @@ class ChatRequest(BaseModel):
     )
     params: dict[str, Any] = Field(default_factory=dict)
     session_id: str | None = None
+    tools: dict[str, UITool] | None = Field(
+        default=None,
+        description="extension: the chat's client tools, by name (the AI SDK's `tools` of a "
+        "route): the model's calls come out as tool parts, and the client sends their outputs",
+    )
+
+    def native_messages(self) -> list[dict[str, Any]]:
+        """The chat's messages as the model sees them: text, and client tool calls with their
+        results (400 naming a tool part that does not fit)."""
+        native: list[dict[str, Any]] = []
+        last = len(self.messages) - 1
+        for i, message in enumerate(self.messages):
+            if message.role == "assistant":
+                parts = [p.model_dump() for p in message.parts]
+                native += assistant_messages(parts, f"messages[{i}]", last=i == last)
+            else:
+                native.append({"role": message.role, "content": message.text})
+        return native
+
+    def answered_turn_id(self, native: list[dict[str, Any]]) -> str:
+        """The turn this request starts: the last user message's, or, when the assistant's
+        message with its tool outputs is last, the follow-up turn that answers them."""
+        last = self.messages[-1]
+        if last.role == "assistant" and self.trigger == "submit-message":
+            if native[-1]["role"] != "tool":
+                raise BadRequest(
+                    "the last message must be the user's (the one to answer), or the "
+                    "assistant's ending with the outputs of its tool calls",
+                    code="bad_messages",
+                )
+            answered = answered_attempt([p.model_dump() for p in last.parts])
+            return follow_up_turn_id(self.id, last.id, native, answered)
+        return self.turn_id
 
     @property
     def turn_id(self) -> str:
@@ -96,15 +143,26 @@ class ChatRequest(BaseModel):
                 "1-128 of A-Z a-z 0-9 . _ : -",
                 code="bad_chat_id",
             )
+        native = self.native_messages()
+        turn_id = self.answered_turn_id(native)
+        echo: dict[str, Any] | None = None
+        if turn_id != self.messages[-1].id:  # a follow-up: its replay shows the steps before it
+            parts = [p.model_dump() for p in self.messages[-1].parts]
+            echo = {PRELUDE_PARTS: kept_parts(parts)}
+            answered = answered_attempt(parts)
+            if answered and isinstance(answered[0], str):
+                echo[ANSWERS] = answered[0]
         try:
             return TurnRequest(
                 conversation_id=self.id,
-                turn_id=self.turn_id,
-                messages=[Message(role=m.role, content=m.text) for m in self.messages],
+                turn_id=turn_id,
+                messages=[Message.model_validate(m) for m in native],
                 provider=self.provider,
                 model=self.model,
                 params=self.params,
+                client_tools=[ClientTool.model_validate(t) for t in client_tools(self.tools)],
                 session_id=self.session_id,
+                echo=echo,
             )
         except ValidationError as exc:
             raise BadRequest(describe_validation(exc.errors())) from None

@@ -3,7 +3,8 @@
 
 Pure: an ``end``'s facts say whether the turn is at rest on its attempt (then the message
 finishes, and ``[DONE]`` closes the read). Events up to ``emit_after`` are rendered but not
-sent: they bring the renderer to where a resuming client stands.
+sent: they bring the renderer to where a resuming client stands. A ``prelude`` goes out after
+the first ``start``: the steps a follow-up turn's message had before it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from broker.dialects.aisdk.chunks import DONE, REPLACED, Renderer, encode
+from broker.dialects.aisdk.chunks import DONE, REPLACED, Chunk, Renderer, encode
 from broker.frames import ORIGIN, Cursor, Entry
 from broker.relay import Facts
 from broker.sse import PING
@@ -25,8 +26,14 @@ class UIMessageRenderer:
     heartbeat: ClassVar[bytes] = PING
     replaced: ClassVar[bytes] = REPLACED
 
-    def __init__(self, turn_id: str, stream_id: str, emit_after: Cursor = ORIGIN) -> None:
-        self.chunks = Renderer(turn_id, stream_id)
+    def __init__(
+        self,
+        turn_id: str,
+        stream_id: str,
+        emit_after: Cursor = ORIGIN,
+        prelude: Sequence[Chunk] = (),
+    ) -> None:
+        self.chunks = Renderer(turn_id, stream_id, prelude)
         self.emit_key = emit_after.key
 
     def opening(self) -> bytes:

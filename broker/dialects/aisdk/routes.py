@@ -7,6 +7,7 @@ conversation, a user message is a turn, regenerate and continue are attempts of 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Header, Request
@@ -14,9 +15,11 @@ from starlette.responses import Response
 
 from broker.api.schemas import ID_PARAMETER, errors, resume_parameters, ui_stream_event
 from broker.auth import Principal
+from broker.dialects.aisdk.chunks import Chunk
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.dialects.aisdk.render import UIMessageRenderer
-from broker.errors import NotFound
+from broker.dialects.aisdk.tools import ANSWERS, FOLLOW_UP, PRELUDE_PARTS, prelude, renamed
+from broker.errors import BadRequest, NotFound
 from broker.frames import ORIGIN, Cursor, Entry
 from broker.http import (
     Actor,
@@ -40,6 +43,8 @@ UI_STREAM_HEADERS: Final = [
     (b"cache-control", b"no-cache"),
     (b"x-vercel-ai-ui-message-stream", b"v1"),
 ]
+# How many follow-up turns back a resume looks for an answer that runs again.
+MAX_FOLLOW_UPS: Final = 16
 UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
     200: {
         "content": {"text/event-stream": {"itemSchema": ui_stream_event()}},
@@ -49,12 +54,17 @@ UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
 
 
 async def _stream(
-    rt: Services, principal: Principal, location: Location, render_after: Cursor, emit_after: Cursor
+    rt: Services,
+    principal: Principal,
+    location: Location,
+    render_after: Cursor,
+    emit_after: Cursor,
+    prelude: Sequence[Chunk] = (),
 ) -> Response:
     """The UI message stream of ``location``: events past ``render_after`` are rendered, and
     those past ``emit_after`` sent (the ones before only bring the renderer to where the client
     stands); read by ``principal`` through the relay (see :mod:`broker.relay`)."""
-    renderer = UIMessageRenderer(location.turn_id, location.stream_id, emit_after)
+    renderer = UIMessageRenderer(location.turn_id, location.stream_id, emit_after, prelude)
     facts = functools.partial(_final, rt, location)
     read = Read(location, render_after, renderer, facts, headers=UI_STREAM_HEADERS)
     return await rt.relay(principal, read)
@@ -88,12 +98,46 @@ async def _latest_turn(rt: Services, chat_id: str, tenant: str | None) -> str | 
     return await rt.turns.latest(chat_id, tenant)
 
 
-async def _replay(rt: Services, stream_id: str, principal: Principal) -> Response:
-    """The whole answer of a turn, from its ``start``."""
+async def _running(
+    rt: Services, location: Location, state: dict[str, Any], tenant: str | None
+) -> tuple[Location, dict[str, Any]]:
+    """The turn a resume reads: the chat's newest, unless that one is a follow-up at rest and
+    a turn it answers runs again (a regenerate of the answer whose calls it took the outputs
+    of; the follow-up stays the newest turn)."""
+    newest = (location, state)
+    for _ in range(MAX_FOLLOW_UPS):
+        if state["status"] not in FINAL_STATUSES or not FOLLOW_UP.fullmatch(location.turn_id):
+            break
+        stored = await rt.turns.request(location.conversation_id, location.turn_id)
+        answered = stored.echo.get(ANSWERS)
+        if not isinstance(answered, str) or not ID_PATTERN.fullmatch(answered):
+            break
+        try:
+            state = await rt.turns.get(answered, tenant)
+        except NotFound:
+            break
+        older = await rt.streams.locate(state["stream_id"], tenant)
+        if older.conversation_id != location.conversation_id:
+            break  # not this chat's: the client's facts part named another turn
+        location = older
+    if state["status"] in FINAL_STATUSES:
+        return newest
+    return location, state
+
+
+async def _replay(
+    rt: Services, stream_id: str, principal: Principal, *, whole: bool = False
+) -> Response:
+    """The whole answer of a turn, from its ``start``; ``whole``: for a client that rebuilds
+    the message from it (a resume), a follow-up turn's starts with the steps before it."""
     location = await rt.streams.locate(stream_id, principal.tenant)
     state = await rt.turns.get(location.turn_id, principal.tenant)
     after = await _chain_start(rt, location) if state["attempt"] > 1 else ORIGIN
-    return await _stream(rt, principal, location, after, after)
+    steps: list[Chunk] = []
+    if whole and FOLLOW_UP.fullmatch(location.turn_id):
+        request = await rt.turns.request(location.conversation_id, location.turn_id)
+        steps = prelude(request.echo.get(PRELUDE_PARTS) or [])
+    return await _stream(rt, principal, location, after, after, steps)
 
 
 @router.post(
@@ -120,7 +164,10 @@ async def post_chat(request: Request, principal: Actor) -> Response:
                 chat.turn_id, AttemptRequest(strategy="regenerate"), tenant
             )
             return await _stream(rt, principal, location, after, after)
-    _, turn = await rt.turns.create(turn_request, tenant)
+    try:
+        _, turn = await rt.turns.create(turn_request, tenant)
+    except BadRequest as exc:
+        raise renamed(exc) from None
     return await _replay(rt, turn["stream_id"], principal)
 
 
@@ -160,10 +207,11 @@ async def resume_chat(
     except NotFound:
         return no_content  # being created this instant, or gone
     location = await rt.streams.locate(state["stream_id"], principal.tenant)
+    location, state = await _running(rt, location, state, principal.tenant)
     if emit_after is None:
         if state["status"] in FINAL_STATUSES:
             return no_content
-        return await _replay(rt, state["stream_id"], principal)
+        return await _replay(rt, state["stream_id"], principal, whole=True)
     if await rt.streams.finished_before(location, emit_after):
         return no_content
     return await _stream(rt, principal, location, ORIGIN, emit_after)
@@ -171,12 +219,19 @@ async def resume_chat(
 
 @router.post("/v1/ui/chat/{chat_id}/stop", responses=errors(410))
 async def stop_chat(request: Request, chat_id: str, principal: Actor) -> Response:
-    """The stop button: cancel the chat's newest turn, keeping its partial answer."""
+    """The stop button: cancel the chat's running answer (its newest turn, or the regenerate
+    behind a turn that took tool outputs), keeping its partial answer."""
     rt = services(request)
-    turn_id = await _latest_turn(rt, chat_id, principal.tenant)
+    tenant = principal.tenant
+    turn_id = await _latest_turn(rt, chat_id, tenant)
     if turn_id is None:
         raise NotFound(f"chat {chat_id!r} has no turn")
-    return json_response(await rt.turns.cancel(turn_id, principal.tenant))
+    if FOLLOW_UP.fullmatch(turn_id):
+        state = await rt.turns.get(turn_id, tenant)
+        location = await rt.streams.locate(state["stream_id"], tenant)
+        location, _ = await _running(rt, location, state, tenant)
+        turn_id = location.turn_id
+    return json_response(await rt.turns.cancel(turn_id, tenant))
 
 
 @router.post("/v1/ui/chat/{chat_id}/continue", responses={**UI_STREAM, **errors(409, 410, 422)})
