@@ -64,7 +64,7 @@ def test_the_ai_sdk_transport_and_reader_against_a_live_broker(
         weather.close()
     assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
     assert "# fail 0" in result.stdout
-    assert "# pass 9" in result.stdout  # every test ran
+    assert "# pass 10" in result.stdout  # every test ran
     assert weather.bodies == [{"name": "get_weather", "arguments": {"city": "Oslo"}}], (
         "the tool ran once, through the ledger"
     )

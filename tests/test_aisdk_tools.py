@@ -399,3 +399,76 @@ def test_a_call_met_twice_in_a_message_is_one_call() -> None:
         {"role": "assistant", "content": "", "tool_calls": [CALL_W]},
         {"role": "tool", "content": "clear", "tool_call_id": "call_w"},
     ]
+
+
+# Image files of a user message become the core's image parts; other files are a 400.
+PNG_URL = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGA"
+    "WjR9awAAAABJRU5ErkJggg=="
+)
+
+
+def asked(*parts: dict[str, Any], role: str = "user") -> dict[str, Any]:
+    return {
+        "id": "c1",
+        "messages": [{"id": "u1", "role": role, "parts": list(parts)}],
+        "trigger": "submit-message",
+    }
+
+
+@pytest.mark.parametrize(
+    ("parts", "content"),
+    [
+        ([{"type": "text", "text": "Oslo?"}], "Oslo?"),
+        (
+            [
+                {"type": "text", "text": "What is this?"},
+                {"type": "file", "mediaType": "image/png", "url": PNG_URL, "filename": "a.png"},
+            ],
+            [{"type": "text", "text": "What is this?"}, {"type": "image", "url": PNG_URL}],
+        ),
+        (
+            [
+                {"type": "file", "mediaType": "image/jpeg", "url": "https://example.com/c.jpg"},
+                {"type": "data-note", "data": {}},
+                {"type": "text", "text": "and this?"},
+            ],
+            [
+                {"type": "image", "url": "https://example.com/c.jpg"},
+                {"type": "text", "text": "and this?"},
+            ],
+        ),
+    ],
+)
+def test_image_files_become_image_parts_in_their_order(
+    parts: list[dict[str, Any]], content: Any
+) -> None:
+    request = ChatRequest.model_validate(asked(*parts)).turn_request()
+    got = request.messages[0].model_dump(exclude_none=True)["content"]
+    assert got == content
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            asked({"type": "file", "mediaType": "application/pdf", "url": "https://x.org/a.pdf"}),
+            "messages[0].parts[0]: a file part of media type 'application/pdf' is not taken",
+        ),
+        (asked({"type": "file", "url": "https://x.org/a"}), "of media type 'None' is not taken"),
+        (
+            asked({"type": "file", "mediaType": "image/png", "url": "ftp://x.org/a.png"}),
+            "an image URL must be an http(s) URL",
+        ),
+        (
+            asked({"type": "file", "mediaType": "image/png", "url": PNG_URL}, role="system"),
+            "messages[0].parts[0]: images are for user messages only",
+        ),
+    ],
+)
+def test_files_the_model_cannot_take_are_a_400_naming_them(
+    body: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(BadRequest) as refused:
+        ChatRequest.model_validate(body).turn_request()
+    assert message in str(refused.value)

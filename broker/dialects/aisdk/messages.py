@@ -3,9 +3,10 @@
 The chat id is the conversation id and the id of the last user message, minted by the client,
 is the turn id: the same message sent twice (two tabs, a double click) is one turn. A chat whose
 last message is the assistant's, with the outputs of its client tool calls, is a follow-up turn
-that answers them (see :mod:`broker.dialects.aisdk.tools`). Text parts and the client tool parts
-of assistant messages reach the model; other parts (files, data parts, the broker's own tool
-parts) of the history are skipped.
+that answers them (see :mod:`broker.dialects.aisdk.tools`). Text parts, the image files of user
+messages (``file`` parts whose ``mediaType`` is an image, by URL or data URL) and the client tool
+parts of assistant messages reach the model; data parts, reasoning and the broker's own tool
+parts of the history are skipped, and a file that is not an image is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,34 @@ class UIMessage(BaseModel):
         return "".join(p.text or "" for p in self.parts if p.type in TEXT_PART_TYPES)
 
 
+def _content(message: UIMessage, index: int) -> str | list[dict[str, Any]]:
+    """A user or system message's content: its text, or with image files, text and image
+    parts in their order (the core checks the URLs; a file of another kind is a 400)."""
+    files = [(n, p) for n, p in enumerate(message.parts) if p.type == "file"]
+    if not files:
+        return message.text
+    for n, part in files:
+        media_type = (part.model_extra or {}).get("mediaType")
+        if not isinstance(media_type, str) or not media_type.startswith("image/"):
+            raise BadRequest(
+                f"messages[{index}].parts[{n}]: a file part of media type {str(media_type)[:64]!r} "
+                "is not taken here (image files only)",
+                code="bad_messages",
+            )
+        if message.role != "user":
+            raise BadRequest(
+                f"messages[{index}].parts[{n}]: images are for user messages only",
+                code="bad_messages",
+            )
+    parts: list[dict[str, Any]] = []
+    for part in message.parts:
+        if part.type in TEXT_PART_TYPES:
+            parts.append({"type": "text", "text": part.text or ""})
+        elif part.type == "file":
+            parts.append({"type": "image", "url": (part.model_extra or {}).get("url")})
+    return parts
+
+
 class ChatRequest(BaseModel):
     """The body ``DefaultChatTransport`` posts, plus the broker's own fields from ``body``."""
 
@@ -101,7 +130,7 @@ class ChatRequest(BaseModel):
                 parts = [p.model_dump() for p in message.parts]
                 native += assistant_messages(parts, f"messages[{i}]", last=i == last)
             else:
-                native.append({"role": message.role, "content": message.text})
+                native.append({"role": message.role, "content": _content(message, i)})
         return native
 
     def answered_turn_id(self, native: list[dict[str, Any]]) -> str:

@@ -322,3 +322,38 @@ test("without replay, a chat resumes after the offset its text part holds", asyn
   assert.equal(textOf(answer), textOf(whole.message), "no gap, no repeat");
   assert.equal((await turn(questionId)).attempts.length, 1);
 });
+
+test("the image files of a user's message reach the model; other files are refused", async () => {
+  const png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"
+    + "+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+  const chat = new Chat({ id: `c${ids()}`, transport: transport({ seed: 5, tokens: 6, tokens_per_s: 0 }) });
+  await chat.sendMessage({
+    text: "What is in these pictures?",
+    files: [
+      { type: "file", mediaType: "image/png", url: png },
+      { type: "file", mediaType: "image/jpeg", url: "https://images.example.com/cat.jpg" },
+    ],
+  });
+  await waitFor(() => chat.status === "ready" && chat.messages.length === 2, "the answer");
+  const [question, answer] = chat.messages;
+  assert.ok(textOf(answer).startsWith("(shown 2 images: image/png, images.example.com) "),
+            textOf(answer));
+  const state = await turn(question.id);
+  assert.equal(state.status, "complete");
+  assert.equal(textOf(answer), state.canonical.text);
+  // A PDF is not an image: the request is refused, naming the part, and no turn is made.
+  const pdf = { id: `m${ids()}`, role: "user", parts: [
+    { type: "text", text: "Summarise this" },
+    { type: "file", mediaType: "application/pdf", url: "https://files.example.com/a.pdf" },
+  ] };
+  const refused = await fetch(API, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ id: `c${ids()}`, messages: [pdf], trigger: "submit-message" }),
+  });
+  assert.equal(refused.status, 400);
+  const body = await refused.json();
+  assert.equal(body.error.code, "bad_messages");
+  assert.match(body.error.message, /messages\[0\]\.parts\[1\].*application\/pdf/);
+  assert.equal((await fetch(`${BASE}/v1/turns/${pdf.id}`)).status, 404);
+});
