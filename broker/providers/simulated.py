@@ -45,7 +45,8 @@ KNOBS = {
     "delta (a slow time to first token)",
     "error": "'retryable' (default) or 'fatal': the kind of the injected failures",
     "tool_calls": "a script of tool calls: [{name, args, after}], `after` deltas in; calls with "
-    "the same `after` are one message",
+    "the same `after` are one message; the messages the history already made (assistant "
+    "messages with tool_calls since the last user message) are not made again",
     "fail_after_tool_calls": "the first attempt's call breaks right after its Nth tool call ran",
     "cut_during_tool_args": "true: the first attempt's call breaks while a call's args arrive",
     "json": "true: emit a JSON document (the default for response_format json and json_schema), "
@@ -214,7 +215,7 @@ class SimulatedProvider:
         break_after = knobs.get("fail_after_deltas") if first_attempt else None
         stall_after = knobs.get("stall_after_deltas") if first_attempt else None
         step = len(request.tool_steps)
-        messages = _script_messages(knobs.get("tool_calls", []))
+        messages = _script_messages(knobs.get("tool_calls", []))[_answered(request.messages) :]
         low, high, calls = _step_window(messages, step, start, len(pieces))
         pace = self.pace(knobs)
         began = time.monotonic()
@@ -261,6 +262,20 @@ def _tool_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[st
         return []
     size = sum(len(result) for result in results)
     return [f"({len(results)} tool results, {size} characters) "]
+
+
+def _answered(messages: list[dict[str, Any]]) -> int:
+    """How many scripted messages the request's history already made: the assistant messages
+    with ``tool_calls`` since the last user message (a client ran them and sends their results
+    in this turn), so that an agent loop that sends the same script every turn goes on to the
+    next scripted message, then to the answer, as a model would."""
+    made = 0
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            break
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            made += 1
+    return made
 
 
 def _continued_from(pieces: list[str], prefill: str) -> int:
