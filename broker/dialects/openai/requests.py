@@ -58,6 +58,9 @@ class ContentPart(BaseModel):
     type: Literal["input_text", "output_text", "text"]
     text: str
     annotations: list[Any] | None = None
+    # An ``output_text`` part of an earlier response sent back (the Agents SDK does): its
+    # logprobs say nothing to the model, which is given the text.
+    logprobs: list[Any] | None = None
 
 
 class ItemReference(BaseModel):
