@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from broker.canonical import canonical_json
+from broker.client_tools import TOOL_PARAMS, check_tool_params, chosen_tool
 from broker.errors import BadRequest
 from broker.providers.base import (
     Finished,
@@ -46,7 +47,8 @@ KNOBS = {
     "error": "'retryable' (default) or 'fatal': the kind of the injected failures",
     "tool_calls": "a script of tool calls: [{name, args, after}], `after` deltas in; calls with "
     "the same `after` are one message; the messages the history already made (assistant "
-    "messages with tool_calls since the last user message) are not made again",
+    "messages with tool_calls since the last user message) are not made again; "
+    "params.tool_choice and parallel_tool_calls: false are honoured",
     "fail_after_tool_calls": "the first attempt's call breaks right after its Nth tool call ran",
     "cut_during_tool_args": "true: the first attempt's call breaks while a call's args arrive",
     "json": "true: emit a JSON document (the default for response_format json and json_schema), "
@@ -67,7 +69,9 @@ SCRIPTING_KNOBS = frozenset(
         "cut_during_tool_args",
     }
 )
-GENERIC_PARAMS = frozenset({"simulate", "temperature", "top_p", "max_tokens", "stop", "seed"})
+GENERIC_PARAMS = frozenset(
+    {"simulate", "temperature", "top_p", "max_tokens", "stop", "seed", *TOOL_PARAMS}
+)
 DEFAULT_TOKENS = 48
 DEFAULT_TOKENS_PER_S = 25.0
 MAX_TOKENS = 100_000
@@ -146,6 +150,7 @@ class SimulatedProvider:
 
     def validate_params(self, params: dict[str, Any]) -> None:
         reject_unknown_params("simulated", params, GENERIC_PARAMS)
+        check_tool_params(params)
         knobs = params.get("simulate", {})
         if not isinstance(knobs, dict):
             raise BadRequest("params.simulate must be an object")
@@ -215,7 +220,9 @@ class SimulatedProvider:
         break_after = knobs.get("fail_after_deltas") if first_attempt else None
         stall_after = knobs.get("stall_after_deltas") if first_attempt else None
         step = len(request.tool_steps)
-        messages = _script_messages(knobs.get("tool_calls", []))[_answered(request.messages) :]
+        script = _chosen_calls(knobs.get("tool_calls", []), request)
+        messages = _script_messages(script, request.params.get("parallel_tool_calls", True))
+        messages = messages[_answered(request.messages) :]
         low, high, calls = _step_window(messages, step, start, len(pieces))
         pace = self.pace(knobs)
         began = time.monotonic()
@@ -289,12 +296,29 @@ def _continued_from(pieces: list[str], prefill: str) -> int:
     return start if delivered == prefill else 0
 
 
-def _script_messages(script: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def _chosen_calls(script: list[dict[str, Any]], request: GenerationRequest) -> list[dict[str, Any]]:
+    """The scripted calls ``params.tool_choice`` lets the model make: none for ``none``; for a
+    named tool, its calls, else one call of it (arguments ``{}``); for ``required``, the
+    script, else one call of the first client tool."""
+    choice = request.params.get("tool_choice")
+    name = chosen_tool(request.params)
+    if choice == "none":
+        return []
+    if name is not None:
+        return [c for c in script if c["name"] == name] or [{"name": name}]
+    if choice == "required" and not script and request.client_tools:
+        return [{"name": request.client_tools[0]["name"]}]
+    return script
+
+
+def _script_messages(
+    script: list[dict[str, Any]], parallel: bool = True
+) -> list[list[dict[str, Any]]]:
     """The scripted calls grouped into model messages: consecutive calls at the same ``after``
-    are one message's calls."""
+    are one message's calls (each call its own message when not ``parallel``)."""
     messages: list[list[dict[str, Any]]] = []
     for call in script:
-        if messages and messages[-1][0].get("after", 0) == call.get("after", 0):
+        if parallel and messages and messages[-1][0].get("after", 0) == call.get("after", 0):
             messages[-1].append(call)
         else:
             messages.append([call])
