@@ -1,0 +1,222 @@
+"""``tool_choice`` (``required``, a named function) and ``parallel_tool_calls: false``: the
+turn's params as each provider sends them upstream (pure tables), the simulator honouring them,
+and the doors through the official SDK (agent frameworks send them: the Agents SDK's
+``ModelSettings(tool_choice=...)``, LangChain's ``bind_tools(tool_choice=...)``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from broker.client_tools import check_tool_params
+from broker.errors import BadRequest
+from broker.providers import anthropic as anthropic_provider
+from broker.providers import openai as openai_provider
+from broker.providers.base import GenerationRequest
+from broker.providers.simulated import SimulatedProvider, _chosen_calls, _script_messages
+from tests.conftest import BrokerFactory, RunningBroker
+from tests.test_openai_contract import check_completion, check_response
+from tests.test_openai_dialect import client
+
+NAMED = {"tool_choice": {"name": "get_time"}}
+ONE = {"parallel_tool_calls": False}
+
+
+@pytest.mark.parametrize(
+    ("params", "openai_choice", "anthropic_choice"),
+    [
+        ({}, openai.omit, None),
+        ({"tool_choice": "auto"}, "auto", {"type": "auto"}),
+        ({"tool_choice": "none"}, "none", {"type": "none"}),
+        ({"tool_choice": "required"}, "required", {"type": "any"}),
+        (
+            NAMED,
+            {"type": "function", "function": {"name": "get_time"}},
+            {"type": "tool", "name": "get_time"},
+        ),
+        (ONE, openai.omit, {"type": "auto", "disable_parallel_tool_use": True}),
+        (
+            {"tool_choice": "required", **ONE},
+            "required",
+            {"type": "any", "disable_parallel_tool_use": True},
+        ),
+        (
+            {**NAMED, **ONE},
+            {"type": "function", "function": {"name": "get_time"}},
+            {"type": "tool", "name": "get_time", "disable_parallel_tool_use": True},
+        ),
+        ({"tool_choice": "none", **ONE}, "none", {"type": "none"}),
+    ],
+)
+def test_each_provider_sends_the_choice_as_its_upstream_takes_it(
+    params: dict[str, Any], openai_choice: Any, anthropic_choice: Any
+) -> None:
+    check_tool_params(params)
+    assert openai_provider.tool_choice(params) == openai_choice
+    assert anthropic_provider.tool_choice(params) == anthropic_choice
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"tool_choice": "any"},
+        {"tool_choice": {"name": "1bad"}},
+        {"tool_choice": {"name": "f", "type": "function"}},
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {"parallel_tool_calls": "no"},
+    ],
+)
+def test_a_malformed_choice_is_a_400_naming_it(params: dict[str, Any]) -> None:
+    with pytest.raises(BadRequest, match=f"params.{next(iter(params))}"):
+        check_tool_params(params)
+    for provider in (
+        SimulatedProvider(),
+        openai_provider.OpenAIProvider(base_url="http://127.0.0.1:9", api_key=None, models=()),
+    ):
+        with pytest.raises(BadRequest):
+            provider.validate_params(params)
+
+
+def request(params: dict[str, Any], client_tools: list[str]) -> GenerationRequest:
+    return GenerationRequest(
+        "c",
+        "t",
+        1,
+        "initial",
+        [],
+        None,
+        params,
+        "text",
+        0,
+        client_tools=[{"name": n} for n in client_tools],
+    )
+
+
+SCRIPT = [
+    {"name": "get_weather", "args": {"city": "Oslo"}, "after": 2},
+    {"name": "get_time", "args": {"zone": "Europe/Oslo"}, "after": 2},
+]
+TOOLS = ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize(
+    ("script", "params", "messages"),
+    [
+        (SCRIPT, {}, [SCRIPT]),
+        (SCRIPT, ONE, [[SCRIPT[0]], [SCRIPT[1]]]),
+        (SCRIPT, NAMED, [[SCRIPT[1]]]),
+        (SCRIPT, {"tool_choice": "none"}, []),
+        (SCRIPT, {"tool_choice": "required"}, [SCRIPT]),
+        ([], {"tool_choice": "required"}, [[{"name": "get_weather"}]]),
+        ([], NAMED, [[{"name": "get_time"}]]),
+        ([SCRIPT[0]], NAMED, [[{"name": "get_time"}]]),
+        ([], {}, []),
+    ],
+)
+def test_the_simulator_makes_the_calls_the_choice_lets_it(
+    script: list[dict[str, Any]], params: dict[str, Any], messages: list[Any]
+) -> None:
+    chosen = _chosen_calls(script, request(params, TOOLS))
+    assert _script_messages(chosen, params.get("parallel_tool_calls", True)) == messages
+
+
+# --- the doors, through the SDK -----------------------------------------------------------------
+
+WEATHER: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+TIME: Any = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+
+
+def simulate(**knobs: Any) -> dict[str, Any]:
+    return {"broker": {"params": {"simulate": {"tokens": 6, "tokens_per_s": 0, **knobs}}}}
+
+
+@pytest.fixture
+def broker(broker_factory: BrokerFactory) -> RunningBroker:
+    return broker_factory()
+
+
+def names_of(output: list[Any]) -> list[str]:
+    return [o.name for o in output if o.type == "function_call"]
+
+
+def test_responses_honours_a_named_function_and_echoes_it(broker: RunningBroker) -> None:
+    with client(broker) as sdk:
+        response = sdk.responses.create(
+            model="simulated",
+            input="Time?",
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "name": "get_time"},
+            extra_body=simulate(tool_calls=SCRIPT),
+        )
+    assert names_of(response.output) == ["get_time"]
+    body = response.to_dict()
+    assert body["tool_choice"] == {"type": "function", "name": "get_time"}
+    check_response(body)
+
+
+def test_responses_makes_one_call_per_response_without_parallel_calls(
+    broker: RunningBroker,
+) -> None:
+    with client(broker) as sdk:
+        ask: Any = {
+            "model": "simulated",
+            "tools": [WEATHER, TIME],
+            "parallel_tool_calls": False,
+            "extra_body": simulate(tool_calls=SCRIPT),
+        }
+        first = sdk.responses.create(input="Weather and time?", **ask)
+        assert names_of(first.output) == ["get_weather"]
+        assert first.parallel_tool_calls is False
+        check_response(first.to_dict())
+        results: Any = [
+            {"type": "function_call_output", "call_id": o.call_id, "output": "1"}
+            for o in first.output
+            if o.type == "function_call"
+        ]
+        second = sdk.responses.create(previous_response_id=first.id, input=results, **ask)
+        assert names_of(second.output) == ["get_time"]
+        results = [
+            {"type": "function_call_output", "call_id": o.call_id, "output": "2"}
+            for o in second.output
+            if o.type == "function_call"
+        ]
+        third = sdk.responses.create(previous_response_id=second.id, input=results, **ask)
+    assert names_of(third.output) == []
+    assert third.output_text.startswith("(1 tool results")
+
+
+CHAT_TOOLS: Any = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+
+
+@pytest.mark.parametrize(
+    ("choice", "called"),
+    [
+        ("required", ["get_weather"]),  # no script: the first tool, as a model must call one
+        ({"type": "function", "function": {"name": "get_time"}}, ["get_time"]),
+    ],
+)
+def test_chat_completions_honours_required_and_a_named_function(
+    broker: RunningBroker, choice: Any, called: list[str]
+) -> None:
+    with client(broker) as sdk:
+        done = sdk.chat.completions.create(
+            model="simulated",
+            messages=[{"role": "user", "content": "Time?"}],
+            tools=CHAT_TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            extra_body=simulate(),
+        )
+    check_completion(done.to_dict())
+    assert done.choices[0].finish_reason == "tool_calls"
+    calls = done.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls if c.type == "function"] == called
