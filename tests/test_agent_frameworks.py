@@ -131,14 +131,14 @@ async def agents_run(agent: Agent[Any], *, streamed: bool = False) -> Any:
     return result
 
 
+def agents_calls_of(response: Any) -> list[tuple[str, str]]:
+    """The (call id, name) of every function call of one model response of a run."""
+    return [(i.call_id, i.name) for i in response.output if i.type == "function_call"]
+
+
 def agents_calls(result: Any) -> list[tuple[str, str]]:
     """The (call id, name) of every function call the run's model responses made."""
-    return [
-        (item.call_id, item.name)
-        for response in result.raw_responses
-        for item in response.output
-        if item.type == "function_call"
-    ]
+    return [call for response in result.raw_responses for call in agents_calls_of(response)]
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
@@ -379,3 +379,48 @@ def test_langchain_gets_the_same_call_ids_from_a_regenerated_turn(broker: Runnin
     assert (before[0], after[0]) == (1, 2)
     assert langchain_calls([cut]) == []  # an interrupted step hands no call to run
     assert langchain_calls([again]) == [before[1:]] == [after[1:]]
+
+
+# --- the tool options frameworks set ----------------------------------------------------------
+
+
+async def test_the_agents_sdk_forces_a_named_tool_once_and_one_call_at_a_time(
+    broker: RunningBroker,
+) -> None:
+    """``tool_choice`` naming a tool (the SDK resets it once a tool ran, so the loop ends) and
+    ``parallel_tool_calls: false``: the script's call of that tool first, then the other, one
+    per step, then the answer."""
+    log = ToolLog()
+    agent = responses_agent(
+        broker.base_url,
+        log,
+        tool_choice="get_time",
+        parallel_tool_calls=False,
+        extra_body=simulate(tool_calls=SCRIPT),
+    )
+    result = await agents_run(agent)
+    assert log.runs == [("get_time", {"zone": "Europe/Oslo"}), ("get_weather", {"city": "Oslo"})]
+    assert result.final_output.startswith("(1 tool results")
+    responses = result.raw_responses
+    assert [len(agents_calls_of(r)) for r in responses] == [1, 1, 0]
+    for response in responses[:2]:
+        assert agents_calls_of(response) == first_turn_calls(broker, str(response.response_id))
+
+
+def test_langchain_binds_tools_with_a_required_call_one_at_a_time(broker: RunningBroker) -> None:
+    """``bind_tools(tool_choice="required", parallel_tool_calls=False)``: each step makes one
+    call (the first step must call one), the loop runs both, one per step."""
+    log = ToolLog()
+    tools = langchain_tools(log)
+    model = chat_model(broker.base_url, extra_body=simulate(tool_calls=SCRIPT))
+    bound = model.bind_tools(tools, parallel_tool_calls=False)
+    first = model.bind_tools(tools, tool_choice="required", parallel_tool_calls=False)
+    conversation = uuid.uuid4().hex
+    opening = first.invoke(
+        [HumanMessage(QUESTION)], extra_headers={"Idempotency-Key": f"{conversation}-r"}
+    )
+    assert [c["name"] for c in opening.tool_calls] == ["get_weather"]
+    messages = langchain_loop(bound, tools, conversation)
+    assert log.runs == [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "Europe/Oslo"})]
+    assert [len(m.tool_calls) for m in messages if isinstance(m, AIMessage)] == [1, 1, 0]
+    assert str(messages[-1].content).startswith("(1 tool results")

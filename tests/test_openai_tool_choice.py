@@ -15,7 +15,7 @@ from broker.errors import BadRequest
 from broker.providers import anthropic as anthropic_provider
 from broker.providers import openai as openai_provider
 from broker.providers.base import GenerationRequest
-from broker.providers.simulated import SimulatedProvider, _chosen_calls, _script_messages
+from broker.providers.simulated import SimulatedProvider, _chosen_calls, _script_messages, _unmade
 from tests.conftest import BrokerFactory, RunningBroker
 from tests.test_openai_contract import check_completion, check_response
 from tests.test_openai_dialect import client
@@ -120,6 +120,39 @@ def test_the_simulator_makes_the_calls_the_choice_lets_it(
 ) -> None:
     chosen = _chosen_calls(script, request(params, TOOLS))
     assert _script_messages(chosen, params.get("parallel_tool_calls", True)) == messages
+
+
+def made(*calls: tuple[str, str]) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": f"c{i}", "name": n, "arguments": a} for i, (n, a) in enumerate(calls)
+        ],
+    }
+
+
+USER = {"role": "user", "content": "Weather and time?"}
+WEATHER_MADE = ("get_weather", '{"city": "Oslo"}')
+TIME_MADE = ("get_time", '{"zone":"Europe/Oslo"}')
+
+
+@pytest.mark.parametrize(
+    ("history", "left"),
+    [
+        ([USER], SCRIPT),
+        ([USER, made(WEATHER_MADE)], [SCRIPT[1]]),
+        ([USER, made(TIME_MADE)], [SCRIPT[0]]),
+        ([USER, made(WEATHER_MADE, TIME_MADE)], []),
+        ([USER, made(WEATHER_MADE), USER], SCRIPT),  # a new question: the script again
+        ([USER, made(("get_weather", '{"city": "Rome"}'))], SCRIPT),  # other arguments
+        ([USER, made(("get_weather", "not json"))], SCRIPT),
+    ],
+)
+def test_the_simulator_does_not_make_again_the_calls_the_history_made(
+    history: list[dict[str, Any]], left: list[dict[str, Any]]
+) -> None:
+    assert _unmade(SCRIPT, history) == left
 
 
 # --- the doors, through the SDK -----------------------------------------------------------------

@@ -46,8 +46,8 @@ KNOBS = {
     "delta (a slow time to first token)",
     "error": "'retryable' (default) or 'fatal': the kind of the injected failures",
     "tool_calls": "a script of tool calls: [{name, args, after}], `after` deltas in; calls with "
-    "the same `after` are one message; the messages the history already made (assistant "
-    "messages with tool_calls since the last user message) are not made again; "
+    "the same `after` are one message; the calls the history already made (in assistant "
+    "messages since the last user message) are not made again; "
     "params.tool_choice and parallel_tool_calls: false are honoured",
     "fail_after_tool_calls": "the first attempt's call breaks right after its Nth tool call ran",
     "cut_during_tool_args": "true: the first attempt's call breaks while a call's args arrive",
@@ -220,9 +220,8 @@ class SimulatedProvider:
         break_after = knobs.get("fail_after_deltas") if first_attempt else None
         stall_after = knobs.get("stall_after_deltas") if first_attempt else None
         step = len(request.tool_steps)
-        script = _chosen_calls(knobs.get("tool_calls", []), request)
+        script = _chosen_calls(_unmade(knobs.get("tool_calls", []), request.messages), request)
         messages = _script_messages(script, request.params.get("parallel_tool_calls", True))
-        messages = messages[_answered(request.messages) :]
         low, high, calls = _step_window(messages, step, start, len(pieces))
         pace = self.pace(knobs)
         began = time.monotonic()
@@ -271,18 +270,28 @@ def _tool_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[st
     return [f"({len(results)} tool results, {size} characters) "]
 
 
-def _answered(messages: list[dict[str, Any]]) -> int:
-    """How many scripted messages the request's history already made: the assistant messages
-    with ``tool_calls`` since the last user message (a client ran them and sends their results
-    in this turn), so that an agent loop that sends the same script every turn goes on to the
-    next scripted message, then to the answer, as a model would."""
-    made = 0
+def _unmade(script: list[dict[str, Any]], messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The scripted calls the request's history has not made yet: a call of an assistant
+    message since the last user message (a client ran it and sends its result in this turn)
+    with a scripted call's name and arguments made that one, so that an agent loop that sends
+    the same script every turn goes on to the next call, then to the answer, as a model would."""
+    made: list[tuple[str, Any]] = []
     for message in reversed(messages):
         if message.get("role") == "user":
             break
-        if message.get("role") == "assistant" and message.get("tool_calls"):
-            made += 1
-    return made
+        for call in message.get("tool_calls") or () if message.get("role") == "assistant" else ():
+            try:
+                made.append((str(call.get("name")), orjson.loads(call.get("arguments") or "{}")))
+            except orjson.JSONDecodeError:
+                continue  # not a call of the script's
+    left = []
+    for call in script:
+        key = (call["name"], call.get("args", {}))
+        if key in made:
+            made.remove(key)
+        else:
+            left.append(call)
+    return left
 
 
 def _continued_from(pieces: list[str], prefill: str) -> int:
