@@ -424,3 +424,29 @@ def test_langchain_binds_tools_with_a_required_call_one_at_a_time(broker: Runnin
     assert log.runs == [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "Europe/Oslo"})]
     assert [len(m.tool_calls) for m in messages if isinstance(m, AIMessage)] == [1, 1, 0]
     assert str(messages[-1].content).startswith("(1 tool results")
+
+
+async def test_a_streamed_run_cut_mid_call_is_run_again_into_the_same_turn(
+    broker: RunningBroker,
+) -> None:
+    """The SDK never retries a stream it has shown events of: a streamed run cut while a
+    call's arguments arrive raises. Run again, the same request carries the same key, attaches
+    to the turn the cut one started and reads it from its start: the tools run once."""
+    log = ToolLog()
+    keys = KeyedClient(uuid.uuid4().hex)
+    with CutProxy(broker.base_url, cut_at=b"response.function_call_arguments.delta") as proxy:
+        sdk = openai.AsyncOpenAI(
+            base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, http_client=keys
+        )
+        agent = responses_agent(proxy.url, log, client=sdk, extra_body=simulate(tool_calls=SCRIPT))
+        with pytest.raises(openai.APIConnectionError):
+            await agents_run(agent, streamed=True)
+        assert (proxy.cuts, log.runs) == (1, [])
+        cut = proxy.bodies()[0]
+        result = await agents_run(agent, streamed=True)
+    assert b"response.function_call_arguments.done" not in cut  # cut mid-arguments
+    assert keys.sent[1] == keys.sent[0]  # the same request, the same turn
+    assert broker.metric("broker_turns_started_total") == 2
+    assert log.runs == [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "Europe/Oslo"})]
+    assert result.final_output.startswith("(2 tool results")
+    assert agents_calls(result) == first_turn_calls(broker, keys.sent[0])
