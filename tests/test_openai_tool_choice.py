@@ -5,6 +5,7 @@ and the doors through the official SDK (agent frameworks send them: the Agents S
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import openai
@@ -17,8 +18,10 @@ from broker.providers import openai as openai_provider
 from broker.providers.base import GenerationRequest
 from broker.providers.simulated import SimulatedProvider, _chosen_calls, _script_messages, _unmade
 from tests.conftest import BrokerFactory, RunningBroker
+from tests.fake_openai import FakeOpenAI
 from tests.test_openai_contract import check_completion, check_response
 from tests.test_openai_dialect import client
+from tests.test_provider_openai import openai_broker
 
 NAMED = {"tool_choice": {"name": "get_time"}}
 ONE = {"parallel_tool_calls": False}
@@ -253,3 +256,71 @@ def test_chat_completions_honours_required_and_a_named_function(
     assert done.choices[0].finish_reason == "tool_calls"
     calls = done.choices[0].message.tool_calls or []
     assert [c.function.name for c in calls if c.type == "function"] == called
+
+
+# --- an OpenAI-compatible upstream gets them --------------------------------------------------
+
+
+def test_an_openai_compatible_upstream_gets_the_choice(broker_factory: BrokerFactory) -> None:
+    """The Chat Completions door through the ``openai`` provider: the upstream is asked for a
+    call of the named function, one at most, and the broker hands the client that call."""
+    fake = FakeOpenAI().start()
+    try:
+        fake.respond_tool_call("get_time", ['{"zone":', '"UTC"}'], call_id="call_up")
+        broker = openai_broker(broker_factory, fake)
+        with client(broker) as sdk:
+            done = sdk.chat.completions.create(
+                model="openai/gpt-test",
+                messages=[{"role": "user", "content": "Time?"}],
+                tools=CHAT_TOOLS,
+                tool_choice={"type": "function", "function": {"name": "get_time"}},
+                parallel_tool_calls=False,
+            )
+        (sent,) = fake.bodies
+    finally:
+        fake.stop()
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_time"}}
+    assert sent["parallel_tool_calls"] is False
+    assert [t["function"]["name"] for t in sent["tools"]] == ["get_weather", "get_time"]
+    (call,) = done.choices[0].message.tool_calls or []
+    assert call.type == "function"
+    assert call.function.name == "get_time"
+    assert call.id != "call_up"  # the broker's id, from the call's slot
+
+
+def test_without_tools_nothing_about_them_goes_upstream(broker_factory: BrokerFactory) -> None:
+    fake = FakeOpenAI().start()
+    try:
+        fake.respond_text(["Hi"])
+        broker = openai_broker(broker_factory, fake)
+        with client(broker) as sdk:
+            sdk.chat.completions.create(
+                model="openai/gpt-test",
+                messages=[{"role": "user", "content": "Hi?"}],
+                parallel_tool_calls=False,
+            )
+        (sent,) = fake.bodies
+    finally:
+        fake.stop()
+    assert not {"tools", "tool_choice", "parallel_tool_calls"} & set(sent)
+
+
+def test_anthropic_gets_the_choice_in_its_body() -> None:
+    tools = [{"name": "get_weather"}, {"name": "get_time"}]
+    asked = GenerationRequest(
+        "c",
+        "t",
+        1,
+        "initial",
+        [{"role": "user", "content": "Time?"}],
+        "m",
+        {"tool_choice": "required", "parallel_tool_calls": False},
+        "text",
+        0,
+        client_tools=tools,
+    )
+    body, _ = anthropic_provider.build_body(asked, 1024)
+    assert body["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
+    assert [t["name"] for t in body["tools"]] == ["get_weather", "get_time"]
+    bare = dataclasses.replace(asked, client_tools=[])
+    assert "tool_choice" not in anthropic_provider.build_body(bare, 1024)[0]
