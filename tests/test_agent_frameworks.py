@@ -51,7 +51,9 @@ def simulate(**knobs: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def broker(broker_factory: BrokerFactory) -> RunningBroker:
+def broker(broker_factory: BrokerFactory, monkeypatch: pytest.MonkeyPatch) -> RunningBroker:
+    for name in ("LANGSMITH_TRACING", "LANGCHAIN_TRACING_V2", "LANGSMITH_API_KEY"):
+        monkeypatch.delenv(name, raising=False)  # LangChain traces to LangSmith only when asked
     return broker_factory()
 
 
@@ -261,8 +263,7 @@ def chat_model(url: str, **settings: Any) -> ChatOpenAI:
         base_url=f"{url}/v1",
         api_key=SecretStr("unused"),
         max_retries=0,
-        use_responses_api=False,
-        **settings,
+        **{"use_responses_api": False, **settings},
     )
 
 
@@ -299,13 +300,18 @@ def langchain_calls(messages: list[BaseMessage]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["invoke", "streaming"])
+@pytest.mark.parametrize("responses", [False, True], ids=["chat", "responses"])
 def test_langchain_runs_a_loop_with_two_tools_to_its_answer(
-    broker: RunningBroker, streaming: bool
+    broker: RunningBroker, streaming: bool, responses: bool
 ) -> None:
+    """On Chat Completions, as the tests below, and on Responses (``use_responses_api``)."""
     log = ToolLog()
     tools = langchain_tools(log)
     model = chat_model(
-        broker.base_url, streaming=streaming, extra_body=simulate(tool_calls=SCRIPT)
+        broker.base_url,
+        streaming=streaming,
+        use_responses_api=responses,
+        extra_body=simulate(tool_calls=SCRIPT),
     ).bind_tools(tools)
     conversation = uuid.uuid4().hex
     messages = langchain_loop(model, tools, conversation)
@@ -317,7 +323,7 @@ def test_langchain_runs_a_loop_with_two_tools_to_its_answer(
         "ToolMessage",
         "AIMessage",
     ]
-    assert str(messages[-1].content).startswith("(2 tool results")
+    assert messages[-1].text.startswith("(2 tool results")
     assert langchain_calls(messages) == first_turn_calls(broker, f"{conversation}-1")
 
 
