@@ -109,3 +109,34 @@ def offered_tools(client_tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]
         function["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
         offered.append({"type": "function", "function": function})
     return offered
+
+
+# --- how the model may call: ``params.tool_choice`` and ``params.parallel_tool_calls`` ----------
+
+# The params every provider takes beside its own: ``tool_choice`` is ``auto`` (the default),
+# ``none``, ``required`` (at least one call) or ``{"name": <tool>}`` (a call of that tool);
+# ``parallel_tool_calls: false`` asks for one call per message at most.
+TOOL_PARAMS: Final = frozenset({"tool_choice", "parallel_tool_calls"})
+CHOICES: Final = ("auto", "none", "required")
+
+
+def check_tool_params(params: dict[str, Any]) -> None:
+    """400 naming ``params.tool_choice`` or ``params.parallel_tool_calls`` when malformed."""
+    choice = params.get("tool_choice")
+    if isinstance(choice, dict) and set(choice) == {"name"}:
+        name = choice["name"]
+        if not (isinstance(name, str) and TOOL_NAME_PATTERN.fullmatch(name)):
+            raise BadRequest("params.tool_choice.name must be a tool's name")
+    elif choice is not None and choice not in CHOICES:
+        raise BadRequest(
+            "params.tool_choice must be 'auto', 'none', 'required' or {\"name\": <a tool>}"
+        )
+    parallel = params.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("params.parallel_tool_calls must be true or false")
+
+
+def chosen_tool(params: dict[str, Any]) -> str | None:
+    """The tool ``params.tool_choice`` names, if it names one."""
+    choice = params.get("tool_choice")
+    return str(choice["name"]) if isinstance(choice, dict) else None

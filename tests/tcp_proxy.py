@@ -3,7 +3,10 @@ either cleanly (a FIN, as a server that closes mid-stream) or with a reset (an R
 network path), while the client reconnects through it as before.
 
 ``reply_delay_s`` holds each chunk the server sends, as a slow server or a long path would; the
-server may be on a Unix socket (a ``unix://`` URL).
+server may be on a Unix socket (a ``unix://`` URL). ``cut_at`` cuts the first response whose
+body carries those bytes, once: the body crosses up to them (a compressed body is cut where
+its decoded text holds them), then the connection is reset, as a network path that dies
+while an answer crosses it.
 
 It runs its own event loop in a thread, so tests that use blocking clients can drive it too.
 """
@@ -32,7 +35,9 @@ class CutProxy:
     crossed the wire.
     """
 
-    def __init__(self, upstream_url: str, *, reply_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, upstream_url: str, *, reply_delay_s: float = 0.0, cut_at: bytes | None = None
+    ) -> None:
         parts = urlsplit(upstream_url)
         self._unix = parts.path if parts.scheme == "unix" else ""
         if not self._unix:
@@ -40,6 +45,8 @@ class CutProxy:
             assert parts.port is not None, upstream_url
         self._upstream = (parts.hostname or "", parts.port or 0)
         self._reply_delay_s = reply_delay_s  # each chunk the server sends waits this long
+        self._cut_at = cut_at
+        self.cuts = 0  # responses cut at ``cut_at``
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="proxy", daemon=True)
         self._server: asyncio.Server | None = None
@@ -122,7 +129,7 @@ class CutProxy:
         try:
             await asyncio.gather(
                 self._pump(reader, up_writer, sent),
-                self._pump(up_reader, writer, received, self._reply_delay_s),
+                self._pump(up_reader, writer, received, self._reply_delay_s, self._cut_at),
             )
         finally:
             self._pairs.discard(pair)
@@ -135,6 +142,7 @@ class CutProxy:
         writer: asyncio.StreamWriter,
         record: bytearray,
         delay_s: float = 0.0,
+        cut_at: bytes | None = None,
     ) -> None:
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             while chunk := await reader.read(_READ):
@@ -142,11 +150,35 @@ class CutProxy:
                     await asyncio.sleep(delay_s)  # a slow server or a long path
                 if writer.is_closing():
                     return
+                if (
+                    cut_at is not None
+                    and self.cuts == 0
+                    and _carries(bytes(record + chunk), cut_at)
+                ):
+                    self.cuts += 1
+                    # What crossed before the path died: the chunk up to the bytes (decoded).
+                    size = next(
+                        n
+                        for n in range(1, len(chunk) + 1)
+                        if _carries(bytes(record + chunk[:n]), cut_at)
+                    )
+                    half = chunk[:size]
+                    record += half
+                    writer.write(half)
+                    await writer.drain()
+                    writer.transport.abort()  # an RST
+                    return
                 record += chunk
                 writer.write(chunk)
                 await writer.drain()
         if not writer.is_closing():
             writer.close()
+
+
+def _carries(data: bytes, wanted: bytes) -> bool:
+    """Whether a response body in ``data`` (one connection's, as far as it got) holds
+    ``wanted``."""
+    return any(wanted in body for body in _responses(data))
 
 
 def _responses(data: bytes) -> list[bytes]:

@@ -184,6 +184,10 @@ SHOWN_ONLY = {
     ("operations/security.md", "Attach tokens"): "a key and a token of your own",
     ("providers.md", "Which providers a broker serves"): "needs the providers' keys and servers",
     ("webhooks.md", "Completion webhooks"): "a secret and a receiver of your own",
+    ("openai.md", "Agent frameworks"): (
+        "a provider's model and tools of your own; tests/test_agent_frameworks.py runs the same "
+        "settings against the simulated provider"
+    ),
     ("openai.md", "Function tools"): (
         "a provider's model and a run() of your own; tests/test_openai_responses_tools.py runs "
         "the same loop against the simulated provider"

@@ -13,7 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 
 from broker.dialects.openai.render import ChatRenderer
-from broker.dialects.openai.requests import ChatRequest, ParamError, chat_messages, check_choice
+from broker.dialects.openai.requests import ChatRequest, ParamError, chat_messages, tool_params
 from broker.dialects.openai.tools import chat_client_tools
 from broker.frames import Entry
 from tests.conftest import BrokerFactory, RunningBroker
@@ -159,22 +159,47 @@ def test_tools_and_tool_messages_become_the_native_fields() -> None:
     assert chat_client_tools([], None) == []
 
 
+NAMED_CHAT = {"type": "function", "function": {"name": "w"}}
+NAMED_RESPONSES = {"type": "function", "name": "w"}
+
+
 @pytest.mark.parametrize(
-    ("choice", "parallel", "param"),
+    ("choice", "parallel", "params"),
     [
-        ("required", None, "tool_choice"),
-        ({"type": "function", "function": {"name": "w"}}, None, "tool_choice"),
-        ("auto", False, "parallel_tool_calls"),
+        (None, None, {}),
+        ("auto", True, {}),
+        ("none", None, {}),
+        ("required", None, {"tool_choice": "required"}),
+        (NAMED_CHAT, None, {"tool_choice": {"name": "w"}}),
+        (NAMED_RESPONSES, None, {"tool_choice": {"name": "w"}}),
+        ("auto", False, {"parallel_tool_calls": False}),
+        ("required", False, {"tool_choice": "required", "parallel_tool_calls": False}),
     ],
 )
-def test_what_the_providers_cannot_honour_is_a_400_naming_it(
-    choice: Any, parallel: Any, param: str
+def test_tool_choice_and_parallel_tool_calls_become_the_turns_params(
+    choice: Any, parallel: Any, params: dict[str, Any]
+) -> None:
+    assert tool_params(choice, parallel, ["w", "t"]) == params
+
+
+@pytest.mark.parametrize(
+    ("choice", "names"),
+    [
+        ("required", []),  # nothing to call
+        ({"type": "function", "function": {"name": "x"}}, ["w"]),  # not among tools
+        ({"type": "function", "name": "x"}, ["w"]),
+        ({"type": "allowed_tools", "mode": "auto", "tools": []}, ["w"]),
+        ({"type": "custom", "name": "w"}, ["w"]),
+        ({"type": "function", "function": {"name": "w", "strict": True}}, ["w"]),
+        ({"type": "function", "name": "w", "extra": 1}, ["w"]),
+    ],
+)
+def test_a_tool_choice_the_broker_cannot_honour_is_a_400_naming_it(
+    choice: Any, names: list[str]
 ) -> None:
     with pytest.raises(ParamError) as caught:
-        check_choice(choice, parallel)
-    assert caught.value.param == param
-    check_choice("auto", True)
-    check_choice("none", None)
+        tool_params(choice, None, names)
+    assert caught.value.param == "tool_choice"
 
 
 # --- an agent loop through the SDK ----------------------------------------------------------------
@@ -363,8 +388,11 @@ def test_a_regenerated_turn_hands_the_same_call_ids(broker: RunningBroker) -> No
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "1bad"}}]}, "tools"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
         ({"tools": [{"type": "web_search"}]}, "tools"),

@@ -319,9 +319,9 @@ def test_tool_choice_none_offers_no_tools_and_is_echoed(broker: RunningBroker) -
             {"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]},
             "tools",
         ),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
-        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "mcp", "server_label": "s"}}, "tool_choice"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
     ],

@@ -23,7 +23,8 @@ How a broker request becomes a Messages call, where the two models differ:
 * ``tools`` in OpenAI function format are converted (``parameters`` → ``input_schema``); tools
   in Anthropic's format pass through; the turn's client tools follow them, converted alike.
   Each tool step is an assistant message (its text, then its ``tool_use`` blocks) followed by
-  a user message of ``tool_result`` blocks.
+  a user message of ``tool_result`` blocks. ``params.tool_choice`` ``required`` is ``any``, a
+  named tool is ``tool``, and ``parallel_tool_calls: false`` is ``disable_parallel_tool_use``.
 * ``max_tokens`` is required by the API: ``params.max_tokens``, else the constructor's default
   (``BROKER_ANTHROPIC_MAX_TOKENS``). ``stop`` becomes ``stop_sequences``. ``temperature``,
   ``top_p`` and ``top_k`` are sent in the body as the API defines them; SDK 2.x no longer types
@@ -59,7 +60,7 @@ from anthropic.types import (
 )
 from anthropic.types import TextDelta as AnthropicTextDelta
 
-from broker.client_tools import offered_tools
+from broker.client_tools import TOOL_PARAMS, check_tool_params, chosen_tool, offered_tools
 from broker.content import images_of
 from broker.errors import BadRequest
 from broker.providers import taxonomy
@@ -80,7 +81,7 @@ log = logging.getLogger("broker.providers.anthropic")
 
 DEFAULT_BASE_URL = "https://api.anthropic.com"
 DRAIN_S = 0.5  # how long the end of a body may take to come after message_stop
-PARAMS = ("max_tokens", "stop", "temperature", "top_k", "top_p")
+PARAMS = ("max_tokens", "stop", "temperature", "top_k", "top_p", *TOOL_PARAMS)
 SAMPLING = ("temperature", "top_p", "top_k")  # sent as extra_body (see the module docstring)
 JSON_INSTRUCTION = (
     "Answer with a single valid JSON value and nothing else: no text before or after it and "
@@ -129,6 +130,7 @@ class AnthropicProvider:
 
     def validate_params(self, params: dict[str, Any]) -> None:
         reject_unknown_params("anthropic", params, PARAMS)
+        check_tool_params(params)
         _check_number(params, "temperature", 0.0, 1.0)
         _check_number(params, "top_p", 0.0, 1.0)
         _check_integer(params, "top_k", 1, 1_000_000)
@@ -163,6 +165,7 @@ class AnthropicProvider:
                     system=body.get("system", anthropic.omit),
                     stop_sequences=body.get("stop_sequences", anthropic.omit),
                     tools=body.get("tools", anthropic.omit),
+                    tool_choice=body.get("tool_choice", anthropic.omit),
                     extra_body={k: body[k] for k in SAMPLING if k in body} or None,
                     stream=True,
                 )
@@ -360,7 +363,28 @@ def build_body(request: GenerationRequest, default_max_tokens: int) -> tuple[dic
     tools = [*request.tools, *offered_tools(request.client_tools)]
     if tools:
         body["tools"] = [_tool(tool) for tool in tools]
+        if (choice := tool_choice(params)) is not None:
+            body["tool_choice"] = choice
     return body, stripped
+
+
+def tool_choice(params: dict[str, Any]) -> dict[str, Any] | None:
+    """``params.tool_choice`` and ``parallel_tool_calls`` as Anthropic's ``tool_choice``:
+    ``required`` is ``any``, a named tool is ``tool``, and one call at most is
+    ``disable_parallel_tool_use`` (None: the API's default, ``auto``)."""
+    choice = params.get("tool_choice")
+    name = chosen_tool(params)
+    if name is not None:
+        mapped: dict[str, Any] = {"type": "tool", "name": name}
+    elif choice is not None:
+        mapped = {"type": "any" if choice == "required" else choice}
+    elif params.get("parallel_tool_calls") is False:
+        mapped = {"type": "auto"}
+    else:
+        return None
+    if params.get("parallel_tool_calls") is False and mapped["type"] != "none":
+        mapped["disable_parallel_tool_use"] = True
+    return mapped
 
 
 def _add_message(

@@ -51,7 +51,7 @@ import httpx
 import openai
 from openai.types.chat import ChatCompletionChunk
 
-from broker.client_tools import offered_tools
+from broker.client_tools import TOOL_PARAMS, check_tool_params, chosen_tool, offered_tools
 from broker.errors import BadRequest
 from broker.numbers import whole_number
 from broker.providers import taxonomy
@@ -72,7 +72,7 @@ DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
 # were started with a key, and the SDK refuses to build a client without one.
 NO_KEY: Final = "no-key"
 NUMBER_PARAMS: Final = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
-PARAMS: Final = frozenset({*NUMBER_PARAMS, "max_tokens", "stop", "seed"})
+PARAMS: Final = frozenset({*NUMBER_PARAMS, "max_tokens", "stop", "seed", *TOOL_PARAMS})
 MESSAGE_FIELDS: Final = ("role", "content", "name")
 TOOL_FINISH_REASONS: Final = frozenset({"tool_calls", "function_call"})
 DONE_GRACE_S: Final = 1.0  # how long a finished stream may take to send its [DONE]
@@ -112,8 +112,9 @@ class OpenAIProvider:
 
     def validate_params(self, params: dict[str, Any]) -> None:
         reject_unknown_params("openai", params, PARAMS)
+        check_tool_params(params)
         for key, value in params.items():
-            if value is None:
+            if value is None or key in TOOL_PARAMS:
                 continue  # null: the server's default
             if key == "stop":
                 what = "a string or a list of strings"
@@ -143,6 +144,10 @@ class OpenAIProvider:
                 stream=True,
                 stream_options={"include_usage": True},
                 tools=cast(Any, tools) if (tools := all_tools(request)) else openai.omit,
+                tool_choice=tool_choice(params) if tools else openai.omit,
+                parallel_tool_calls=params.get("parallel_tool_calls", openai.omit)
+                if tools
+                else openai.omit,
                 response_format=cast(Any, chat_response_format(request.response_format))
                 or openai.omit,
                 temperature=params.get("temperature", openai.omit),
@@ -280,6 +285,14 @@ def all_tools(request: GenerationRequest) -> list[dict[str, Any]]:
     """The tools offered to the model: the request's ``tools`` (already in this format), then
     its client tools as function tools."""
     return [*request.tools, *offered_tools(request.client_tools)]
+
+
+def tool_choice(params: dict[str, Any]) -> Any:
+    """``params.tool_choice`` as Chat Completions takes it (a named tool is a function)."""
+    name = chosen_tool(params)
+    if name is not None:
+        return {"type": "function", "function": {"name": name}}
+    return params.get("tool_choice", openai.omit)
 
 
 def render_messages(request: GenerationRequest) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from broker.canonical import canonical_json
+from broker.client_tools import TOOL_PARAMS, check_tool_params, chosen_tool
 from broker.content import Image, images_of
 from broker.errors import BadRequest
 from broker.providers.base import (
@@ -47,7 +48,9 @@ KNOBS = {
     "delta (a slow time to first token)",
     "error": "'retryable' (default) or 'fatal': the kind of the injected failures",
     "tool_calls": "a script of tool calls: [{name, args, after}], `after` deltas in; calls with "
-    "the same `after` are one message",
+    "the same `after` are one message; the calls the history already made (in assistant "
+    "messages since the last user message) are not made again; "
+    "params.tool_choice and parallel_tool_calls: false are honoured",
     "fail_after_tool_calls": "the first attempt's call breaks right after its Nth tool call ran",
     "cut_during_tool_args": "true: the first attempt's call breaks while a call's args arrive",
     "json": "true: emit a JSON document (the default for response_format json and json_schema), "
@@ -68,7 +71,9 @@ SCRIPTING_KNOBS = frozenset(
         "cut_during_tool_args",
     }
 )
-GENERIC_PARAMS = frozenset({"simulate", "temperature", "top_p", "max_tokens", "stop", "seed"})
+GENERIC_PARAMS = frozenset(
+    {"simulate", "temperature", "top_p", "max_tokens", "stop", "seed", *TOOL_PARAMS}
+)
 DEFAULT_TOKENS = 48
 IMAGE_TOKENS = 85  # what the simulator counts an image as (OpenAI's price of a low-detail one)
 DEFAULT_TOKENS_PER_S = 25.0
@@ -148,6 +153,7 @@ class SimulatedProvider:
 
     def validate_params(self, params: dict[str, Any]) -> None:
         reject_unknown_params("simulated", params, GENERIC_PARAMS)
+        check_tool_params(params)
         knobs = params.get("simulate", {})
         if not isinstance(knobs, dict):
             raise BadRequest("params.simulate must be an object")
@@ -218,7 +224,8 @@ class SimulatedProvider:
         break_after = knobs.get("fail_after_deltas") if first_attempt else None
         stall_after = knobs.get("stall_after_deltas") if first_attempt else None
         step = len(request.tool_steps)
-        messages = _script_messages(knobs.get("tool_calls", []))
+        script = _chosen_calls(_unmade(knobs.get("tool_calls", []), request.messages), request)
+        messages = _script_messages(script, request.params.get("parallel_tool_calls", True))
         low, high, calls = _step_window(messages, step, start, len(pieces))
         pace = self.pace(knobs)
         began = time.monotonic()
@@ -291,6 +298,30 @@ def _image_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[s
     return [image_echo(images)]
 
 
+def _unmade(script: list[dict[str, Any]], messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The scripted calls the request's history has not made yet: a call of an assistant
+    message since the last user message (a client ran it and sends its result in this turn)
+    with a scripted call's name and arguments made that one, so that an agent loop that sends
+    the same script every turn goes on to the next call, then to the answer, as a model would."""
+    made: list[tuple[str, Any]] = []
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            break
+        for call in message.get("tool_calls") or () if message.get("role") == "assistant" else ():
+            try:
+                made.append((str(call.get("name")), orjson.loads(call.get("arguments") or "{}")))
+            except orjson.JSONDecodeError:
+                continue  # not a call of the script's
+    left = []
+    for call in script:
+        key = (call["name"], call.get("args", {}))
+        if key in made:
+            made.remove(key)
+        else:
+            left.append(call)
+    return left
+
+
 def _continued_from(pieces: list[str], prefill: str) -> int:
     """Where a continued attempt carries on: the index past the pieces its prefill (what was
     delivered) covers, or 0 when the prefill is not this answer's own text."""
@@ -302,12 +333,29 @@ def _continued_from(pieces: list[str], prefill: str) -> int:
     return start if delivered == prefill else 0
 
 
-def _script_messages(script: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def _chosen_calls(script: list[dict[str, Any]], request: GenerationRequest) -> list[dict[str, Any]]:
+    """The scripted calls ``params.tool_choice`` lets the model make: none for ``none``; for a
+    named tool, its calls, else one call of it (arguments ``{}``); for ``required``, the
+    script, else one call of the first client tool."""
+    choice = request.params.get("tool_choice")
+    name = chosen_tool(request.params)
+    if choice == "none":
+        return []
+    if name is not None:
+        return [c for c in script if c["name"] == name] or [{"name": name}]
+    if choice == "required" and not script and request.client_tools:
+        return [{"name": request.client_tools[0]["name"]}]
+    return script
+
+
+def _script_messages(
+    script: list[dict[str, Any]], parallel: bool = True
+) -> list[list[dict[str, Any]]]:
     """The scripted calls grouped into model messages: consecutive calls at the same ``after``
-    are one message's calls."""
+    are one message's calls (each call its own message when not ``parallel``)."""
     messages: list[list[dict[str, Any]]] = []
     for call in script:
-        if messages and messages[-1][0].get("after", 0) == call.get("after", 0):
+        if parallel and messages and messages[-1][0].get("after", 0) == call.get("after", 0):
             messages[-1].append(call)
         else:
             messages.append([call])

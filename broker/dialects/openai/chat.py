@@ -26,7 +26,7 @@ from broker.dialects.openai.errors import documented, error_response
 from broker.dialects.openai.events import failure_message
 from broker.dialects.openai.formats import chat_format
 from broker.dialects.openai.render import FINISH, ChatRenderer, usage_of
-from broker.dialects.openai.requests import ChatRequest, chat_messages, check_choice, turn_params
+from broker.dialects.openai.requests import ChatRequest, chat_messages, tool_params, turn_params
 from broker.dialects.openai.responses import (
     Credentials,
     StoredResponse,
@@ -147,8 +147,9 @@ async def create_chat_completion(request: Request, _credentials: Credentials) ->
             params["stop"] = body.stop
         if body.seed is not None:
             params["seed"] = body.seed
-        check_choice(body.tool_choice, body.parallel_tool_calls)
         tools = chat_client_tools(body.tools, body.tool_choice)
+        names = [t["name"] for t in tools]
+        params |= tool_params(body.tool_choice, body.parallel_tool_calls, names)
         resume = request.headers.get("last-event-id") or START
         # Where a stream reattaches: from the start, or after the event it names (there is no
         # `now` here); 400 for a malformed offset, before any turn starts. With tools, it reads

@@ -138,7 +138,8 @@ class Head:
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     text: dict[str, Any] = dataclasses.field(default_factory=lambda: TEXT_FORMAT)
     tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # function tools
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, Any] = "auto"  # as sent
+    parallel_tool_calls: bool = True
 
     def response(
         self,
@@ -161,7 +162,7 @@ class Head:
             "model": self.model,
             "instructions": self.instructions,
             "output": output,
-            "parallel_tool_calls": bool(self.tools),
+            "parallel_tool_calls": bool(self.tools) and self.parallel_tool_calls,
             "tool_choice": self.tool_choice,
             "tools": list(self.tools),
             "temperature": self.temperature,

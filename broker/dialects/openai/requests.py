@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.content import Detail, parse_image_url
 from broker.dialects.openai.tools import (
-    CHOICES_TAKEN,
     ChatTool,
     ChatToolCall,
     FunctionCallItem,
@@ -59,6 +58,9 @@ class ContentPart(BaseModel):
     type: Literal["input_text", "output_text", "text"]
     text: str
     annotations: list[Any] | None = None
+    # An ``output_text`` part of an earlier response sent back (the Agents SDK does): its
+    # logprobs say nothing to the model, which is given the text.
+    logprobs: list[Any] | None = None
 
 
 class InputImage(BaseModel):
@@ -331,10 +333,9 @@ def turn_params(
 
 
 def check_supported(request: ResponsesRequest) -> list[ResponsesTool]:
-    """The request's function tools; 400 naming ``tools``, ``tool_choice``,
-    ``parallel_tool_calls`` or ``include`` for what the broker cannot honour; empty lists and
-    ``include`` values that change nothing here are taken as if absent."""
-    check_choice(request.tool_choice, request.parallel_tool_calls)
+    """The request's function tools; 400 naming ``tools`` or ``include`` for what the broker
+    cannot honour; empty lists and ``include`` values that change nothing here are taken as if
+    absent."""
     check_include(request.include or ())
     return responses_tools(request.tools or [])
 
@@ -358,24 +359,50 @@ def responses_tools(tools: list[dict[str, Any]]) -> list[ResponsesTool]:
     return out
 
 
-def check_choice(tool_choice: Any, parallel_tool_calls: bool | None) -> None:
-    """400 naming ``tool_choice`` or ``parallel_tool_calls`` for what the providers cannot
-    honour (they let the model choose, any number of calls)."""
-    if tool_choice is not None and tool_choice not in CHOICES_TAKEN:
-        shown = tool_choice if isinstance(tool_choice, str) else "a named tool"
+def tool_params(
+    tool_choice: Any, parallel_tool_calls: bool | None, names: list[str]
+) -> dict[str, Any]:
+    """``tool_choice`` and ``parallel_tool_calls`` as the turn's params (see
+    :data:`broker.client_tools.TOOL_PARAMS`; ``auto`` is the default and ``none`` offers no
+    tools, so neither is a param); 400 naming ``tool_choice`` for a choice of another type, a
+    function that is not among ``names`` (the request's tools), or ``required`` without tools."""
+    params: dict[str, Any] = {}
+    if parallel_tool_calls is False:
+        params["parallel_tool_calls"] = False
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return params
+    if tool_choice == "required":
+        if not names:
+            raise ParamError("tool_choice 'required' needs tools to call", "tool_choice")
+        return params | {"tool_choice": "required"}
+    name = _named(tool_choice)
+    if name is None:
         raise ParamError(
-            f"tool_choice {str(shown)[:64]!r} is not supported: the providers of this broker "
-            f"let the model choose (this broker takes: {', '.join(CHOICES_TAKEN)})",
+            f"tool_choice of type {str(tool_choice.get('type'))[:64]!r} is not supported (this "
+            "broker takes: auto, none, required, and a function by name)",
             "tool_choice",
             code="unsupported_parameter",
         )
-    if parallel_tool_calls is False:
+    if name not in names:
         raise ParamError(
-            "parallel_tool_calls false is not supported: the providers of this broker may make "
-            "several calls in one message (send true, or leave it out)",
-            "parallel_tool_calls",
-            code="unsupported_parameter",
+            f"tool_choice names the function {name[:128]!r}, which is not among tools",
+            "tool_choice",
         )
+    return params | {"tool_choice": {"name": name}}
+
+
+def _named(choice: dict[str, Any]) -> str | None:
+    """The function a ``tool_choice`` object names: Responses' ``{type, name}`` or Chat
+    Completions' ``{type, function: {name}}``; None for any other shape."""
+    if choice.get("type") != "function":
+        return None
+    if set(choice) == {"type", "name"}:
+        name = choice["name"]
+    elif set(choice) == {"type", "function"} and isinstance(choice["function"], dict):
+        name = choice["function"].get("name") if set(choice["function"]) == {"name"} else None
+    else:
+        return None
+    return name if isinstance(name, str) else None
 
 
 def check_include(values: Iterable[str]) -> None:

@@ -51,6 +51,7 @@ from broker.dialects.openai.requests import (
     check_supported,
     describe,
     resolve_model,
+    tool_params,
     turn_params,
 )
 from broker.dialects.openai.tools import renamed, responses_client_tools
@@ -190,6 +191,7 @@ def echoed_fields(body: ResponsesRequest, sent: Context) -> dict[str, Any]:
         "store": False if body.store is False else None,
         "input_ids": sent.input_ids or None,
         "tool_choice": body.tool_choice if body.tool_choice != "auto" else None,
+        "parallel_tool_calls": False if body.parallel_tool_calls is False else None,
     }
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -226,7 +228,8 @@ class StoredResponse:
             metadata=dict(echo.get("metadata") or {}),
             text=echo.get("text") or TEXT_FORMAT,
             tools=function_tools(request.client_tools),
-            tool_choice=str(echo.get("tool_choice") or "auto"),
+            tool_choice=echo.get("tool_choice") or "auto",
+            parallel_tool_calls=echo.get("parallel_tool_calls", True),
         )
 
 
@@ -357,6 +360,8 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
         turn_id = turn_id_of(request, body.metadata, "resp_")
         sent = await context(rt, body, turn_id, principal.tenant)
         params = turn_params(body.broker, body.temperature, body.top_p, body.max_output_tokens)
+        names = [t["name"] for t in tools]
+        params |= tool_params(body.tool_choice, body.parallel_tool_calls, names)
         echoed = echoed_fields(body, sent) | ({"text": text_echo} if text_echo else {})
         turn = to_turn(
             rt,

@@ -3,15 +3,15 @@
 translation to the native turn's ``client_tools`` and :class:`~broker.turns.Message` fields
 (see :mod:`broker.client_tools`). Pure, and tested as tables.
 
-The providers offer the tools and let the model choose (``auto``), possibly several calls in
-one message: ``tool_choice`` ``auto`` and ``none`` (no tools offered) are honoured, and
-``parallel_tool_calls`` ``true``; what the providers cannot honour (a call required, a named
-function forced, one call at most) is a 400 naming the parameter.
+``tool_choice`` ``none`` offers no tools; ``required``, a named function and
+``parallel_tool_calls: false`` travel to the providers as the turn's params (see
+:func:`broker.dialects.openai.requests.tool_params` and
+:data:`broker.client_tools.TOOL_PARAMS`), which every provider honours.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,10 +54,6 @@ class ChatToolCall(BaseModel):
     id: str = Field(min_length=1, max_length=128)
     type: Literal["function"] = "function"
     function: CallFunction
-
-
-# The ``tool_choice`` values the providers honour; the others are refused by name.
-CHOICES_TAKEN: Final = ("auto", "none")
 
 
 def client_tool(
