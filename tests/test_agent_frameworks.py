@@ -3,7 +3,8 @@ scripts the model's calls: the OpenAI Agents SDK (Responses) and LangChain's ``C
 (Chat Completions). Each runs an agent loop with two function tools to its answer (the
 framework runs the tools), extracts JSON through its own structured-output API, gets the same
 call ids on a retried turn, and meets a connection cut mid-call the way that framework can:
-a retry of the same request with the same ``Idempotency-Key`` attaches to the same turn.
+a retry of the same request with the same ``Idempotency-Key`` attaches to the same turn. Each
+asks about images with its own message types, and the model is shown them.
 
 No network: the Agents SDK's tracing is off, LangChain's is off unless asked for."""
 
@@ -456,3 +457,47 @@ async def test_a_streamed_run_cut_mid_call_is_run_again_into_the_same_turn(
     assert log.runs == [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "Europe/Oslo"})]
     assert result.final_output.startswith("(2 tool results")
     assert agents_calls(result) == first_turn_calls(broker, keys.sent[0])
+
+
+# --- an image question, through each framework's own message types ------------------------------
+
+PNG = (  # a 1x1 PNG, as a data URL
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGA"
+    "WjR9awAAAABJRU5ErkJggg=="
+)
+PHOTO = "https://images.example.com/fjord.jpg"  # never fetched: the model is given the URL
+
+
+async def test_the_agents_sdk_asks_about_images(broker: RunningBroker) -> None:
+    log = ToolLog()
+    agent = responses_agent(broker.base_url, log, extra_body=simulate())
+    question: Any = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "What is in these pictures?"},
+                {"type": "input_image", "image_url": PNG, "detail": "low"},
+                {"type": "input_image", "image_url": PHOTO, "detail": "auto"},
+            ],
+        }
+    ]
+    result = await Runner.run(agent, question, run_config=RUN)
+    # The simulated model opens its answer by naming the images it was shown.
+    assert result.final_output.startswith("(shown 2 images: image/png, images.example.com) ")
+    (response,) = result.raw_responses
+    assert response.response_id is not None
+    turn = get_turn(broker.base_url, response.response_id)
+    assert turn["canonical"]["text"] == result.final_output
+    assert log.runs == []
+
+
+def test_langchain_asks_about_an_image(broker: RunningBroker) -> None:
+    model = chat_model(broker.base_url, extra_body=simulate())
+    question = HumanMessage(
+        content=[
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": PHOTO, "detail": "high"}},
+        ]
+    )
+    reply = model.invoke([question])
+    assert reply.text.startswith("(shown 1 image: images.example.com) ")
