@@ -68,8 +68,9 @@ class KeySpace:
         return f"{self.stream(tenant, path)}:meta"
 
     def data(self, tenant: str | None, path: str) -> str:
-        """Redis Stream: a stream's appends, one entry each (entry ids are its offsets), and a
-        last ``close`` entry once it is closed (that wakes its live readers)."""
+        """Redis Stream: a stream's appends, one entry each (entry ids are its offsets; fields
+        ``e m b <bytes>``, or ``e m d <Latin-1 text>`` as older streams wrote them), and a last
+        ``close`` entry once it is closed (that wakes its live readers)."""
         return f"{self.stream(tenant, path)}:data"
 
     def producers(self, tenant: str | None, path: str) -> str:

@@ -9,7 +9,7 @@ from broker.durable_store import protocol
 from broker.errors import Conflict
 from broker.frames import ORIGIN, Cursor
 
-CLOSE: Final = "close"  # the kind of the entry that closes a stream
+CLOSE: Final = b"close"  # the kind of the entry that closes a stream, as Redis sends it
 MESSAGE: Final = "m"  # the kind of an append's entry
 META_FIELDS: Final = ["ctr", "tail", "closed", "inc", "ttl", "exp", "exp_text", "deleted"]
 
@@ -50,8 +50,7 @@ class Read:
     """What one read found past its cursor."""
 
     meta: Meta
-    items: list[tuple[Cursor, str]]  # each append's place (right after it) and payload (text,
-    # see protocol.to_text), in order
+    items: list[tuple[Cursor, bytes]]  # each append's place (right after it) and bytes, in order
     after: Cursor  # where the next read starts: right after the last item here
     up_to_date: bool  # nothing is stored past ``after`` (yet)
     closed: bool  # the stream is closed and ``after`` is its end

@@ -75,16 +75,16 @@ class StreamScripts:
         expires_ms: int | None,
         expires_at: str | None,
         closed: bool,
-        body: str,
+        body: bytes,
         incarnation: str,
         raw_content_type: str,
         quota: Quota,
         fork: Fork = NO_FORK,
-        part: str = "",
+        part: bytes = b"",
     ) -> CreateReply:
         """``source``: a fork's source's keys (the stream's own for no fork); ``part``: the
         sub-offset's part of the source's next append."""
-        args = [
+        args: list[str | bytes] = [
             keys.path,
             content_type,
             "" if ttl_s is None else str(ttl_s),
@@ -113,7 +113,7 @@ class StreamScripts:
         keys: StreamKeys,
         *,
         content_type: str,
-        body: str,
+        body: bytes,
         close: bool,
         producer: tuple[str, int, int] | None,
         stream_seq: str,

@@ -11,7 +11,9 @@ Redis (no byte of it passes through the broker), charged to the tenant; its sour
 its forks set, so that a source deleted while forks of it live stays as a marked path (410)
 until its last fork goes. Closing adds a last ``close`` entry after the data: the stream's live
 readers wake on it as on an append, and a read that meets it knows the stream has ended. A
-payload is kept as the text whose code points are its bytes (Latin-1).
+payload is kept as its bytes (the entry's field ``b``; a stream written before kept text whose
+code points are its bytes, field ``d``, still read as those bytes), sent to the scripts as bytes
+and read back undecoded, and so is waited on (a bare feed: places, no payloads decoded).
 
 Reads and writes go to the primary (a Durable Streams client reads its own writes); a live read
 waits on the stream's feed like an SSE reader of a generation (:mod:`broker.fanout`): waiting
@@ -136,12 +138,12 @@ class DurableStore:
             expires_ms=made.expires_ms,
             expires_at=made.expires_at,
             closed=made.closed,
-            body=protocol.to_text(data),
+            body=data,
             incarnation=secrets.token_hex(8),
             raw_content_type=made.content_type,
             quota=self.quota,
             fork=fork.signature if fork is not None else NO_FORK,
-            part=protocol.to_text(fork.part) if fork is not None else "",
+            part=fork.part if fork is not None else b"",
         )
         match reply:
             case StreamMade():
@@ -189,7 +191,7 @@ class DurableStore:
             if following is None:
                 raise errors.bad_fork("nothing follows the fork offset to take a sub-offset of")
             json = protocol.is_json(meta.content_type)
-            part = protocol.prefix(protocol.to_bytes(following), request.sub, json=json)
+            part = protocol.prefix(following, request.sub, json=json)
         given = "" if request.offset is None else at.entry_id
         sub = str(request.sub) if request.sub else ""
         return _Fork(meta, Fork(request.source, given, at.entry_id, sub), part)
@@ -216,7 +218,7 @@ class DurableStore:
         reply = await self._scripts.append(
             keys,
             content_type=content_type,
-            body=protocol.to_text(body),
+            body=body,
             close=request.close,
             producer=request.producer,
             stream_seq=request.stream_seq or "",
@@ -314,13 +316,12 @@ class DurableStore:
     async def _meta(self, keys: StreamKeys) -> Meta | None:
         return Meta.of(await rc.hmget(self._redis, keys.meta, META_FIELDS))
 
-    async def _next_append(self, keys: StreamKeys, after: Cursor) -> str | None:
+    async def _next_append(self, keys: StreamKeys, after: Cursor) -> bytes | None:
         """The payload of the first append past ``after``, if any."""
-        page = await rc.xrange_raw(self._redis, keys.data, "(" + after.entry_id, "+", 2)
-        for _, raw in page:
-            fields = rc.fields_dict(raw)
-            if fields.get("e") != CLOSE:
-                return fields.get("d", "")
+        page = await rc.xrange_bytes(self._redis, keys.data, "(" + after.entry_id, "+", 2)
+        for _, fields in page:
+            if fields[1] != CLOSE:
+                return protocol.payload(fields[2], fields[3])
         return None
 
     async def read(self, tenant: str | None, path: str, after: Cursor | None) -> Read:
@@ -342,7 +343,9 @@ class DurableStore:
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hmget(keys.meta, META_FIELDS)
             if after is not None:
-                pipe.xrange(keys.data, min="(" + after.entry_id, max="+", count=READ_COUNT)
+                start = "(" + after.entry_id
+                args = ("XRANGE", keys.data, start, "+", "COUNT", READ_COUNT)
+                pipe.execute_command(*args, **rc.UNDECODED)
             replies = await pipe.execute()
         meta = Meta.of(replies[0])
         if meta is None:
@@ -351,29 +354,30 @@ class DurableStore:
             await self._scripts.touch(keys, meta.ttl_s)
         if after is None:  # from the tail: nothing to read, closed if it is
             return Read(meta, [], meta.tail, True, meta.closed)
-        return await self._collect(keys, meta, after, replies[1])
+        return await self._collect(keys, meta, after, rc.flat_entries(replies[1]))
 
     async def _collect(
-        self, keys: StreamKeys, meta: Meta, after: Cursor, page: rc.RawEntries
+        self, keys: StreamKeys, meta: Meta, after: Cursor, page: rc.ByteEntries
     ) -> Read:
+        """The read of ``page`` and the pages after it, from Redis's reply as it is: each entry
+        ``[id, [b"e", kind, field, payload]]`` (see the ``ds_*`` scripts), no dict per entry."""
         limit = self._settings.ds_max_read_bytes
-        items: list[tuple[Cursor, str]] = []
+        items: list[tuple[Cursor, bytes]] = []
         size = 0
         cursor = after
         while True:
-            for entry_id, raw in page:
-                fields = rc.fields_dict(raw)
-                if fields.get("e") == CLOSE:
+            for entry_id, fields in page:
+                if fields[1] == CLOSE:
                     return Read(meta, items, cursor, True, True)
-                data = fields.get("d", "")
+                data = fields[3] if fields[2] == b"b" else protocol.payload(fields[2], fields[3])
                 if items and size + len(data) > limit:
                     return Read(meta, items, cursor, False, False)
-                cursor = Cursor.after(entry_id)
+                cursor = Cursor.after(entry_id.decode())
                 items.append((cursor, data))
                 size += len(data)
             if len(page) < READ_COUNT:
                 return Read(meta, items, cursor, True, False)
-            page = await rc.xrange_raw(
+            page = await rc.xrange_bytes(
                 self._redis, keys.data, "(" + cursor.entry_id, "+", READ_COUNT
             )
 
@@ -382,7 +386,7 @@ class DurableStore:
         ``timeout_s``. Waiting rides the stream's feed: no Redis command per waiting reader."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        subscription = self._hub.subscribe(self._keys(tenant, path).data, after)
+        subscription = self._hub.subscribe(self._keys(tenant, path).data, after, bare=True)
         try:
             if not subscription.covers(after):
                 return  # the feed is past this reader already: look in Redis

@@ -19,7 +19,8 @@
 -- KEYS[6]  usage         <space>:usage    (hash: bytes; tokens, ts: the append rate's bucket)
 --          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
 -- ARGV[1]  content type  the request's, normalized; "" for a close without a body
--- ARGV[2]  body          the entry's payload; "" to close without appending
+-- ARGV[2]  body          the entry's payload (its bytes, kept as they are: field b); "" to
+--                        close without appending
 -- ARGV[3]  close         "1" to close the stream after the append, else ""
 -- ARGV[4]  producer id   "" when the request has no producer headers
 -- ARGV[5]  epoch         the producer's epoch (a whole number), when ARGV[4] is set
@@ -121,7 +122,7 @@ if ARGV[2] ~= '' then
   if max_bytes > 0 and (tonumber(redis.call('HGET', usage, 'bytes')) or 0) + #ARGV[2] > max_bytes then
     return {'quota', 'bytes', ARGV[10]}
   end
-  tail = redis.call('XADD', data, '*', 'e', 'm', 'd', ARGV[2])
+  tail = redis.call('XADD', data, '*', 'e', 'm', 'b', ARGV[2])
   redis.call('HSET', meta, 'tail', tail)
   redis.call('HINCRBY', sizes, member, #ARGV[2])
   redis.call('HINCRBY', usage, 'bytes', #ARGV[2])
@@ -132,7 +133,7 @@ local closed = ''
 if ARGV[3] == '1' then
   closed = '1'
   redis.call('HSET', meta, 'closed', '1', 'cp', tuple)
-  redis.call('XADD', data, '*', 'e', 'close', 'd', '')
+  redis.call('XADD', data, '*', 'e', 'close', 'b', '')
 end
 keep_alive()
 return {'ok', tail, closed}

@@ -139,7 +139,7 @@ if fork and ARGV[12] ~= '0-0' then
     local page = redis.call('XRANGE', KEYS[6], start, ARGV[12], 'COUNT', PAGE)
     for _, entry in ipairs(page) do
       local f = entry[2]
-      if f[2] ~= 'close' then tail = redis.call('XADD', data, entry[1], 'e', 'm', 'd', f[4] or '') end
+      if f[2] ~= 'close' then tail = redis.call('XADD', data, entry[1], 'e', 'm', f[3], f[4]) end
     end
     if #page < PAGE then break end
     start = '(' .. page[#page][1]
@@ -148,10 +148,10 @@ end
 if ARGV[14] ~= '' then
   local ms, seq = string.match(ARGV[12], '^(%d+)-(%d+)$')
   tail = redis.call('XADD', data, ms .. '-' .. string.format('%d', tonumber(seq) + 1), 'e', 'm',
-    'd', ARGV[14])
+    'b', ARGV[14])
 end
 if ARGV[7] ~= '' then
-  tail = redis.call('XADD', data, '*', 'e', 'm', 'd', ARGV[7])
+  tail = redis.call('XADD', data, '*', 'e', 'm', 'b', ARGV[7])
 end
 redis.call('HSET', meta, 'path', ARGV[1], 'ct', ARGV[2], 'ctr', ARGV[9], 'tail', tail,
   'inc', ARGV[8])
@@ -163,7 +163,7 @@ if ARGV[3] ~= '' then redis.call('HSET', meta, 'ttl', ARGV[3]) end
 if ARGV[4] ~= '' then redis.call('HSET', meta, 'exp', ARGV[4], 'exp_text', ARGV[5]) end
 if ARGV[6] == '1' then
   redis.call('HSET', meta, 'closed', '1')
-  redis.call('XADD', data, '*', 'e', 'close', 'd', '')
+  redis.call('XADD', data, '*', 'e', 'close', 'b', '')
 end
 for _, key in ipairs({meta, data}) do
   if ARGV[3] ~= '' then
