@@ -131,9 +131,10 @@ class StreamScripts:
         return decode_delete(reply)
 
     async def fork_ref(self, source: StreamKeys, fork: str) -> ForkRefReply:
-        """Give ``fork``'s (a path) reference on ``source`` back."""
-        refs = [source.meta, source.forks, source.data, source.producers]
-        return decode_fork_ref(await self._scripts("ds_fork_ref", refs, [fork]))
+        """Give ``fork``'s (a path; a fork made by copy) reference on ``source`` back."""
+        refs = [source.meta, source.forks, source.data, source.producers, *source.accounts]
+        reply = await self._scripts("ds_fork_ref", refs, [fork, source.member])
+        return decode_fork_ref(reply)
 
     async def touch(self, keys: StreamKeys, ttl_s: int) -> bool:
         """Whether the stream's sliding TTL started again (False: it is gone or deleted)."""

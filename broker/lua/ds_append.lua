@@ -48,7 +48,8 @@
 --          {"rate", retry_after_ms}         the tenant appends faster than its rate
 --          {"quota", "bytes", max}          the tenant's bytes would pass its quota
 -- Errors   none of its own.
--- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token), put in place below.
+-- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token), put in place below;
+--          prune gives the references of forks that expired back (keys built from KEYS[4]).
 --! include _ds_quota
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage, member = KEYS[4], KEYS[5], KEYS[6], ARGV[9]
@@ -69,18 +70,20 @@ local function at_or_before(a, b)
   return #a <= #b
 end
 
-local v = redis.call('HMGET', meta, 'ct', 'closed', 'tail', 'cp', 'sseq', 'ttl', 'deleted')
+local v = redis.call('HMGET', meta, 'ct', 'closed', 'tail', 'cp', 'sseq', 'ttl', 'deleted', 'pin')
 if not v[1] then return {'missing'} end
 if v[7] == '1' then return {'gone'} end
 
 -- A sliding TTL starts again with every request that reaches the stream, refused or not; an
--- absolute expiry is copied onto keys made since (the data, the producers).
+-- absolute expiry is copied onto keys made since (the data, the producers). A stream that forks
+-- read (pinned, see _ds_quota) keeps its data and its score: its metadata alone expires.
 local function keep_alive()
   local keep = v[6] and tonumber(v[6]) * 1000 or redis.call('PTTL', meta)
   if keep > 0 then
     redis.call('PEXPIRE', meta, int(keep))
-    if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, int(keep)) end
     if redis.call('EXISTS', producers) == 1 then redis.call('PEXPIRE', producers, int(keep)) end
+    if v[8] then return end
+    if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, int(keep)) end
     if v[6] then redis.call('ZADD', streams, 'XX', int(clock_ms() + keep), member) end
   end
 end
