@@ -249,6 +249,7 @@ def test_the_durable_streams_benchmark_runs_small() -> None:
     assert len(rows) == 1
     servers = 2 if REFERENCE.is_dir() else 1
     assert rows[0].count("[") == servers  # one median [range] per server
+    assert "broker storage: Redis bytes per payload byte" in result.stdout
 
 
 def test_a_long_poll_whose_client_hangs_up_gives_its_place_back(

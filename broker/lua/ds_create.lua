@@ -117,10 +117,16 @@ if fork then
   end
   if #links / 2 > MAX_FORK_DEPTH then return {'too_deep', int(MAX_FORK_DEPTH)} end
   chain = table.concat(links, ' ')
-  for i = 1, #links, 2 do
-    local data_key = i == 1 and KEYS[6] or key_of(KEYS[8], links[i], 'data')
-    local last = redis.call('XREVRANGE', data_key, links[i + 1], '-', 'COUNT', 1)[1]
-    if last and after(last[1], inherited_tail) then inherited_tail = last[1] end
+  if point == (s[3] or '0-0') then
+    inherited_tail = point  -- the source's tail: its last entry
+  else
+    -- A point of the client's: the last entry at or before it, wherever in the chain (one
+    -- entry read per stream: a fork at the tail, the usual one, reads none).
+    for i = 1, #links, 2 do
+      local data_key = i == 1 and KEYS[6] or key_of(KEYS[8], links[i], 'data')
+      local last = redis.call('XREVRANGE', data_key, links[i + 1], '-', 'COUNT', 1)[1]
+      if last and after(last[1], inherited_tail) then inherited_tail = last[1] end
+    end
   end
 end
 
