@@ -34,6 +34,7 @@ from broker.durable_store.replies import (
     StaleProducer,
     StreamMade,
     StreamSeqBehind,
+    TooDeep,
     TypeMismatch,
     decode_append,
     decode_create,
@@ -66,6 +67,7 @@ TAIL = Cursor.after("1700000000000-3")
         (["source_missing"], SourceMissing()),
         (["source_deleted"], SourceDeleted()),
         (["past_tail"], PastTail()),
+        (["too_deep", "16"], TooDeep(16)),
     ],
 )
 def test_ds_create_replies_decode_to_their_types(reply: list[Any], decoded: object) -> None:
