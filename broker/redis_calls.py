@@ -2,7 +2,8 @@
 
 redis-py annotates replies for every client configuration (bytes or str, sync or async); the
 broker's clients always decode to ``str``, so these helpers state that once instead of casting
-at every call site.
+at every call site. The few calls whose replies hold bytes that are not text (Durable Streams
+payloads) ask for them undecoded, per call (:data:`UNDECODED`), and say so in their types.
 """
 
 from __future__ import annotations
