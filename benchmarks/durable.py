@@ -11,7 +11,11 @@ both with the same client, one server at a time:
 * **read**: the same clients each read their stream from the start (catch-up) ``--reads``
   times: appends and MiB delivered per second;
 * the server's CPU seconds per 1,000 appends, and the client's own CPU (if it nears one core,
-  the client is what limits the figures: it speaks HTTP/1.1 on plain sockets to stay cheap).
+  the client is what limits the figures: it speaks HTTP/1.1 on plain sockets to stay cheap);
+* **storage** (the broker only, figures that do not depend on the machine's load): the Redis
+  bytes per stored payload byte of a binary stream (``MEMORY USAGE`` of its data key over its
+  payload bytes; 64-byte and 4 KiB appends), and the Redis memory a fork of an 8 MiB stream
+  adds (``used_memory`` after the fork's ``PUT`` less before; the median of five forks).
 
 Each figure is the median of ``--repeat`` runs, with its range. Nothing here is a pass/fail test;
 the figures go to stdout (and ``--json PATH``).
@@ -34,9 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import redis
 
 from benchmarks.profiling import Profiler, summary
-from benchmarks.servers import REPO, Broker, RedisServer, cpu_seconds, free_port
+from benchmarks.servers import KEY_PREFIX, REPO, Broker, RedisServer, cpu_seconds, free_port
+from broker.durable_store.keys import KeySpace
 
 REFERENCE = REPO / "benchmarks" / "durable-reference"
 
@@ -181,6 +187,61 @@ async def _one_run(server: Server, args: argparse.Namespace) -> Run:
     return run
 
 
+# Forks of the 8 MiB stream measured, one after another: the median is the figure (the server
+# allocates a few dozen KiB once, around the first, that no later fork adds).
+FORKS = 5
+
+
+@dataclass
+class Storage:
+    """What the broker's streams cost in Redis."""
+
+    per_byte_64: float = 0.0  # Redis bytes per payload byte, 64-byte binary appends
+    per_byte_4k: float = 0.0  # the same, 4 KiB binary appends
+    fork_kib: float = 0.0  # Redis memory a fork of an 8 MiB stream adds, KiB (median)
+
+
+async def _fill(connection: _Connection, path: str, size: int, count: int) -> None:
+    kind = "Content-Type: application/octet-stream\r\n"
+    status, _, content = await connection.request("PUT", path, headers=kind)
+    if status not in (200, 201):
+        raise RuntimeError(f"create answered {status}: {content[:200]!r}")
+    for _ in range(count):
+        status, _, content = await connection.request("POST", path, os.urandom(size), kind)
+        if status not in (200, 204):
+            raise RuntimeError(f"append answered {status}: {content[:200]!r}")
+
+
+async def _storage(base_url: str, client: redis.Redis) -> Storage:
+    """The storage figures (see the module) of the broker at ``base_url`` (its streams' URL
+    prefix), whose Redis ``client`` reaches."""
+    base = urllib.parse.urlsplit(base_url).path
+    space = KeySpace(KEY_PREFIX)
+    storage = Storage()
+    connection = await _Connection.open(base_url)
+    try:
+        for size, count, name in ((64, 4_096, "per_byte_64"), (4_096, 256, "per_byte_4k")):
+            stream = f"storage-{uuid.uuid4().hex[:12]}"
+            await _fill(connection, f"{base}/{stream}", size, count)
+            used = int(client.memory_usage(space.data(None, stream), samples=0) or 0)
+            setattr(storage, name, used / (size * count))
+        source = f"storage-{uuid.uuid4().hex[:12]}"
+        await _fill(connection, f"{base}/{source}", 65_536, 128)  # 8 MiB
+        fork = f"Stream-Forked-From: {base}/{source}\r\n"
+        added = []
+        for index in range(FORKS):
+            before = int(client.info("memory")["used_memory"])
+            path = f"{base}/{source}-fork-{index}"
+            status, _, content = await connection.request("PUT", path, headers=fork)
+            if status != 201:
+                raise RuntimeError(f"the fork answered {status}: {content[:200]!r}")
+            added.append(int(client.info("memory")["used_memory"]) - before)
+        storage.fork_kib = statistics.median(added) / 1024
+    finally:
+        connection.close()
+    return storage
+
+
 def _start_reference() -> tuple[subprocess.Popen[str], str] | None:
     node = shutil.which("node")
     if node is None or not (REFERENCE / "node_modules" / "@durable-streams" / "server").is_dir():
@@ -273,9 +334,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.reads} catch-up reads each; median [range] of {args.repeat} runs"
         )
         _print(servers)
+        storage = asyncio.run(_storage(servers[0].base, redis.client()))
+        print(
+            "broker storage: Redis bytes per payload byte (binary) "
+            f"{storage.per_byte_64:.2f} (64 B appends), {storage.per_byte_4k:.2f} (4 KiB); "
+            f"a fork of 8 MiB adds {storage.fork_kib:,.0f} KiB"
+        )
         if args.json is not None:
             figures = {s.name: _summary(s.runs) for s in servers}
-            args.json.write_bytes(orjson.dumps({"args": vars(args) | {"json": None}, **figures}))
+            every = {"args": vars(args) | {"json": None}, **figures, "storage": vars(storage)}
+            args.json.write_bytes(orjson.dumps(every))
     finally:
         if reference is not None:
             reference[0].kill()

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Coroutine
 from operator import attrgetter
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -178,11 +178,18 @@ class _Feed:
     """
 
     def __init__(
-        self, hub: Hub, key: str, start: Cursor | None, turn_key: str | None, seen: bool = False
+        self,
+        hub: Hub,
+        key: str,
+        start: Cursor | None,
+        turn_key: str | None,
+        seen: bool = False,
+        bare: bool = False,
     ) -> None:
         self.hub = hub
         self.key = key
         self.turn_key = turn_key
+        self.bare = bare  # entries are places only: their payloads are bytes nobody decodes
         self.start = start  # where the first subscriber stands; None: the stream's tail
         # Where the feed's reads stand: every entry past it is published after now (None: not
         # known yet, the feed will read the tail).
@@ -338,7 +345,9 @@ class _Feed:
                         tail = await rc.last_entry_id(redis, self.key)
                         after = self.read_after = Cursor.after(tail) if tail else ORIGIN
                         self.seen = after if tail else None
-                    reply = await rc.xread(redis, self.key, after.entry_id, 1000, FEED_BLOCK_MS)
+                    reply = await rc.xread(
+                        redis, self.key, after.entry_id, 1000, FEED_BLOCK_MS, undecoded=self.bare
+                    )
                 except (RedisError, OSError) as exc:
                     # A blip is retried; a Redis that stays away ends the reads, whose clients
                     # then resume (and get 503 until Redis is back).
@@ -354,7 +363,10 @@ class _Feed:
                 failures = 0
                 if not reply:
                     continue
-                entries = [Entry.from_redis(i, f) for i, f in reply]
+                if self.bare:
+                    entries = [Entry.place(cast(bytes, i)) for i, _ in reply]
+                else:
+                    entries = [Entry.from_redis(i, f) for i, f in reply]
                 batch = Batch(after, entries)
                 after = self.read_after = self.seen = entries[-1].cursor
                 if self.turn_key is not None and batch.ends:
@@ -490,6 +502,7 @@ class Hub:
         turn_key: str | None = None,
         *,
         seen: bool = False,
+        bare: bool = False,
     ) -> Subscription:
         """Join (or start, reading after ``start``; by default the stream's tail) the feed of one
         stream.
@@ -497,11 +510,12 @@ class Hub:
         With ``turn_key``, the feed looks up the turn's state after each batch holding an
         ``end`` event, for all its readers at once. With ``seen``, ``start`` is an entry the
         subscriber read from the stream (not only a place a client asked for): a feed started
-        there has seen it (see :meth:`seen`).
+        there has seen it (see :meth:`seen`). With ``bare``, the feed's entries are their places
+        only (no kind, data or frame): for a stream whose payloads are bytes, not text.
         """
         feed = self._feeds.get(key)
         if feed is None or feed.task is None or feed.task.done():
-            feed = _Feed(self, key, start, turn_key, seen and start is not None)
+            feed = _Feed(self, key, start, turn_key, seen and start is not None, bare)
             self._feeds[key] = feed
             self.metrics.live_streams.set(len(self._feeds))
         subscription = Subscription(feed)

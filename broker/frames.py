@@ -72,6 +72,13 @@ class Entry:
         frame = f"id: {offset}\nevent: {kind}\ndata: {data}\n\n".encode()
         return cls(entry_id, (int(ms), int(seq)), offset, kind, data, frame)
 
+    @classmethod
+    def place(cls, entry_id: bytes) -> Entry:
+        """An entry known by its place only (its id as Redis sent it): no kind, data or frame."""
+        text = entry_id.decode()
+        ms, _, seq = text.partition("-")
+        return cls(text, (int(ms), int(seq)), f"{ms.zfill(16)}-{seq.zfill(10)}", "", "", b"")
+
     @property
     def cursor(self) -> Cursor:
         """The place right after this event (built on demand: most events never need one)."""

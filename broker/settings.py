@@ -169,7 +169,7 @@ class Settings:
     uncapped_addresses: str = "loopback"  # not capped per address: loopback, none, IPs, networks
     # Durable Streams quotas, per tenant (an open broker's callers share one); 0 = no limit.
     ds_tenant_max_streams: int = 1_000  # streams a tenant keeps at once (forks included)
-    ds_tenant_max_bytes: int = 67_108_864  # bytes a tenant's streams hold (forks' copies included)
+    ds_tenant_max_bytes: int = 67_108_864  # bytes a tenant's streams hold (a fork: what it adds)
     ds_tenant_appends_per_s: float = 200.0  # appends (and creations) per second
     ds_tenant_append_burst: int = 2_000  # the bucket: appends a quiet tenant may make at once
 

@@ -541,8 +541,9 @@ GROUPS = (
             Row(
                 ("ds_tenant_max_bytes",),
                 (
-                    "bytes one tenant's Durable Streams hold (appends and forks' copies); 429 "
-                    "`byte_quota` past it (`0`: no limit)"
+                    "bytes one tenant's Durable Streams hold (appends; a fork counts what it "
+                    "adds, and a source that forks read keeps its bytes until its last fork "
+                    "goes); 429 `byte_quota` past it (`0`: no limit)"
                 ),
             ),
             Row(

@@ -1,5 +1,5 @@
 """Durable Streams' own streams: each tenant's key space, its quotas (streams, bytes, append
-rate), forks copied inside Redis, and the bad input that once gave a 500 (issue 34, findings 2,
+rate), forks that copy nothing, and the bad input that once gave a 500 (issue 34, findings 2,
 4 and 6)."""
 
 from __future__ import annotations
@@ -164,43 +164,37 @@ def test_a_read_moves_a_sliding_ttl_in_the_accounting_never_before_the_keys_expi
     assert wait_until(lambda: httpx.get(url).status_code == 200 and score() > first, timeout=5)
 
 
-def test_a_tenants_bytes_are_bounded_and_a_fork_is_charged_for_its_copy(
+def test_a_tenants_bytes_are_bounded_and_a_fork_is_charged_what_it_adds(
     broker_factory: BrokerFactory,
 ) -> None:
-    """Regression (issue 34, finding 4): a ~200-byte fork of an 8 MiB stream added 8.3 MiB."""
+    """A fork reads what it inherits from its source: it is charged what it adds, and a source
+    deleted while forks read it keeps its share until its last fork goes (its bytes are still
+    in Redis). Regression (issue 34, finding 4): a ~200-byte fork of an 8 MiB stream added
+    8.3 MiB."""
     broker = broker_factory(ds_tenant_max_bytes=1_000)
     base = broker.base_url
     source = _stream(base, "source")
     assert httpx.put(source, content=b"x" * 600, headers=TEXT).status_code == 201
     _refusal(httpx.post(source, content=b"y" * 500, headers=TEXT), "byte_quota")
-    assert httpx.post(source, content=b"y" * 400, headers=TEXT).status_code == 204
-    fork = httpx.put(_stream(base, "fork"), headers={"stream-forked-from": "/ds/v1/stream/source"})
-    _refusal(fork, "byte_quota")
-    assert httpx.get(_stream(base, "fork")).status_code == 404  # nothing half-made
-    assert broker.metric("broker_ds_refusals_total", '{limit="bytes"}') == 2
-    # The refused fork took no reference: its source deletes for good (not kept for forks).
-    assert httpx.delete(source).status_code == 204
-    assert httpx.get(source).status_code == 404
-    assert httpx.put(_stream(base, "again"), content=b"z" * 1_000, headers=TEXT).status_code == 201
-    # A fork at an offset is charged what it copies (300 of its source's 600 bytes: it fits,
-    # where a fork of all 600 would not).
-    half = _stream(base, "half")
-    assert httpx.delete(_stream(base, "again")).status_code == 204
-    first = httpx.put(half, content=b"a" * 300, headers=TEXT)
-    httpx.post(half, content=b"b" * 300, headers=TEXT).raise_for_status()
-    whole = httpx.put(_stream(base, "whole"), headers={"stream-forked-from": "/ds/v1/stream/half"})
-    _refusal(whole, "byte_quota")
-    fork = httpx.put(
-        _stream(base, "half-fork"),
-        headers={
-            "stream-forked-from": "/ds/v1/stream/half",
-            "stream-fork-offset": first.headers["stream-next-offset"],
-        },
+    assert httpx.post(source, content=b"y" * 300, headers=TEXT).status_code == 204
+    fork = _stream(base, "fork")
+    made = httpx.put(
+        fork, content=b"f" * 50, headers={"stream-forked-from": "/ds/v1/stream/source"}
     )
-    assert fork.status_code == 201, fork.text
-    assert httpx.get(_stream(base, "half-fork")).text == "a" * 300
-    assert httpx.post(half, content=b"c" * 100, headers=TEXT).status_code == 204
-    _refusal(httpx.post(half, content=b"c", headers=TEXT), "byte_quota")
+    assert made.status_code == 201, made.text  # 50 bytes of its own, 900 read from its source
+    assert httpx.get(fork).content == b"x" * 600 + b"y" * 300 + b"f" * 50
+    assert broker.metric("broker_ds_refusals_total", '{limit="bytes"}') == 1
+    _refusal(httpx.post(fork, content=b"g" * 51, headers=TEXT), "byte_quota")
+    assert httpx.post(fork, content=b"g" * 50, headers=TEXT).status_code == 204
+    # The source deleted while its fork reads it: still charged.
+    assert httpx.delete(source).status_code == 204
+    assert httpx.get(source).status_code == 410
+    _refusal(httpx.put(_stream(base, "other"), content=b"z", headers=TEXT), "byte_quota")
+    # Its last fork gone, it goes too, and gives its share back with the fork's.
+    assert httpx.delete(fork).status_code == 204
+    assert httpx.get(source).status_code == 404
+    again = httpx.put(_stream(base, "again"), content=b"z" * 1_000, headers=TEXT)
+    assert again.status_code == 201
 
 
 def test_a_tenant_appending_faster_than_its_rate_gets_429_with_retry_after(
@@ -225,11 +219,12 @@ def _net_out(client: redis.Redis) -> int:
     return int(client.info("stats")["total_net_output_bytes"])
 
 
-def test_a_fork_is_copied_inside_redis_not_through_the_broker(
+def test_a_fork_copies_nothing_in_redis_or_through_the_broker(
     broker_factory: BrokerFactory, raw_redis: redis.Redis
 ) -> None:
-    """Regression (issue 34, finding 4): a fork of a 48 MiB stream read it all into the broker
-    (RSS from 106 to 199 MiB)."""
+    """A fork of a 4 MiB stream records its source and point: Redis sends the broker nothing
+    of it, and it adds a few hundred bytes, not 4 MiB. Regression (issue 34, finding 4): a fork
+    of a 48 MiB stream read it all into the broker (RSS from 106 to 199 MiB)."""
     broker = broker_factory()
     source = _stream(broker.base_url, "big")
     chunk = b"z" * 262_144
@@ -243,6 +238,12 @@ def test_a_fork_is_copied_inside_redis_not_through_the_broker(
     assert fork.status_code == 201
     sent = _net_out(raw_redis) - before
     assert sent < 262_144, f"Redis sent {sent} bytes for a fork of 4 MiB"
+    keys = KeySpace(broker.settings.key_prefix)
+    added = sum(
+        raw_redis.memory_usage(key, samples=0) or 0
+        for key in (keys.meta(None, "big-fork"), keys.data(None, "big-fork"))
+    )
+    assert added < 65_536, f"a fork of 4 MiB added {added} bytes"
     assert fork.headers["stream-next-offset"] == httpx.head(source).headers["stream-next-offset"]
     assert len(httpx.get(_stream(broker.base_url, "big-fork"), timeout=30).content) == 16 * 262_144
 

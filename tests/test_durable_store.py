@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.durable_store import (
     Appended,
@@ -70,7 +71,48 @@ async def _refusal(call: Any) -> BrokerError:
 
 async def _texts(store: DurableStore, path: str, tenant: str | None = "t") -> list[str]:
     read = await store.read(tenant, path, ORIGIN)
-    return [payload for _, payload in read.items]
+    return [payload.decode() for _, payload in read.items]
+
+
+BINARY = bytes(range(256)) * 4  # every byte value, none of them text
+
+
+async def test_a_payload_is_kept_as_its_bytes_and_read_back_whole(
+    store: DurableStore, aredis: Redis
+) -> None:
+    octets = CreateRequest(content_type="application/octet-stream")
+    made = await store.create("t", "bin", octets, BINARY[:300])
+    await store.append("t", "bin", _append(BINARY, content_type="application/octet-stream"))
+    read = await store.read("t", "bin", ORIGIN)
+    assert [payload for _, payload in read.items] == [BINARY[:300], BINARY]
+    assert made.tail == read.items[0][0]
+    # In Redis, each payload is its bytes (field b), not a text spelling of them.
+    raw = await rc.xrange_bytes(aredis, store._keys("t", "bin").data, "-", "+", 10)
+    assert [fields[2:] for _, fields in raw] == [[b"b", BINARY[:300]], [b"b", BINARY]]
+
+
+async def test_a_stream_written_with_payloads_as_text_is_read_as_its_bytes(
+    store: DurableStore, aredis: Redis
+) -> None:
+    """Streams written before payloads were bytes kept each as the text whose code points are
+    its bytes (Latin-1), field d: they read back as the same bytes, and take appends."""
+    octets = CreateRequest(content_type="application/octet-stream")
+    await store.create("t", "old", octets)
+    data = store._keys("t", "old").data
+    await aredis.xadd(data, {"e": "m", "d": BINARY.decode("latin-1")})
+    await store.append("t", "old", _append(BINARY[:10], content_type="application/octet-stream"))
+    read = await store.read("t", "old", ORIGIN)
+    assert [payload for _, payload in read.items] == [BINARY, BINARY[:10]]
+
+
+async def test_a_wait_wakes_on_a_binary_append(store: DurableStore) -> None:
+    octets = CreateRequest(content_type="application/octet-stream")
+    made = await store.create("t", "bin", octets)
+    waiting = asyncio.ensure_future(store.wait("t", "bin", made.tail, 30))
+    await store.append("t", "bin", _append(BINARY, content_type="application/octet-stream"))
+    await asyncio.wait_for(waiting, 10)
+    read = await store.read("t", "bin", made.tail)
+    assert [payload for _, payload in read.items] == [BINARY]
 
 
 async def test_a_put_of_the_same_stream_finds_it_and_another_configuration_is_a_409(
@@ -302,7 +344,7 @@ async def test_a_wait_returns_when_an_append_arrives(store: DurableStore) -> Non
     await store.append("t", "s", _append(b"news"))
     await asyncio.wait_for(waiting, 10)
     read = await store.read("t", "s", made.tail)
-    assert [payload for _, payload in read.items] == ["news"]
+    assert [payload for _, payload in read.items] == [b"news"]
 
 
 async def test_a_wait_with_nothing_new_ends_at_its_timeout(store: DurableStore) -> None:

@@ -34,6 +34,7 @@ from broker.durable_store.replies import (
     StaleProducer,
     StreamMade,
     StreamSeqBehind,
+    TooDeep,
     TypeMismatch,
     decode_append,
     decode_create,
@@ -66,6 +67,7 @@ TAIL = Cursor.after("1700000000000-3")
         (["source_missing"], SourceMissing()),
         (["source_deleted"], SourceDeleted()),
         (["past_tail"], PastTail()),
+        (["too_deep", "16"], TooDeep(16)),
     ],
 )
 def test_ds_create_replies_decode_to_their_types(reply: list[Any], decoded: object) -> None:
@@ -268,9 +270,17 @@ def test_a_sub_offset_past_the_append_is_a_400(payload: bytes, count: int, json:
     assert caught.value.code == "bad_fork"
 
 
-def test_text_keeps_any_bytes() -> None:
-    data = bytes(range(256))
-    assert protocol.to_bytes(protocol.to_text(data)) == data
+@pytest.mark.parametrize(
+    ("field", "value", "data"),
+    [
+        (b"b", bytes(range(256)), bytes(range(256))),  # as they are
+        (b"b", b"", b""),
+        (b"d", bytes(range(256)).decode("latin-1").encode(), bytes(range(256))),  # older streams
+        (b"d", "caf\u00c3\u00a9".encode(), "caf\u00e9".encode()),  # UTF-8 text, kept as Latin-1
+    ],
+)
+def test_a_payload_is_its_bytes_in_either_format(field: bytes, value: bytes, data: bytes) -> None:
+    assert protocol.payload(field, value) == data
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """The Durable Streams streams' key space: four keys per stream, in its tenant's slot, beside
-the tenant's accounting.
+the tenant's accounting and its forks' references.
 
 A tenant's streams share one hash tag, ``{ds:t:<tenant>}`` (an open broker's, ``{ds:open}``),
 so that every ``ds_*`` script touches one slot. Tenant names hold no brace, and a path only ever
@@ -68,8 +68,9 @@ class KeySpace:
         return f"{self.stream(tenant, path)}:meta"
 
     def data(self, tenant: str | None, path: str) -> str:
-        """Redis Stream: a stream's appends, one entry each (entry ids are its offsets), and a
-        last ``close`` entry once it is closed (that wakes its live readers)."""
+        """Redis Stream: a stream's appends, one entry each (entry ids are its offsets; fields
+        ``e m b <bytes>``, or ``e m d <Latin-1 text>`` as older streams wrote them), and a last
+        ``close`` entry once it is closed (that wakes its live readers)."""
         return f"{self.stream(tenant, path)}:data"
 
     def producers(self, tenant: str | None, path: str) -> str:
@@ -77,8 +78,19 @@ class KeySpace:
         return f"{self.stream(tenant, path)}:producers"
 
     def forks(self, tenant: str | None, path: str) -> str:
-        """Set: the paths of a stream's forks (their references on it)."""
+        """Set: the paths of a stream's forks (their references on it: while it has one, its
+        data and this set have no expiry, see ``broker/lua/_ds_quota.lua``)."""
         return f"{self.stream(tenant, path)}:forks"
+
+    def data_of(self, tenant: str | None, member: str) -> str:
+        """The data key of the stream whose digest is ``member`` (a fork's chain names its
+        sources by their digests)."""
+        return f"{self.space(tenant)}:s:{member}:data"
+
+    def refs(self, tenant: str | None) -> str:
+        """Hash: a fork's digest -> ``<its source's digest> <its path>``, its reference on its
+        source (written and read by the scripts only, which build its name from ``streams``)."""
+        return f"{self.space(tenant)}:refs"
 
     def streams(self, tenant: str | None) -> str:
         """Sorted set: the tenant's streams that count against its quota (each its path's

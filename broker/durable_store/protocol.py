@@ -155,12 +155,8 @@ def prefix(payload: bytes, count: int, *, json: bool) -> bytes:
     return payload[:count]
 
 
-def to_text(data: bytes) -> str:
-    """Bytes as the text Redis keeps (each byte one code point: Latin-1), so that any bytes go
-    through the Redis client's text replies unchanged."""
-    return data.decode("latin-1")
-
-
-def to_bytes(text: str) -> bytes:
-    """The bytes :func:`to_text` kept."""
-    return text.encode("latin-1")
+def payload(field: bytes, value: bytes) -> bytes:
+    """An append's bytes from its entry's payload field, as Redis sent it: ``b`` holds the
+    bytes as they are; ``d`` (a stream written before payloads were bytes) holds the text whose
+    code points are the bytes (Latin-1), as UTF-8."""
+    return value if field == b"b" else value.decode().encode("latin-1")

@@ -9,9 +9,11 @@ from broker.durable_store import protocol
 from broker.errors import Conflict
 from broker.frames import ORIGIN, Cursor
 
-CLOSE: Final = "close"  # the kind of the entry that closes a stream
+CLOSE: Final = b"close"  # the kind of the entry that closes a stream, as Redis sends it
 MESSAGE: Final = "m"  # the kind of an append's entry
-META_FIELDS: Final = ["ctr", "tail", "closed", "inc", "ttl", "exp", "exp_text", "deleted"]
+META_FIELDS: Final = [
+    "ctr", "tail", "closed", "inc", "ttl", "exp", "exp_text", "deleted", "fc"
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -26,13 +28,17 @@ class Meta:
     expires_at: str | None  # as its creator wrote it
     expires_ms: int | None
     deleted: bool  # deleted while forks of it live: its path answers 410
+    # A fork's chain: each stream it reads from, nearest first, as its digest and the last entry
+    # id it reads there (empty for a stream of its own, or a fork made by copy).
+    chain: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, fields: list[str | None]) -> Meta | None:
         """The metadata of ``HMGET meta META_FIELDS`` (None: no such stream)."""
-        content_type, tail, closed, incarnation, ttl, expires, expires_text, deleted = fields
+        content_type, tail, closed, incarnation, ttl, expires, expires_text, deleted, chain = fields
         if content_type is None:
             return None
+        links = chain.split() if chain else []
         return cls(
             content_type,
             Cursor.after(tail) if tail else ORIGIN,
@@ -42,6 +48,7 @@ class Meta:
             expires_text or None,
             int(expires) if expires else None,
             deleted == "1",
+            tuple(zip(links[::2], links[1::2], strict=True)),
         )
 
 
@@ -50,8 +57,7 @@ class Read:
     """What one read found past its cursor."""
 
     meta: Meta
-    items: list[tuple[Cursor, str]]  # each append's place (right after it) and payload (text,
-    # see protocol.to_text), in order
+    items: list[tuple[Cursor, bytes]]  # each append's place (right after it) and bytes, in order
     after: Cursor  # where the next read starts: right after the last item here
     up_to_date: bool  # nothing is stored past ``after`` (yet)
     closed: bool  # the stream is closed and ``after`` is its end

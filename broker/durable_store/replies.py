@@ -78,6 +78,13 @@ class PastTail:
     """``past_tail``: the fork point is past the source's tail."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TooDeep:
+    """``too_deep``: the fork would read through more than ``max_depth`` streams."""
+
+    max_depth: int
+
+
 CreateReply = (
     StreamMade
     | ConfigConflict
@@ -86,6 +93,7 @@ CreateReply = (
     | SourceMissing
     | SourceDeleted
     | PastTail
+    | TooDeep
 )
 
 # --- ds_append ----------------------------------------------------------------------------------
@@ -190,8 +198,8 @@ class SoftDeleted:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Removed:
-    """``deleted``: the stream went; ``source`` is the path of the stream it forked ("" for
-    none), whose reference it gives back."""
+    """``deleted``: the stream went; ``source`` is the path of the stream it forked by copy
+    (before forks read by reference), whose reference the caller gives back ("" for none)."""
 
     source: str
 
@@ -243,6 +251,8 @@ def decode_create(reply: Sequence[Any]) -> CreateReply:
         return simple[word]
     if word == "conflict":
         return ConfigConflict(_value(values, 0))
+    if word == "too_deep":
+        return TooDeep(int(values[0]))
     refused = _refusal(word, values)
     if refused is None:
         raise _unexpected("ds_create", word)

@@ -75,16 +75,16 @@ class StreamScripts:
         expires_ms: int | None,
         expires_at: str | None,
         closed: bool,
-        body: str,
+        body: bytes,
         incarnation: str,
         raw_content_type: str,
         quota: Quota,
         fork: Fork = NO_FORK,
-        part: str = "",
+        part: bytes = b"",
     ) -> CreateReply:
         """``source``: a fork's source's keys (the stream's own for no fork); ``part``: the
         sub-offset's part of the source's next append."""
-        args = [
+        args: list[str | bytes] = [
             keys.path,
             content_type,
             "" if ttl_s is None else str(ttl_s),
@@ -113,7 +113,7 @@ class StreamScripts:
         keys: StreamKeys,
         *,
         content_type: str,
-        body: str,
+        body: bytes,
         close: bool,
         producer: tuple[str, int, int] | None,
         stream_seq: str,
@@ -131,9 +131,10 @@ class StreamScripts:
         return decode_delete(reply)
 
     async def fork_ref(self, source: StreamKeys, fork: str) -> ForkRefReply:
-        """Give ``fork``'s (a path) reference on ``source`` back."""
-        refs = [source.meta, source.forks, source.data, source.producers]
-        return decode_fork_ref(await self._scripts("ds_fork_ref", refs, [fork]))
+        """Give ``fork``'s (a path; a fork made by copy) reference on ``source`` back."""
+        refs = [source.meta, source.forks, source.data, source.producers, *source.accounts]
+        reply = await self._scripts("ds_fork_ref", refs, [fork, source.member])
+        return decode_fork_ref(reply)
 
     async def touch(self, keys: StreamKeys, ttl_s: int) -> bool:
         """Whether the stream's sliding TTL started again (False: it is gone or deleted)."""

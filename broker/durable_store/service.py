@@ -6,12 +6,17 @@ waited on through the process's feeds. A stream is a metadata hash (its existenc
 stream's), a Redis Stream with one entry per append (the entry ids are the offsets), a hash of
 its idempotent producers, and the set of its forks. The tenant's accounting (the streams it
 holds, their bytes, its append rate) is checked and charged by the scripts atomically with each
-write. A fork copies the entries it inherits, ids and all, into a stream of its own, inside
-Redis (no byte of it passes through the broker), charged to the tenant; its source counts it in
-its forks set, so that a source deleted while forks of it live stays as a marked path (410)
-until its last fork goes. Closing adds a last ``close`` entry after the data: the stream's live
-readers wake on it as on an append, and a read that meets it knows the stream has ended. A
-payload is kept as the text whose code points are its bytes (Latin-1).
+write. A fork copies nothing: it records its source, its fork point and its chain (the streams
+it reads from, at most 16), and a read of it reads what it inherits from those streams' data,
+then its own; it is charged what it adds. Its reference on its source (the source's forks set,
+the tenant's refs hash) pins the source: its data stays while forks read it, through its
+deletion (its path answers 410) or its expiry (404), charged to the tenant, and goes with its
+last fork, in the script that removes that fork or prunes it once expired
+(``broker/lua/_ds_quota.lua``). Closing adds a last ``close`` entry after the data: the
+stream's live readers wake on it as on an append, and a read that meets it knows the stream
+has ended. A payload is kept as its bytes (the entry's field ``b``; a stream written before
+kept text whose code points are its bytes, field ``d``, still read as those bytes), sent to the
+scripts as bytes and read back undecoded, and so is waited on (a bare feed: places only).
 
 Reads and writes go to the primary (a Durable Streams client reads its own writes); a live read
 waits on the stream's feed like an SSE reader of a generation (:mod:`broker.fanout`): waiting
@@ -66,6 +71,7 @@ from broker.durable_store.replies import (
     StaleProducer,
     StreamMade,
     StreamSeqBehind,
+    TooDeep,
     TypeMismatch,
 )
 from broker.durable_store.scripts import NO_FORK, Fork, Quota, StreamScripts
@@ -86,6 +92,34 @@ class _Fork:
     source: Meta
     signature: Fork
     part: bytes
+
+
+_MORE, _FULL, _ENDED = object(), object(), object()  # what taking a page came to
+
+
+class _Taken:
+    """What a read took so far: each append's place and bytes, their size, where it stands."""
+
+    def __init__(self, after: Cursor, limit: int) -> None:
+        self.items: list[tuple[Cursor, bytes]] = []
+        self.size = 0
+        self.cursor = after
+        self.limit = limit
+
+    def take(self, page: rc.ByteEntries) -> object:
+        """Take ``page``'s entries, from Redis's reply as it is (each ``[id, [b"e", kind,
+        field, payload]]``, see the ``ds_*`` scripts; no dict per entry): ``_MORE`` when all
+        were taken, ``_FULL`` at the byte limit, ``_ENDED`` at the stream's close entry."""
+        for entry_id, fields in page:
+            if fields[1] == CLOSE:
+                return _ENDED
+            data = fields[3] if fields[2] == b"b" else protocol.payload(fields[2], fields[3])
+            if self.items and self.size + len(data) > self.limit:
+                return _FULL
+            self.cursor = Cursor.after(entry_id.decode())
+            self.items.append((self.cursor, data))
+            self.size += len(data)
+        return _MORE
 
 
 class DurableStore:
@@ -117,8 +151,8 @@ class DurableStore:
     async def create(
         self, tenant: str | None, path: str, request: CreateRequest, body: Body = b""
     ) -> StreamMade:
-        """Create the stream (or find the same one), a fork if ``request`` names a source: its
-        inherited appends are copied inside Redis. ``body`` (the bytes, or how to read them) is
+        """Create the stream (or find the same one), a fork if ``request`` names a source (which
+        copies nothing, see the module). ``body`` (the bytes, or how to read them) is
         read once the fork is made out. 409 for another configuration."""
         keys = self._keys(tenant, path)
         fork = await self._fork(keys, request.fork) if request.fork is not None else None
@@ -136,12 +170,12 @@ class DurableStore:
             expires_ms=made.expires_ms,
             expires_at=made.expires_at,
             closed=made.closed,
-            body=protocol.to_text(data),
+            body=data,
             incarnation=secrets.token_hex(8),
             raw_content_type=made.content_type,
             quota=self.quota,
             fork=fork.signature if fork is not None else NO_FORK,
-            part=protocol.to_text(fork.part) if fork is not None else "",
+            part=fork.part if fork is not None else b"",
         )
         match reply:
             case StreamMade():
@@ -160,6 +194,8 @@ class DurableStore:
                 raise errors.source_deleted()
             case PastTail():
                 raise errors.past_tail()
+            case TooDeep(max_depth):
+                raise errors.bad_fork(f"a fork reads through at most {max_depth} streams")
             case RateRefused() | QuotaRefused():
                 raise errors.refusal(reply, self._settings, self._metrics)
 
@@ -169,8 +205,9 @@ class DurableStore:
         A fork has its source's appends up to the divergence point, with their offsets, and,
         with a sub-offset, the first bytes (or JSON values) of the next append, as an entry
         right after that point: it is then a stream of its own, which its source's later
-        appends, closing or deletion never touch. The appends are copied by ``ds_create`` inside
-        Redis; only the one append a sub-offset cuts is read here.
+        appends, closing or deletion never touch. Nothing is copied: ``ds_create`` records the
+        source, the point and the chain a read follows; only the one append a sub-offset cuts
+        is read here.
         """
         if request.source == keys.path:
             raise errors.bad_fork("a stream cannot fork itself")
@@ -185,11 +222,11 @@ class DurableStore:
             raise errors.past_tail()
         part = b""
         if request.sub:
-            following = await self._next_append(source, at)
+            following = await self._next_append(source, meta, at)
             if following is None:
                 raise errors.bad_fork("nothing follows the fork offset to take a sub-offset of")
             json = protocol.is_json(meta.content_type)
-            part = protocol.prefix(protocol.to_bytes(following), request.sub, json=json)
+            part = protocol.prefix(following, request.sub, json=json)
         given = "" if request.offset is None else at.entry_id
         sub = str(request.sub) if request.sub else ""
         return _Fork(meta, Fork(request.source, given, at.entry_id, sub), part)
@@ -216,7 +253,7 @@ class DurableStore:
         reply = await self._scripts.append(
             keys,
             content_type=content_type,
-            body=protocol.to_text(body),
+            body=body,
             close=request.close,
             producer=request.producer,
             stream_seq=request.stream_seq or "",
@@ -274,10 +311,12 @@ class DurableStore:
         """Delete a stream, or mark it so while forks of it live (its path answers 410 until
         the last goes); 404 for none, 410 for one marked already. A fork deleted gives its
         source's reference back, and a source deleted before it goes with its last fork, up
-        the chain."""
+        the chain, in the same script (a fork made by copy, before forks read by reference,
+        gives it back in a second: ``ds_fork_ref``)."""
         keys = self._keys(tenant, path)
         for fork in await rc.smembers(self._redis, keys.forks):
-            if not await self._redis.exists(self._keys(tenant, fork).meta):
+            gone = self._keys(tenant, fork)
+            if not await self._redis.exists(gone.meta, gone.forks):  # (forks of it: it is kept)
                 await self._redis.srem(keys.forks, fork)  # expired: its reference with it
         reply = await self._scripts.delete(keys)
         match reply:
@@ -314,14 +353,11 @@ class DurableStore:
     async def _meta(self, keys: StreamKeys) -> Meta | None:
         return Meta.of(await rc.hmget(self._redis, keys.meta, META_FIELDS))
 
-    async def _next_append(self, keys: StreamKeys, after: Cursor) -> str | None:
-        """The payload of the first append past ``after``, if any."""
-        page = await rc.xrange_raw(self._redis, keys.data, "(" + after.entry_id, "+", 2)
-        for _, raw in page:
-            fields = rc.fields_dict(raw)
-            if fields.get("e") != CLOSE:
-                return fields.get("d", "")
-        return None
+    async def _next_append(self, keys: StreamKeys, meta: Meta, after: Cursor) -> bytes | None:
+        """The payload of the first append past ``after`` (its own, or one it inherits), if any."""
+        page = await rc.xrange_bytes(self._redis, keys.data, "(" + after.entry_id, "+", 2)
+        read = await self._collect(keys, meta, after, page, limit=1)
+        return read.items[0][1] if read.items else None
 
     async def read(self, tenant: str | None, path: str, after: Cursor | None) -> Read:
         """The appends past ``after`` (None: the stream's tail), up to about
@@ -342,7 +378,9 @@ class DurableStore:
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hmget(keys.meta, META_FIELDS)
             if after is not None:
-                pipe.xrange(keys.data, min="(" + after.entry_id, max="+", count=READ_COUNT)
+                start = "(" + after.entry_id
+                args = ("XRANGE", keys.data, start, "+", "COUNT", READ_COUNT)
+                pipe.execute_command(*args, **rc.UNDECODED)
             replies = await pipe.execute()
         meta = Meta.of(replies[0])
         if meta is None:
@@ -351,38 +389,46 @@ class DurableStore:
             await self._scripts.touch(keys, meta.ttl_s)
         if after is None:  # from the tail: nothing to read, closed if it is
             return Read(meta, [], meta.tail, True, meta.closed)
-        return await self._collect(keys, meta, after, replies[1])
+        return await self._collect(keys, meta, after, rc.flat_entries(replies[1]))
 
     async def _collect(
-        self, keys: StreamKeys, meta: Meta, after: Cursor, page: rc.RawEntries
+        self,
+        keys: StreamKeys,
+        meta: Meta,
+        after: Cursor,
+        page: rc.ByteEntries,
+        limit: int | None = None,
     ) -> Read:
-        limit = self._settings.ds_max_read_bytes
-        items: list[tuple[Cursor, str]] = []
-        size = 0
-        cursor = after
+        """The read past ``after``: what a fork inherits first, from its chain's streams (its
+        farthest source first, each up to the last entry it reads there), then its own data:
+        ``page`` (read past ``after`` already: a fork's own entries all follow what it
+        inherits) and the pages after it, up to ``limit`` bytes (``BROKER_DS_MAX_READ_BYTES``)."""
+        taken = _Taken(after, self._settings.ds_max_read_bytes if limit is None else limit)
+        for member, bound in reversed(meta.chain):
+            data = self._space.data_of(keys.tenant, member)
+            while Cursor.after(bound).key > taken.cursor.key:
+                start = "(" + taken.cursor.entry_id
+                chunk = await rc.xrange_bytes(self._redis, data, start, bound, READ_COUNT)
+                if taken.take(chunk) is _FULL:
+                    return Read(meta, taken.items, taken.cursor, False, False)
+                if len(chunk) < READ_COUNT:
+                    break
         while True:
-            for entry_id, raw in page:
-                fields = rc.fields_dict(raw)
-                if fields.get("e") == CLOSE:
-                    return Read(meta, items, cursor, True, True)
-                data = fields.get("d", "")
-                if items and size + len(data) > limit:
-                    return Read(meta, items, cursor, False, False)
-                cursor = Cursor.after(entry_id)
-                items.append((cursor, data))
-                size += len(data)
+            state = taken.take(page)
+            if state is not _MORE:
+                ended = state is _ENDED  # the close entry: the end, and the tail
+                return Read(meta, taken.items, taken.cursor, ended, ended)
             if len(page) < READ_COUNT:
-                return Read(meta, items, cursor, True, False)
-            page = await rc.xrange_raw(
-                self._redis, keys.data, "(" + cursor.entry_id, "+", READ_COUNT
-            )
+                return Read(meta, taken.items, taken.cursor, True, False)
+            start = "(" + taken.cursor.entry_id
+            page = await rc.xrange_bytes(self._redis, keys.data, start, "+", READ_COUNT)
 
     async def wait(self, tenant: str | None, path: str, after: Cursor, timeout_s: float) -> None:
         """Return once something may be stored past ``after`` (an append, a close), or after
         ``timeout_s``. Waiting rides the stream's feed: no Redis command per waiting reader."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        subscription = self._hub.subscribe(self._keys(tenant, path).data, after)
+        subscription = self._hub.subscribe(self._keys(tenant, path).data, after, bare=True)
         try:
             if not subscription.covers(after):
                 return  # the feed is past this reader already: look in Redis

@@ -19,7 +19,8 @@
 -- KEYS[6]  usage         <space>:usage    (hash: bytes; tokens, ts: the append rate's bucket)
 --          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
 -- ARGV[1]  content type  the request's, normalized; "" for a close without a body
--- ARGV[2]  body          the entry's payload; "" to close without appending
+-- ARGV[2]  body          the entry's payload (its bytes, kept as they are: field b); "" to
+--                        close without appending
 -- ARGV[3]  close         "1" to close the stream after the append, else ""
 -- ARGV[4]  producer id   "" when the request has no producer headers
 -- ARGV[5]  epoch         the producer's epoch (a whole number), when ARGV[4] is set
@@ -47,7 +48,8 @@
 --          {"rate", retry_after_ms}         the tenant appends faster than its rate
 --          {"quota", "bytes", max}          the tenant's bytes would pass its quota
 -- Errors   none of its own.
--- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token), put in place below.
+-- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token), put in place below;
+--          prune gives the references of forks that expired back (keys built from KEYS[4]).
 --! include _ds_quota
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage, member = KEYS[4], KEYS[5], KEYS[6], ARGV[9]
@@ -68,18 +70,20 @@ local function at_or_before(a, b)
   return #a <= #b
 end
 
-local v = redis.call('HMGET', meta, 'ct', 'closed', 'tail', 'cp', 'sseq', 'ttl', 'deleted')
+local v = redis.call('HMGET', meta, 'ct', 'closed', 'tail', 'cp', 'sseq', 'ttl', 'deleted', 'pin')
 if not v[1] then return {'missing'} end
 if v[7] == '1' then return {'gone'} end
 
 -- A sliding TTL starts again with every request that reaches the stream, refused or not; an
--- absolute expiry is copied onto keys made since (the data, the producers).
+-- absolute expiry is copied onto keys made since (the data, the producers). A stream that forks
+-- read (pinned, see _ds_quota) keeps its data and its score: its metadata alone expires.
 local function keep_alive()
   local keep = v[6] and tonumber(v[6]) * 1000 or redis.call('PTTL', meta)
   if keep > 0 then
     redis.call('PEXPIRE', meta, int(keep))
-    if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, int(keep)) end
     if redis.call('EXISTS', producers) == 1 then redis.call('PEXPIRE', producers, int(keep)) end
+    if v[8] then return end
+    if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, int(keep)) end
     if v[6] then redis.call('ZADD', streams, 'XX', int(clock_ms() + keep), member) end
   end
 end
@@ -121,7 +125,7 @@ if ARGV[2] ~= '' then
   if max_bytes > 0 and (tonumber(redis.call('HGET', usage, 'bytes')) or 0) + #ARGV[2] > max_bytes then
     return {'quota', 'bytes', ARGV[10]}
   end
-  tail = redis.call('XADD', data, '*', 'e', 'm', 'd', ARGV[2])
+  tail = redis.call('XADD', data, '*', 'e', 'm', 'b', ARGV[2])
   redis.call('HSET', meta, 'tail', tail)
   redis.call('HINCRBY', sizes, member, #ARGV[2])
   redis.call('HINCRBY', usage, 'bytes', #ARGV[2])
@@ -132,7 +136,7 @@ local closed = ''
 if ARGV[3] == '1' then
   closed = '1'
   redis.call('HSET', meta, 'closed', '1', 'cp', tuple)
-  redis.call('XADD', data, '*', 'e', 'close', 'd', '')
+  redis.call('XADD', data, '*', 'e', 'close', 'b', '')
 end
 keep_alive()
 return {'ok', tail, closed}

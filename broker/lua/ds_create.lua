@@ -4,10 +4,13 @@
 -- A stream that exists is "the same" when its content type, TTL, expiry and closure all match
 -- the request; its data is never touched then. A new stream keeps its configuration in its
 -- metadata hash, its initial body (if any) as its last entry, and, with a TTL or an expiry,
--- the same expiry on all its keys. A fork copies its source's appends up to the fork point, ids
--- and all, here in Redis (nothing passes through the broker), then the first part of the next
--- append (a sub-offset, cut by the caller), and counts itself in its source's forks set; every
--- byte it copies is charged to the tenant like an append's.
+-- the same expiry on all its keys. A fork copies nothing: it records its source, the fork point
+-- and its chain (meta fc: each stream it reads from, nearest first, with the last entry id it
+-- reads there, "<digest> <entry id> ..."; at most MAX_FORK_DEPTH), and its own data starts
+-- empty after the fork point (its last id), holding the first part of the source's next append
+-- (a sub-offset, cut by the caller) and its own appends. It holds a reference on its source
+-- (see _ds_quota), which this pins. A fork is charged what it adds (its part and body), not what
+-- it inherits: its source stays charged for that while it is pinned.
 --
 -- The tenant's quota: every call takes a token of the tenant's append rate; a new stream needs
 -- room for one more stream and for its bytes. Streams whose expiry passed (by more than two
@@ -24,6 +27,8 @@
 -- KEYS[9]  sizes         <space>:sizes    (hash: counted stream digest -> bytes)
 -- KEYS[10] usage         <space>:usage    (hash: bytes; tokens, ts: the append rate's bucket)
 --          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
+--          and, built from KEYS[8] (see _ds_quota): the tenant's refs hash, the data of the
+--          source's chain, and the keys of a fork gone meanwhile whose reference is given back
 -- ARGV[1]  path          the stream's path, kept for the record
 -- ARGV[2]  content type  normalized (lower case, no parameters)
 -- ARGV[3]  ttl_s         sliding time to live in seconds, or "" for none
@@ -52,14 +57,17 @@
 --          {"exists", tail, closed, type}    the same stream was there already
 --          {"conflict", what}          a stream is there with another configuration
 --                                      (what: content_type, ttl, expiry, closed or fork), or a
---                                      deleted stream's forks still hold its path (deleted)
+--                                      deleted or expired stream's forks still hold its path
+--                                      (deleted)
 --          {"rate", retry_after_ms}    the tenant appends faster than its rate: nothing done
 --          {"quota", which, limit}     no room: which is "streams" or "bytes"; nothing done
 --          {"source_missing"}          a fork's source does not exist
 --          {"source_deleted"}          a fork's source is deleted (its forks still live)
 --          {"past_tail"}               the fork point is past the source's tail
+--          {"too_deep", max}           the fork would read through more than max streams
 -- Errors   none of its own.
--- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token), put in place below.
+-- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token, key_of, unref,
+--          MAX_FORK_DEPTH), put in place below.
 --! include _ds_quota
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage = KEYS[8], KEYS[9], KEYS[10]
@@ -92,36 +100,45 @@ local function after(a, b)
   return am > bm or (am == bm and as > bs)
 end
 
--- A fork's source, and the bytes it inherits: the source's appends up to the fork point.
-local PAGE = 512
-local inherited = 0
+-- A fork's source, its chain (each stream it reads from, nearest first, with the last entry
+-- id it reads there: "<digest> <bound> ..."), and the last entry it inherits.
 local fork = ARGV[10] ~= ''
+local chain, inherited_tail = '', '0-0'
 if fork then
-  local s = redis.call('HMGET', KEYS[5], 'ct', 'deleted', 'tail')
+  local s = redis.call('HMGET', KEYS[5], 'ct', 'deleted', 'tail', 'fc')
   if not s[1] then return {'source_missing'} end
   if s[2] == '1' then return {'source_deleted'} end
-  local tail = s[3] or '0-0'
-  if after(ARGV[12], tail) then return {'past_tail'} end
-  local whole = ARGV[16] ~= '' and ARGV[12] == tail and redis.call('HGET', sizes, ARGV[16])
-  if whole then
-    inherited = tonumber(whole)
-  elseif ARGV[12] ~= '0-0' then
-    local start = '-'
-    while true do
-      local page = redis.call('XRANGE', KEYS[6], start, ARGV[12], 'COUNT', PAGE)
-      for _, entry in ipairs(page) do
-        local f = entry[2]
-        if f[2] ~= 'close' then inherited = inherited + #(f[4] or '') end
-      end
-      if #page < PAGE then break end
-      start = '(' .. page[#page][1]
+  if after(ARGV[12], s[3] or '0-0') then return {'past_tail'} end
+  local point = ARGV[12]
+  local links = {ARGV[16], point}
+  for m, b in string.gmatch(s[4] or '', '(%x+) (%d+%-%d+)') do
+    links[#links + 1] = m
+    links[#links + 1] = after(b, point) and point or b
+  end
+  if #links / 2 > MAX_FORK_DEPTH then return {'too_deep', int(MAX_FORK_DEPTH)} end
+  chain = table.concat(links, ' ')
+  if point == (s[3] or '0-0') then
+    inherited_tail = point  -- the source's tail: its last entry
+  else
+    -- A point of the client's: the last entry at or before it, wherever in the chain (one
+    -- entry read per stream: a fork at the tail, the usual one, reads none).
+    for i = 1, #links, 2 do
+      local data_key = i == 1 and KEYS[6] or key_of(KEYS[8], links[i], 'data')
+      local last = redis.call('XREVRANGE', data_key, links[i + 1], '-', 'COUNT', 1)[1]
+      if last and after(last[1], inherited_tail) then inherited_tail = last[1] end
     end
   end
 end
 
--- This path's last stream expired moments ago (its score not yet passed): its share is free.
-if redis.call('ZSCORE', streams, member) then release(streams, sizes, usage, member) end
-local bytes = inherited + #ARGV[14] + #ARGV[7]
+-- This path's last stream went (expired) while forks still read it: the path stays theirs.
+if redis.call('SCARD', KEYS[4]) > 0 then return {'conflict', 'deleted'} end
+-- This path's last stream expired moments ago (its score not yet passed): its share is free,
+-- and its reference on its source (a fork's) is given back.
+if redis.call('ZSCORE', streams, member) then
+  release(streams, sizes, usage, member)
+  unref(streams, sizes, usage, member)
+end
+local bytes = #ARGV[14] + #ARGV[7]
 local max_streams, max_bytes = tonumber(ARGV[17]), tonumber(ARGV[18])
 if max_streams > 0 and redis.call('ZCARD', streams) >= max_streams then
   return {'quota', 'streams', ARGV[17]}
@@ -132,38 +149,35 @@ end
 
 -- A stream deleted and made again starts empty: nothing of the old one is kept.
 redis.call('DEL', data, producers, KEYS[4])
-local tail = '0-0'
+local tail = inherited_tail
 if fork and ARGV[12] ~= '0-0' then
-  local start = '-'
-  while true do
-    local page = redis.call('XRANGE', KEYS[6], start, ARGV[12], 'COUNT', PAGE)
-    for _, entry in ipairs(page) do
-      local f = entry[2]
-      if f[2] ~= 'close' then tail = redis.call('XADD', data, entry[1], 'e', 'm', 'd', f[4] or '') end
-    end
-    if #page < PAGE then break end
-    start = '(' .. page[#page][1]
-  end
+  -- An empty stream whose last id is the fork point: its own appends come after it.
+  redis.call('XADD', data, 'MAXLEN', '0', ARGV[12], 'e', 'm', 'b', '')
 end
 if ARGV[14] ~= '' then
   local ms, seq = string.match(ARGV[12], '^(%d+)-(%d+)$')
   tail = redis.call('XADD', data, ms .. '-' .. string.format('%d', tonumber(seq) + 1), 'e', 'm',
-    'd', ARGV[14])
+    'b', ARGV[14])
 end
 if ARGV[7] ~= '' then
-  tail = redis.call('XADD', data, '*', 'e', 'm', 'd', ARGV[7])
+  tail = redis.call('XADD', data, '*', 'e', 'm', 'b', ARGV[7])
 end
 redis.call('HSET', meta, 'path', ARGV[1], 'ct', ARGV[2], 'ctr', ARGV[9], 'tail', tail,
   'inc', ARGV[8])
 if fork then
-  redis.call('HSET', meta, 'ff', ARGV[10], 'fo', ARGV[12], 'fs', ARGV[13])
+  redis.call('HSET', meta, 'ff', ARGV[10], 'fo', ARGV[12], 'fs', ARGV[13], 'fc', chain)
+  -- Its reference on its source, which is pinned (see _ds_quota).
   redis.call('SADD', KEYS[7], ARGV[1])
+  redis.call('HSET', string.sub(streams, 1, -9) .. ':refs', member, ARGV[16] .. ' ' .. ARGV[1])
+  redis.call('HSET', KEYS[5], 'pin', '1')
+  redis.call('PERSIST', KEYS[6])
+  redis.call('ZADD', streams, 'XX', 'inf', ARGV[16])
 end
 if ARGV[3] ~= '' then redis.call('HSET', meta, 'ttl', ARGV[3]) end
 if ARGV[4] ~= '' then redis.call('HSET', meta, 'exp', ARGV[4], 'exp_text', ARGV[5]) end
 if ARGV[6] == '1' then
   redis.call('HSET', meta, 'closed', '1')
-  redis.call('XADD', data, '*', 'e', 'close', 'd', '')
+  redis.call('XADD', data, '*', 'e', 'close', 'b', '')
 end
 for _, key in ipairs({meta, data}) do
   if ARGV[3] ~= '' then

@@ -12,11 +12,15 @@
 -- Returns  1 when the stream's TTL started again, 0 when it is gone or deleted (kept for its
 --          forks: it has no expiry then)
 -- Errors   none of its own.
-if redis.call('HGET', KEYS[1], 'deleted') == '1' then return 0 end
+-- A stream that forks read (pinned, see _ds_quota.lua) keeps its data and its score (inf):
+-- its metadata alone expires.
+local v = redis.call('HMGET', KEYS[1], 'deleted', 'pin')
+if v[1] == '1' then return 0 end
 local keep = tonumber(ARGV[1])
 if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
 redis.call('PEXPIRE', KEYS[3], ARGV[1])
+if v[2] then return 1 end
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 -- Read after the PEXPIRE: never before the expiry it set.

@@ -46,7 +46,6 @@ from broker.durable_store.protocol import (
     is_json,
     offset_of,
     start_cursor,
-    to_bytes,
 )
 from broker.errors import BadRequest, BrokerError, Forbidden, NotFound
 from broker.frames import ORIGIN, Cursor, Entry
@@ -317,7 +316,7 @@ def _own_page(request: Request, read: Read, offset: str, *, live: bool) -> Respo
     content_type = read.meta.content_type
     return _page(
         request,
-        [to_bytes(payload) for _, payload in read.items],
+        [payload for _, payload in read.items],
         json=is_json(content_type),
         content_type=content_type,
         next_offset=offset_of(read.after),
@@ -479,7 +478,7 @@ class _OwnStreamPoller:
         self.after = read.after
         return _LookResult(
             [
-                (offset_of(place), wire.sse_data(to_bytes(payload), self.content_type))
+                (offset_of(place), wire.sse_data(payload, self.content_type))
                 for place, payload in read.items
             ],
             offset_of(read.after),
