@@ -13,7 +13,10 @@ from typing import Any
 
 import orjson
 
-from broker.vocabulary import ACTIVE_STATUSES, unscoped
+from broker.vocabulary import ACTIVE_STATUSES, TurnStatus, unscoped
+
+# The statuses a current attempt shows as its own: queued, generating, or waiting for a person.
+WAITING_STATUSES = ACTIVE_STATUSES | {TurnStatus.AWAITING_APPROVAL}
 
 # The fields of an attempt's record that a turn's state shows.
 ATTEMPT_FIELDS = ("n", "strategy", "status", "reason", "canonical", "usage")
@@ -125,7 +128,7 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
         record = orjson.loads(raw)
         attempt = {field: record.get(field) for field in ATTEMPT_FIELDS}
         attempt["canonical"] = bool(attempt["canonical"])
-        if n == current and meta["status"] in ACTIVE_STATUSES:
+        if n == current and meta["status"] in WAITING_STATUSES:
             attempt["status"] = meta["status"]
         if record.get("strategy") == "continue":
             attempt["continues"] = record.get("from")
@@ -152,4 +155,19 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
     }
     if pending:
         state["tool_calls"] = pending  # the client calls the canonical attempt ended with
+    if meta["status"] == TurnStatus.AWAITING_APPROVAL:
+        parked = orjson.loads(meta.get(f"attempt:{current}") or "{}").get("parked") or {}
+        state["approvals"] = [approval_shown(call) for call in parked.get("awaiting", ())]
     return state
+
+
+def approval_shown(call: dict[str, Any]) -> dict[str, Any]:
+    """A pending approval as ``GET /v1/turns/{id}`` lists it (the request event's fields)."""
+    return {
+        "approval_id": call["approval_id"],
+        "call_id": call["call_id"],
+        "name": call["name"],
+        "ordinal": call["ordinal"],
+        "args": orjson.loads(call["arguments"] or "{}"),
+        "expires_at": call["expires_ms"] / 1000,
+    }
