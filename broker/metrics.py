@@ -301,6 +301,8 @@ class Metrics:
             buckets=(1, 5, 15, 60, 300, 900, 3_600, 14_400, 86_400),
             registry=r,
         )
+        for by in ("person", "expiry", "stop"):
+            self.approval_decision_seconds.labels(by)
         self.approvals_pending = Gauge(
             "broker_approvals_pending",
             "Approvals waiting for a person, as the last expiry sweep counted them (every "

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import httpx
 import pytest
 
 from broker.approval_rules import set_clock
-from tests.conftest import BrokerFactory, RunningBroker
+from tests.conftest import BrokerFactory, BrokerProcess, RunningBroker
 from tests.helpers import (
     SSEEvent,
     ToolEndpoint,
@@ -376,3 +378,87 @@ def post_attempt(broker: RunningBroker, turn_id: str) -> int:
         json={"strategy": "regenerate"},
         timeout=5,
     ).status_code
+
+
+def test_a_broker_killed_while_an_approval_waits_loses_nothing(
+    broker_processes: Callable[[dict[str, str]], BrokerProcess],
+    redis_url: str,
+    tmp_path: Path,
+    payments: ToolEndpoint,
+) -> None:
+    env = {
+        "BROKER_REDIS_URL": redis_url,
+        "BROKER_KEY_PREFIX": f"apv-kill{os.getpid()}",
+        "BROKER_TOOLS": str(tools_file(tmp_path, payments.url)),
+        "BROKER_SIMULATE_SCRIPTING": "on",
+    }
+    first = broker_processes(env)
+    script = [{"name": "send_payment", "args": BIG, "after": 3}]
+    turn = start_turn(first.base_url, turn_id="kill", tokens=8, tokens_per_s=0, tool_calls=script)
+    state = wait_until(
+        lambda: (t := get_turn(first.base_url, "kill"))["status"] == "awaiting_approval" and t
+    )
+    first.stop(signal.SIGKILL)
+    second = broker_processes(env)
+    (pending,) = get_turn(second.base_url, "kill")["approvals"]
+    assert pending == state["approvals"][0]
+    answer = httpx.post(
+        f"{second.base_url}/v1/turns/kill/approvals/{pending['approval_id']}",
+        json={"decision": "approve"},
+        timeout=10,
+    )
+    assert answer.status_code == 200, answer.text
+    assert wait_final(second.base_url, "kill", timeout=20)["status"] == "complete"
+    events = read_sse(second.base_url, turn["stream_id"]).events
+    assert [e.data["source"] for e in events if e.event == "tool_result"] == ["ran"]
+    assert len(payments.requests) == 1
+
+
+def test_an_attach_token_with_the_approve_scope_decides_its_own_turn_only(
+    broker_factory: BrokerFactory, tmp_path: Path, payments: ToolEndpoint
+) -> None:
+    key = "key-approvals-0123456789"
+    broker = broker_factory(
+        tools=str(tools_file(tmp_path, payments.url)),
+        api_keys=f"shop={key}",
+        simulate_scripting="on",
+    )
+    auth = {"Authorization": f"Bearer {key}"}
+    script = [{"name": "send_payment", "args": BIG, "after": 3}]
+    for turn_id in ("mine", "other"):
+        start_turn(
+            broker.base_url, turn_id=turn_id, tokens=8, tokens_per_s=0, tool_calls=script, auth=key
+        )
+    pending = {}
+    for turn_id in ("mine", "other"):
+        state = wait_until(
+            lambda t=turn_id: (
+                (s := get_turn(broker.base_url, t, key))["status"] == "awaiting_approval" and s
+            )
+        )
+        pending[turn_id] = state["approvals"][0]["approval_id"]
+
+    def mint(**body: Any) -> str:
+        url = f"{broker.base_url}/v1/turns/mine/attach-tokens"
+        response = httpx.post(url, json=body, headers=auth, timeout=5)
+        assert response.status_code == 201, response.text
+        token: str = response.json()["token"]
+        return token
+
+    def decide_with(token: str, turn_id: str) -> httpx.Response:
+        return httpx.post(
+            f"{broker.base_url}/v1/turns/{turn_id}/approvals/{pending[turn_id]}",
+            json={"decision": "approve"},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        )
+
+    read_only = decide_with(mint(), "mine")
+    assert read_only.status_code == 403
+    assert read_only.json()["error"]["code"] == "read_only"
+    approver = mint(approve=True)
+    assert decide_with(approver, "other").status_code == 403
+    assert decide_with(approver, "mine").status_code == 200
+    assert wait_final(broker.base_url, "mine", auth=key)["status"] == "complete"
+    assert get_turn(broker.base_url, "other", key)["status"] == "awaiting_approval"
+    assert len(payments.requests) == 1
