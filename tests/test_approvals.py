@@ -78,9 +78,11 @@ def pay_turn(broker: RunningBroker, turn_id: str, args: dict[str, Any] = BIG, **
     )
 
 
-def wait_awaiting(broker: RunningBroker, turn_id: str) -> dict[str, Any]:
+def wait_awaiting(broker: RunningBroker, turn_id: str, auth: str | None = None) -> dict[str, Any]:
     turn: dict[str, Any] = wait_until(
-        lambda: (t := get_turn(broker.base_url, turn_id))["status"] == "awaiting_approval" and t
+        lambda: (
+            (t := get_turn(broker.base_url, turn_id, auth))["status"] == "awaiting_approval" and t
+        )
     )
     return turn
 
@@ -429,13 +431,9 @@ def test_an_attach_token_with_the_approve_scope_decides_its_own_turn_only(
         start_turn(
             broker.base_url, turn_id=turn_id, tokens=8, tokens_per_s=0, tool_calls=script, auth=key
         )
-    pending = {}
+    pending: dict[str, str] = {}
     for turn_id in ("mine", "other"):
-        state = wait_until(
-            lambda t=turn_id: (
-                (s := get_turn(broker.base_url, t, key))["status"] == "awaiting_approval" and s
-            )
-        )
+        state = wait_awaiting(broker, turn_id, key)
         pending[turn_id] = state["approvals"][0]["approval_id"]
 
     def mint(**body: Any) -> str:
