@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from broker.approval_rules import set_clock
+from broker_client import ApprovalDecision, ApprovalRequest, BrokerClient
 from tests.conftest import BrokerFactory, BrokerProcess, RunningBroker
 from tests.helpers import (
     SSEEvent,
@@ -459,4 +460,30 @@ def test_an_attach_token_with_the_approve_scope_decides_its_own_turn_only(
     assert decide_with(approver, "mine").status_code == 200
     assert wait_final(broker.base_url, "mine", auth=key)["status"] == "complete"
     assert get_turn(broker.base_url, "other", key)["status"] == "awaiting_approval"
+    assert len(payments.requests) == 1
+
+
+async def test_the_python_client_sees_the_request_and_approves_it(
+    approved_broker: RunningBroker, payments: ToolEndpoint
+) -> None:
+    broker = approved_broker
+    turn = await asyncio.to_thread(pay_turn, broker, "client")
+    async with BrokerClient(broker.base_url) as client:
+        requests: list[ApprovalRequest] = []
+        decisions: list[ApprovalDecision] = []
+        async for event in client.attach(turn["stream_id"]):
+            if event.type == "approval_request":
+                request = ApprovalRequest.from_data(event.data)
+                requests.append(request)
+                state = await client.get_turn("client")
+                assert [a["approval_id"] for a in state["approvals"]] == [request.approval_id]
+                decided = await client.approve("client", request.approval_id)
+                assert (decided.decision, decided.by) == ("approve", "person")
+                # Another device's late deny gets the decision that stands.
+                late = await client.deny("client", request.approval_id, "no")
+                assert late == decided
+            elif event.type == "approval_decision":
+                decisions.append(ApprovalDecision.from_data(event.data))
+    assert [d.approval_id for d in decisions] == [r.approval_id for r in requests]
+    assert requests[0].args == BIG
     assert len(payments.requests) == 1
