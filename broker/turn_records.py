@@ -117,8 +117,14 @@ def links(turn_id: str, stream_id: str) -> dict[str, str]:
     }
 
 
-def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict[str, Any]:
-    """The turn's state as ``GET /v1/turns/{id}`` shows it, from its stored hash ``meta``."""
+def turn_state(
+    turn_id: str,
+    conversation_id: str,
+    meta: dict[str, str],
+    waiting: frozenset[str] | None = None,
+) -> dict[str, Any]:
+    """The turn's state as ``GET /v1/turns/{id}`` shows it, from its stored hash ``meta``;
+    ``waiting``: the approvals a parked attempt still waits for (None: all it parked on)."""
     current = int(meta["attempt"])
     attempts = []
     for n in range(1, current + 1):
@@ -157,7 +163,11 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
         state["tool_calls"] = pending  # the client calls the canonical attempt ended with
     if meta["status"] == TurnStatus.AWAITING_APPROVAL:
         parked = orjson.loads(meta.get(f"attempt:{current}") or "{}").get("parked") or {}
-        state["approvals"] = [approval_shown(call) for call in parked.get("awaiting", ())]
+        state["approvals"] = [
+            approval_shown(call)
+            for call in parked.get("awaiting", ())
+            if waiting is None or call["approval_id"] in waiting
+        ]
     return state
 
 

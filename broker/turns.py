@@ -278,7 +278,11 @@ class Turns:
         conversation_id, meta = await self._locate(turn_id, tenant)
         if meta["status"] == TurnStatus.QUEUED and meta.get("enqueued") != "1":
             await self._rescue(conversation_id, turn_id, int(meta["attempt"]))
-        return turn_state(turn_id, conversation_id, meta)
+        waiting = None
+        if meta["status"] == TurnStatus.AWAITING_APPROVAL:
+            key = self._keys.approvals_waiting(conversation_id, turn_id)
+            waiting = frozenset(await rc.smembers(self._redis, key))
+        return turn_state(turn_id, conversation_id, meta, waiting)
 
     # The reads every door needs, typed: no door reads a turn's hash fields itself.
 

@@ -487,3 +487,29 @@ async def test_the_python_client_sees_the_request_and_approves_it(
     assert [d.approval_id for d in decisions] == [r.approval_id for r in requests]
     assert requests[0].args == BIG
     assert len(payments.requests) == 1
+
+
+def test_two_calls_in_one_message_wait_for_both_decisions(
+    approved_broker: RunningBroker, payments: ToolEndpoint
+) -> None:
+    broker = approved_broker
+    script = [
+        {"name": "send_payment", "args": BIG, "after": 3},
+        {"name": "send_payment", "args": {"to": "carol", "amount": 700}, "after": 3},
+    ]
+    turn = start_turn(broker.base_url, turn_id="both", tokens=8, tokens_per_s=0, tool_calls=script)
+    first, second = wait_awaiting(broker, "both")["approvals"]
+    assert (first["ordinal"], second["ordinal"]) == (0, 1)
+    # A new attempt may not start while the turn waits.
+    assert post_attempt(broker, "both") == 409
+    assert decide(broker, "both", first["approval_id"], "approve").status_code == 200
+    still = get_turn(broker.base_url, "both")
+    assert still["status"] == "awaiting_approval"
+    assert [a["approval_id"] for a in still["approvals"]] == [second["approval_id"]]
+    assert decide(broker, "both", second["approval_id"], "deny").status_code == 200
+    assert wait_final(broker.base_url, "both")["status"] == "complete"
+    events = read_sse(broker.base_url, turn["stream_id"]).events
+    results = {e.data["ordinal"]: e.data for e in events if e.event == "tool_result"}
+    assert results[0]["source"] == "ran"
+    assert results[1]["error"]["code"] == "approval_denied"
+    assert [r["body"]["arguments"]["to"] for r in payments.requests] == ["bob"]

@@ -38,9 +38,6 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local v = redis.call('HMGET', slot, 'state', 'fingerprint', 'lease_until', 'result', 'error')
 local state = v[1]
-if state == 'awaiting_approval' then
-  return {'awaiting_approval'}
-end
 if not state or (state == 'approved' and v[2] == ARGV[1]) then
   local token = redis.call('HINCRBY', slot, 'token', 1)
   redis.call('HSET', slot, 'state', 'in_flight', 'fingerprint', ARGV[1],
@@ -53,6 +50,9 @@ if not state or (state == 'approved' and v[2] == ARGV[1]) then
 end
 if v[2] ~= ARGV[1] then
   return {'args_mismatch', v[2]}
+end
+if state == 'awaiting_approval' then
+  return {'awaiting_approval'}
 end
 if state == 'completed' then
   return {'completed', v[4]}
