@@ -16,6 +16,11 @@ args_mismatch      a write fails the turn; a read runs (outside the ledger)
 reclaimed          the holder's lease expired: a read re-runs, a keyed write re-sends with the
                    same key, an unkeyed write is stored as ``unknown_outcome`` and fails the turn
 =================  ==========================================================================
+
+A call whose tool's rule asks for a person's approval is first parked
+(``request_approval.lua``): the slot is ``awaiting_approval`` and the call waits (the outcome's
+``source`` is ``awaiting``); a decision makes it ``approved`` (the next claim answers
+``claimed``: it runs once) or ``failed`` with ``approval_denied`` (replayed).
 """
 
 from __future__ import annotations
