@@ -155,9 +155,12 @@ class Ledger:
         )
         if reply.result == "fenced":
             raise FencedWrite("the turn's lease was lost before its tool call")
+        if reply.result in ("requested", "pending"):
+            # Met again too (a regenerate, a takeover): an index entry a crash lost comes back,
+            # so the sweep still finds the request.
+            member = f"{slot.conversation_id} {slot.turn_id} {reply.approval_id}"
+            await self._redis.zadd(self._keys.approval_expiry(), {member: reply.expires_ms})
         if reply.result == "requested":
-            member = f"{slot.conversation_id} {slot.turn_id} {approval_id}"
-            await self._redis.zadd(self._keys.approval_expiry(), {member: expires_ms})
             self._metrics.approvals_requested.inc()
         return reply
 

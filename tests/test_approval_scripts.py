@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from broker import redis_calls as rc
-from broker.approval_rules import ApprovalRule
+from broker.approval_rules import ApprovalRule, set_clock
 from broker.approvals import Approvals
 from broker.deps import Deps
 from broker.errors import FencedWrite
@@ -181,3 +181,22 @@ async def test_park_goes_on_when_all_were_decided_and_stops_when_asked(aredis: R
     await leased(setup, cancel=True)
     assert await park(setup, [other]) == "stop"
     assert (await aredis.hget(keys.turn("c", "turn"), "status")) == "streaming"
+
+
+async def test_a_request_met_again_is_put_back_in_the_expiry_index(aredis: Redis) -> None:
+    setup = Setup(aredis)
+    approval_id = await setup.request()
+    index = setup.deps.keys.approval_expiry()
+    member = f"c turn {approval_id}"
+    expires = await aredis.zscore(index, member)
+    assert expires is not None
+    await aredis.zrem(index, member)  # as if the process died between the request and this
+    assert await setup.request() == approval_id
+    assert await aredis.zscore(index, member) == expires
+    with set_clock(lambda: expires / 1000 + 1):
+        assert await setup.approvals.sweep() == 1
+    assert await aredis.zcard(index) == 0
+    outcome = await setup.dispatcher.dispatch(setup.slot, '{"amount": 5}', {})
+    assert outcome.error is not None
+    assert outcome.error["code"] == "approval_denied"
+    assert setup.tool.keys == []
