@@ -513,3 +513,19 @@ def test_two_calls_in_one_message_wait_for_both_decisions(
     assert results[0]["source"] == "ran"
     assert results[1]["error"]["code"] == "approval_denied"
     assert [r["body"]["arguments"]["to"] for r in payments.requests] == ["bob"]
+
+
+def test_a_regenerate_after_a_stop_asks_again(
+    approved_broker: RunningBroker, payments: ToolEndpoint
+) -> None:
+    broker = approved_broker
+    pay_turn(broker, "ask-again")
+    (first,) = wait_awaiting(broker, "ask-again")["approvals"]
+    httpx.post(f"{broker.base_url}/v1/turns/ask-again/cancel", timeout=10)
+    assert wait_final(broker.base_url, "ask-again")["status"] == "cancelled"
+    assert post_attempt(broker, "ask-again") == 201
+    (second,) = wait_awaiting(broker, "ask-again")["approvals"]
+    assert second["approval_id"] != first["approval_id"], "the stop freed the slot"
+    assert decide(broker, "ask-again", second["approval_id"], "approve").status_code == 200
+    assert wait_final(broker.base_url, "ask-again")["status"] == "complete"
+    assert len(payments.requests) == 1
