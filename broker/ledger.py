@@ -315,7 +315,10 @@ class Dispatcher:
     ) -> Outcome | None:
         """A call that needs a person: ``awaiting`` while it waits, None once it was decided
         (the claim that follows runs it once, or replays its refusal)."""
-        ttl_s = tool.approval_ttl_s or self._settings.approval_ttl_s
+        settings = self._settings
+        # Never past a turn's id: a later decision must still find its turn.
+        longest_s = settings.stream_ttl + settings.tombstone_ttl
+        ttl_s = min(tool.approval_ttl_s or settings.approval_ttl_s, longest_s)
         request = {"tool": tool.name, **row}
         answer = await self.ledger.request_approval(
             slot, args_fingerprint, row, token, ttl_s, request

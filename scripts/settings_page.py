@@ -387,7 +387,8 @@ GROUPS = (
             Row(
                 ("approval_ttl_s",),
                 "how long a call waits for a person's approval before it is denied "
-                "(`expired`); a tool's `approval_ttl_s` overrides it",
+                "(`expired`); a tool's `approval_ttl_s` overrides it; at most "
+                "`BROKER_STREAM_TTL` + `BROKER_TOMBSTONE_TTL`",
             ),
         ),
     ),

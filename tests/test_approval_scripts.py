@@ -38,9 +38,9 @@ class Recorder:
 
 
 class Setup:
-    def __init__(self, aredis: Redis) -> None:
+    def __init__(self, aredis: Redis, **overrides: Any) -> None:
         prefix = f"approve{os.getpid()}-{next(_n)}"
-        settings = Settings(redis_url="unix:///unused", key_prefix=prefix)
+        settings = Settings(redis_url="unix:///unused", key_prefix=prefix, **overrides)
         self.deps = Deps(aredis, Scripts(aredis), Keys(prefix), settings, Metrics())
         self.tool = Recorder()
         tool = Tool(
@@ -200,3 +200,11 @@ async def test_a_request_met_again_is_put_back_in_the_expiry_index(aredis: Redis
     assert outcome.error is not None
     assert outcome.error["code"] == "approval_denied"
     assert setup.tool.keys == []
+
+
+async def test_a_request_never_outlasts_its_turn_s_id(aredis: Redis) -> None:
+    setup = Setup(aredis, stream_ttl=60.0, tombstone_ttl=60.0)  # approval_ttl_s: 24 h
+    with set_clock(lambda: 1_000.0):
+        outcome = await setup.dispatcher.dispatch(setup.slot, '{"amount": 5}', {})
+    assert outcome.approval is not None
+    assert outcome.approval.expires_ms == 1_000_000 + 120_000
