@@ -87,6 +87,8 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 FILE_HEADROOM = 1_024
 # On shutdown, how long webhook sends in flight may finish (a cut one is sent again later).
 WEBHOOK_DRAIN_S = 2.0
+# How often a worker process denies the approvals whose time ran out (BROKER_APPROVAL_TTL_S).
+APPROVAL_SWEEP_S = 5.0
 
 
 class Runtime:
@@ -163,6 +165,7 @@ class Runtime:
         )
         self.worker: Worker | None = None
         self._pool_trim: Periodic | None = None
+        self._approval_sweep: Periodic | None = None
         self._readers_at_trim = 0  # the live readers at the last trim
         self._drained = False
         self._closed = False
@@ -242,11 +245,22 @@ class Runtime:
                 rt.deps, blocking, rt.providers, rt.jobs, rt.dispatcher, rt.admission
             )
             rt.worker.start()
+            rt._approval_sweep = Periodic(
+                rt.sweep_approvals, APPROVAL_SWEEP_S, name="approval expiry"
+            )
             if rt.webhook_config.enabled:
                 rt.notifier = Notifier(rt.deps, rt.webhook_queue, rt.http, rt.webhook_config)
                 rt.notifier.start()
                 rt.worker.on_attempt_ended = rt.notifier.nudge
         return rt
+
+    async def sweep_approvals(self) -> bool:
+        """Deny the approvals whose time ran out (a worker's chore: it queues their turns)."""
+        try:
+            await self.turns.approvals.sweep()
+        except Exception:
+            log.exception("the approval expiry sweep failed")
+        return True
 
     async def trim_pools(self) -> bool:
         """Give back what a burst took: the idle Redis connections it left behind (see
@@ -272,8 +286,9 @@ class Runtime:
         if self._drained:
             return
         self._drained = True
-        if self._pool_trim is not None:
-            await self._pool_trim.stop()
+        for periodic in (self._pool_trim, self._approval_sweep):
+            if periodic is not None:
+                await periodic.stop()
         if self.worker is not None:
             await self.worker.stop(self.settings.drain_timeout_s)
         if self.notifier is not None:  # after the worker: the attempts it ended are nudged

@@ -47,6 +47,7 @@ class Principal:
     token_id: str | None = None  # attach tokens: their id (the one-viewer lock's name)
     one_viewer: bool = False
     expires_at: int | None = None  # JWTs: what they mint may not outlive them
+    approve: bool = False  # attach tokens: may also decide the approvals of their turn
 
     @property
     def may_act(self) -> bool:
@@ -228,6 +229,7 @@ class Authenticator:
         ttl_s: float | None,
         one_viewer: bool,
         not_after: int | None = None,
+        approve: bool = False,
     ) -> AttachToken:
         """A read-only token for one stream, valid ``ttl_s`` (the default when None), and never
         past ``not_after`` (the expiry of the credential that mints it)."""
@@ -248,6 +250,8 @@ class Authenticator:
         }
         if one_viewer:
             claims["one"] = 1
+        if approve:
+            claims["apv"] = 1  # the `approve` scope: decide the approvals of this stream's turn
         token = jwt.encode(claims, self.attach_secret, algorithm=ATTACH_ALGORITHM)
         return AttachToken(token, expires_at)
 
@@ -274,6 +278,7 @@ class Authenticator:
             stream_id=stream_id,
             token_id=str(claims["jti"]),
             one_viewer=bool(claims.get("one")),
+            approve=bool(claims.get("apv")),
         )
 
 
@@ -281,6 +286,17 @@ def require_actor(principal: Principal) -> Principal:
     """403 for attach tokens: they read one stream and can start, cancel or retry nothing."""
     if not principal.may_act:
         raise Forbidden("an attach token can only read its stream", code="read_only")
+    return principal
+
+
+def require_approver(principal: Principal) -> Principal:
+    """403 for an attach token without the ``approve`` scope (which of its turn's approvals it
+    may decide is the route's to check: only its own stream's)."""
+    if not principal.may_act and not principal.approve:
+        raise Forbidden(
+            "this attach token has no approve scope: it can only read its stream",
+            code="read_only",
+        )
     return principal
 
 

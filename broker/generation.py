@@ -248,6 +248,16 @@ class Generation:
         if claim.stop_requested:
             await self._finish(TurnStatus.CANCELLED, "cancelled")
             return
+        parked = self._record.pop("parked", None)
+        if parked is not None and claim.previous_status != TurnStatus.STREAMING:
+            # Its approvals were decided: go on from where it waited (what it showed stays).
+            has_attempt_event, delivered_before, _ = await self._delivered()
+            self._output.resume(
+                has_attempt_event=has_attempt_event, text=delivered_before, tool_output=True
+            )
+            self._usage = parked.get("usage")
+            await self._call_upstream(int(parked.get("upstream_call", 0)), parked)
+            return
         if self._output.reached_readers:
             # A dead worker's answer already reached readers: never continue it silently.
             log.info("turn %s: took over after a lost worker; interrupting", self._run.turn_id)
@@ -280,8 +290,11 @@ class Generation:
             except _Retry as retry:
                 reason, last_error, retry_after = retry.reason, retry.error, retry.retry_after_s
 
-    async def _call_upstream(self, upstream_call: int) -> None:
-        """One upstream call, and the tool steps it leads to, until the answer ends."""
+    async def _call_upstream(
+        self, upstream_call: int, parked: dict[str, Any] | None = None
+    ) -> None:
+        """One upstream call, and the tool steps it leads to, until the answer ends; with
+        ``parked``, the attempt goes on from where it waited for approvals."""
         provider = self._providers.get(self._request.get("provider"))
         client_tools: list[dict[str, Any]] = self._request.get("client_tools", [])
         self._tools.restart(frozenset(tool["name"] for tool in client_tools))
@@ -289,24 +302,18 @@ class Generation:
         if self._prefix:
             messages.append({"role": "assistant", "content": self._prefix})
         steps: list[ToolStep] = []
+        resumed: ToolStep | None = None
+        if parked is not None:
+            self._tools.restore(parked)
+            steps = [ToolStep(**step) for step in parked["steps"]]
+            resumed = ToolStep(**parked["step"])
         for _ in range(self._settings.max_tool_steps + 1):
-            request = GenerationRequest(
-                conversation_id=self._run.conversation_id,
-                turn_id=self._run.turn_id,
-                attempt=self._n,
-                strategy=str(self._record.get("strategy", "initial")),
-                messages=messages,
-                model=self._providers.model_for(provider, self._request.get("model")),
-                params=self._request.get("params", {}),
-                response_format=self._request.get("response_format", "text"),
-                upstream_call=upstream_call,
-                tools=self._request.get("tools", []),
-                tool_steps=list(steps),
-                client_tools=client_tools,
-            )
-            step = await self._stream_step(provider, request)
+            step = resumed or await self._next_step(provider, messages, upstream_call, steps)
+            resumed = None
             if step is None:
                 return  # the attempt ended (or was handed to a retry) inside the step
+            if self._tools.awaiting and not await self._await_approvals(upstream_call, steps, step):
+                return  # parked: a decision queues the turn again; or it ended
             if self._tools.pending:  # the client runs these: the attempt ends with them
                 await self._finish(TurnStatus.REQUIRES_ACTION, "tool_calls")
                 return
@@ -325,6 +332,65 @@ class Generation:
             await self._fail("invalid_output", problem)
             return
         await self._finish(TurnStatus.COMPLETE, None)
+
+    async def _await_approvals(
+        self, upstream_call: int, steps: list[ToolStep], step: ToolStep
+    ) -> bool:
+        """Calls of ``step`` wait for a person: park the attempt (False: this worker lets go),
+        or, when every one was decided already, run them now (True: go on). False too when the
+        attempt ended here (a stop, or a call's outcome failed the turn)."""
+        tools = self._tools
+        record = {
+            **self._record,
+            "parked": {
+                **tools.parked(),
+                "steps": [dataclasses.asdict(done) for done in steps],
+                "step": dataclasses.asdict(step),
+                "usage": self._usage,
+                "upstream_call": upstream_call,
+            },
+        }
+        ids = [call["approval_id"] for call in tools.awaiting]
+        answer = await self._writer.park(self._n, record, self._text, ids)
+        if answer == "parked":
+            log.info("turn %s attempt %d waits for approval", self._run.turn_id, self._n)
+            return False
+        if answer == "stop":
+            await self._finish(TurnStatus.CANCELLED, "cancelled")
+            return False
+        try:
+            await tools.resolve(step)
+        except ToolFailure as failure:
+            await self._finish(
+                TurnStatus.FAILED, failure.reason, error={**failure.error, "retryable": False}
+            )
+            return False
+        return True
+
+    async def _next_step(
+        self,
+        provider: Provider,
+        messages: list[dict[str, Any]],
+        upstream_call: int,
+        steps: list[ToolStep],
+    ) -> ToolStep | None:
+        """The model's next message (see :meth:`_stream_step`)."""
+        client_tools: list[dict[str, Any]] = self._request.get("client_tools", [])
+        request = GenerationRequest(
+            conversation_id=self._run.conversation_id,
+            turn_id=self._run.turn_id,
+            attempt=self._n,
+            strategy=str(self._record.get("strategy", "initial")),
+            messages=messages,
+            model=self._providers.model_for(provider, self._request.get("model")),
+            params=self._request.get("params", {}),
+            response_format=self._request.get("response_format", "text"),
+            upstream_call=upstream_call,
+            tools=self._request.get("tools", []),
+            tool_steps=list(steps),
+            client_tools=client_tools,
+        )
+        return await self._stream_step(provider, request)
 
     async def _stream_step(self, provider: Provider, request: GenerationRequest) -> ToolStep | None:
         """Stream one model message; its tool calls run as soon as their arguments are whole.

@@ -24,7 +24,7 @@ from starlette.types import Scope
 from broker.api.errors import describe_validation
 from broker.api.limits import hold_share
 from broker.api.schemas import json_schema
-from broker.auth import Authenticator, Principal, require_actor
+from broker.auth import Authenticator, Principal, require_actor, require_approver
 from broker.errors import BadRequest, Forbidden, Unauthorized
 from broker.metrics import AUTH_FAILURES, Metrics
 from broker.providers import Providers
@@ -130,6 +130,19 @@ async def actor(request: Request, principal: Caller) -> Principal:
 
 
 Actor = Annotated[Principal, Depends(actor)]
+
+
+async def approver(request: Request, principal: Caller) -> Principal:
+    """A caller that may decide approvals: an actor, or an attach token with the ``approve``
+    scope (403 otherwise)."""
+    try:
+        return require_approver(principal)
+    except Forbidden:
+        services(request).metrics.auth_failures.labels("forbidden").inc()
+        raise
+
+
+Approver = Annotated[Principal, Depends(approver)]
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

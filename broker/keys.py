@@ -121,6 +121,19 @@ class Keys:
         """List: tool calls cut off while their arguments were arriving (never run)."""
         return f"{self.tag(conversation_id)}:tools-abandoned:{turn_id}"
 
+    def approval(self, conversation_id: str, turn_id: str, approval_id: str) -> str:
+        """Hash: one approval request (its slot, request, expiry; once decided, the decision)."""
+        return f"{self.tag(conversation_id)}:approval:{turn_id}:{approval_id}"
+
+    def approvals_waiting(self, conversation_id: str, turn_id: str) -> str:
+        """Set: the approval ids a parked attempt of the turn waits for."""
+        return f"{self.tag(conversation_id)}:approvals-waiting:{turn_id}"
+
+    def approval_expiry(self) -> str:
+        """Sorted set: pending approvals (``<conversation> <turn> <approval_id>``) scored by
+        their expiry (ms); in a slot of its own, read and written with single-key commands."""
+        return f"{self.prefix}:approval-expiry"
+
     def conversation_turns(self, conversation_id: str) -> str:
         """Sorted set: the conversation's turn ids, scored by creation time (ms)."""
         return f"{self.tag(conversation_id)}:turns"

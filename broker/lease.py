@@ -52,6 +52,7 @@ class TurnWriter:
         keys, settings = deps.keys, deps.settings
         self._scripts = deps.scripts
         self._metrics = deps.metrics
+        self._keys, self._ids = keys, (conversation_id, turn_id)
         self._turn = keys.turn(conversation_id, turn_id)
         self._lease = keys.lease(conversation_id, turn_id)
         self._events = keys.events(conversation_id, turn_id)
@@ -124,6 +125,31 @@ class TurnWriter:
             if failures:
                 log.info("%s went through after %d failed tries", name, failures)
             return reply
+
+    async def park(
+        self, attempt: int, record: dict[str, Any], text: str, approval_ids: list[str]
+    ) -> str:
+        """Let go of the turn while tool calls wait for approvals (``park_attempt.lua``):
+        ``parked``, ``decided`` (go on) or ``stop``. Raises ``FencedWrite``."""
+        conversation_id, turn_id = self._ids
+        keys = self._keys
+        reply = await self._call(
+            "park_attempt",
+            lambda: self._scripts.park_attempt(
+                turn=self._turn,
+                lease=self._lease,
+                waiting=keys.approvals_waiting(conversation_id, turn_id),
+                approvals=[
+                    (keys.approval(conversation_id, turn_id, ident), ident)
+                    for ident in approval_ids
+                ],
+                token=self.token,
+                attempt=attempt,
+                record=encode(record),
+                text=text,
+            ),
+        )
+        return reply.result
 
     async def release(self) -> bool:
         """Give the lease up now; False when it was no longer this writer's."""

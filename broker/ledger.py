@@ -16,6 +16,11 @@ args_mismatch      a write fails the turn; a read runs (outside the ledger)
 reclaimed          the holder's lease expired: a read re-runs, a keyed write re-sends with the
                    same key, an unkeyed write is stored as ``unknown_outcome`` and fails the turn
 =================  ==========================================================================
+
+A call whose tool's rule asks for a person's approval is first parked
+(``request_approval.lua``): the slot is ``awaiting_approval`` and the call waits (the outcome's
+``source`` is ``awaiting``); a decision makes it ``approved`` (the next claim answers
+``claimed``: it runs once) or ``failed`` with ``approval_denied`` (replayed).
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ import orjson
 from redis.exceptions import RedisError
 
 from broker import redis_calls as rc
+from broker.approval_rules import new_approval_id, now_ms
 from broker.canonical import fingerprint
 from broker.deps import Deps
 from broker.errors import FencedWrite
 from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.periodic import Periodic
+from broker.scripts import ApprovalReply
 from broker.settings import Settings
 from broker.tools import Tool, ToolError, ToolRegistry, invoke
 from broker.vocabulary import unscoped
@@ -114,6 +121,49 @@ class Ledger:
             return Claim(state, wait_ms=claim.wait_ms)
         return Claim(state)
 
+    async def request_approval(
+        self,
+        slot: Slot,
+        args_fingerprint: str,
+        row: dict[str, Any],
+        lease_token: str,
+        ttl_s: float,
+        request: dict[str, Any],
+    ) -> ApprovalReply:
+        """Park the slot for a person's approval (``request_approval.lua``): ``requested`` or
+        ``pending`` (wait), ``decided`` (claim it), ``args_mismatch``; raises FencedWrite."""
+        keys = self._keys
+        approval_id = new_approval_id()
+        now = now_ms()
+        expires_ms = now + int(ttl_s * 1000)
+        reply = await self._scripts.request_approval(
+            slot=slot.key(keys),
+            slots=keys.tool_slots(slot.conversation_id, slot.turn_id),
+            lease=keys.lease(slot.conversation_id, slot.turn_id),
+            approval=keys.approval(slot.conversation_id, slot.turn_id, approval_id),
+            args=[
+                args_fingerprint,
+                "broker",
+                max(self._retention_ms, int(ttl_s * 1000) + self._retention_ms),
+                orjson.dumps(row).decode(),
+                lease_token,
+                approval_id,
+                expires_ms,
+                orjson.dumps(request).decode(),
+                now,
+            ],
+        )
+        if reply.result == "fenced":
+            raise FencedWrite("the turn's lease was lost before its tool call")
+        if reply.result in ("requested", "pending"):
+            # Met again too (a regenerate, a takeover): an index entry a crash lost comes back,
+            # so the sweep still finds the request.
+            member = f"{slot.conversation_id} {slot.turn_id} {reply.approval_id}"
+            await self._redis.zadd(self._keys.approval_expiry(), {member: reply.expires_ms})
+        if reply.result == "requested":
+            self._metrics.approvals_requested.inc()
+        return reply
+
     async def renew(self, slot: Slot, token: str, lease_ms: int | None = None) -> None:
         """Extend the claim's lease (``lease_ms=0`` releases it for the next claimer)."""
         ms = self._settings.tool_lease_ms if lease_ms is None else lease_ms
@@ -177,6 +227,7 @@ class Outcome:
     error: dict[str, Any] | None = None
     fail_reason: str | None = None
     idempotency_key: str = ""
+    approval: ApprovalReply | None = None  # source "awaiting": the request it waits on
 
 
 class Dispatcher:
@@ -216,6 +267,10 @@ class Dispatcher:
         args_fingerprint = fingerprint(arguments)
         key = slot.idempotency_key(args_fingerprint)
         row = {**row, "class": tool.kind, "arguments": arguments, "idempotency_key": key}
+        if tool.approval.needs_approval(arguments):
+            waiting = await self._request_approval(tool, slot, args_fingerprint, row, lease_token)
+            if waiting is not None:
+                return waiting
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.tool_in_flight_wait_s
         delay = 0.05
@@ -237,18 +292,10 @@ class Dispatcher:
                 error = claim.payload if isinstance(claim.payload, dict) else {}
                 fail = "unknown_outcome" if error.get("code") == "unknown_outcome" else None
                 return Outcome("replayed", error=error, fail_reason=fail, idempotency_key=key)
-            if claim.state == "args_mismatch":
-                if tool.kind == "read":
-                    return await self._run(tool, None, "", arguments, key, tenant)
-                return Outcome(
-                    "refused",
-                    fail_reason="args_mismatch",
-                    error={
-                        "code": "args_mismatch",
-                        "message": f"{slot.tool} #{slot.ordinal} was called with other arguments "
-                        "before; a write is not re-run with new ones",
-                    },
-                )
+            if claim.state == "args_mismatch" and tool.kind == "read":
+                return await self._run(tool, None, "", arguments, key, tenant)
+            if claim.state in ("args_mismatch", "awaiting_approval"):
+                return _not_claimed(claim.state, slot)
             # in_flight: someone runs it now; wait for its outcome, but not for ever.
             if loop.time() >= deadline:
                 return Outcome(
@@ -262,6 +309,23 @@ class Dispatcher:
             pause = min(delay, claim.wait_ms / 1000, deadline - loop.time())
             await asyncio.sleep(max(pause, 0.001) * self._random.uniform(0.5, 1.0))
             delay = min(delay * 2, 1.0)
+
+    async def _request_approval(
+        self, tool: Tool, slot: Slot, args_fingerprint: str, row: dict[str, Any], token: str
+    ) -> Outcome | None:
+        """A call that needs a person: ``awaiting`` while it waits, None once it was decided
+        (the claim that follows runs it once, or replays its refusal)."""
+        settings = self._settings
+        # Never past a turn's id: a later decision must still find its turn.
+        longest_s = settings.stream_ttl + settings.tombstone_ttl
+        ttl_s = min(tool.approval_ttl_s or settings.approval_ttl_s, longest_s)
+        request = {"tool": tool.name, **row}
+        answer = await self.ledger.request_approval(
+            slot, args_fingerprint, row, token, ttl_s, request
+        )
+        if answer.result in ("requested", "pending"):
+            return Outcome("awaiting", approval=answer, idempotency_key=row["idempotency_key"])
+        return None
 
     async def _run(
         self,
@@ -352,6 +416,22 @@ class Dispatcher:
             # Keep trying: the call's outcome must not be lost to a renewal blip.
             log.warning("tool lease renewal failed: %s", exc)
         return True
+
+
+def _not_claimed(state: str, slot: Slot) -> Outcome:
+    """A write held with other arguments fails the turn; a call that waits for a person (its
+    tool's rule changed since) is refused: it never runs unapproved."""
+    if state == "awaiting_approval":
+        return _refused("awaiting_approval", f"{slot.tool} waits for an approval")
+    return Outcome(
+        "refused",
+        fail_reason="args_mismatch",
+        error={
+            "code": "args_mismatch",
+            "message": f"{slot.tool} #{slot.ordinal} was called with other arguments "
+            "before; a write is not re-run with new ones",
+        },
+    )
 
 
 def _refused(code: str, message: str) -> Outcome:

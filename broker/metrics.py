@@ -282,6 +282,34 @@ class Metrics:
             registry=r,
         )
         _at_zero(self.tool_calls, product(("read", "keyed_write", "unkeyed_write"), TOOL_OUTCOMES))
+        self.approvals_requested = Counter(
+            "broker_approvals_requested_total",
+            "Tool calls that asked a person for approval (a new request, not one met again).",
+            registry=r,
+        )
+        self.approvals_decided = Counter(
+            "broker_approvals_decided_total",
+            "Approvals decided, by decision (approve, deny) and by how (person, expiry, stop).",
+            ["decision", "by"],
+            registry=r,
+        )
+        _at_zero(self.approvals_decided, product(("approve", "deny"), ("person", "expiry", "stop")))
+        self.approval_decision_seconds = Histogram(
+            "broker_approval_decision_seconds",
+            "Time from an approval's request to its decision, by how it was decided.",
+            ["by"],
+            buckets=(1, 5, 15, 60, 300, 900, 3_600, 14_400, 86_400),
+            registry=r,
+        )
+        for by in ("person", "expiry", "stop"):
+            self.approval_decision_seconds.labels(by)
+        self.approvals_pending = Gauge(
+            "broker_approvals_pending",
+            "Approvals waiting for a person, as the last expiry sweep counted them (every "
+            "process counts the same requests: the highest value is the answer).",
+            registry=r,
+            multiprocess_mode="max",
+        )
         self.http_connections = Gauge(
             "broker_http_connections",
             "HTTP connections open in this broker's processes.",

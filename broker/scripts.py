@@ -48,6 +48,9 @@ NAMES = (
     "claim_tool",
     "renew_tool",
     "finish_tool",
+    "request_approval",
+    "decide_approval",
+    "park_attempt",
     "admit_turn",
     "renew_viewer",
     "release_viewer",
@@ -116,12 +119,29 @@ class Outcome:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ToolClaim:
     """``claim_tool``: ``result`` is claimed, reclaimed, completed, failed, in_flight,
-    args_mismatch or fenced."""
+    args_mismatch, awaiting_approval or fenced."""
 
     result: str
     token: str = ""  # claimed, reclaimed
     payload: str = ""  # completed, failed: the stored JSON; args_mismatch: the fingerprint
     wait_ms: int = 0  # in_flight: the holder's lease left
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ApprovalReply:
+    """``request_approval`` (requested, pending, decided, args_mismatch, fenced),
+    ``decide_approval`` (decided, stands, missing) and ``park_attempt`` (parked, decided, stop):
+    the approval's id and expiry, or its decision, or the slot's state."""
+
+    result: str
+    approval_id: str = ""
+    expires_ms: int = 0
+    decision: str = ""
+    reason: str = ""
+    by: str = ""
+    state: str = ""  # request_approval decided: the slot's state; args_mismatch: fingerprint
+    resumed: bool = False  # decide_approval decided: the turn was queued again
+    attempt: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -463,6 +483,64 @@ class Scripts:
     async def finish_tool(self, *, slot: str, token: str, outcome: str, payload: str) -> bool:
         """False when fenced: the token is not current, or the outcome is already stored."""
         return str((await self("finish_tool", [slot], [token, outcome, payload]))[0]) == "ok"
+
+    async def request_approval(
+        self, *, slot: str, slots: str, lease: str, approval: str, args: Sequence[Any]
+    ) -> ApprovalReply:
+        """``args``: the header's ARGV, in order."""
+        reply = await self("request_approval", [slot, slots, lease, approval], list(args))
+        result = str(reply[0])
+        if result in ("requested", "pending"):
+            return ApprovalReply(result, _text(reply, 1), expires_ms=int(reply[2]))
+        return ApprovalReply(result, state=_text(reply, 1))
+
+    async def decide_approval(
+        self,
+        *,
+        keys: Sequence[str],
+        approval_id: str,
+        decision: str,
+        reason: str,
+        by: str,
+        now_ms: int,
+        denied_error: str,
+    ) -> ApprovalReply:
+        """``keys``: approval, slot, turn, events, waiting set, lease (the header's order)."""
+        args = [approval_id, decision, reason, by, now_ms, denied_error]
+        reply = await self("decide_approval", list(keys), args)
+        result = str(reply[0])
+        if result == "missing":
+            return ApprovalReply(result)
+        decided = ApprovalReply(
+            result,
+            approval_id,
+            decision=_text(reply, 1),
+            reason=_text(reply, 2),
+            by=_text(reply, 3),
+        )
+        if result == "decided":
+            decided = dataclasses.replace(
+                decided, resumed=_text(reply, 4) == "1", attempt=int(_text(reply, 5) or 0)
+            )
+        return decided
+
+    async def park_attempt(
+        self,
+        *,
+        turn: str,
+        lease: str,
+        waiting: str,
+        approvals: Sequence[tuple[str, str]],
+        token: str,
+        attempt: int,
+        record: str,
+        text: str,
+    ) -> ApprovalReply:
+        """``approvals``: (approval hash, approval id) pairs. Raises ``FencedWrite``."""
+        keys = [turn, lease, waiting, *(key for key, _ in approvals)]
+        args = [token, attempt, record, text, *(ident for _, ident in approvals)]
+        reply = await self("park_attempt", keys, args)
+        return ApprovalReply(str(reply[0]))
 
     async def renew_viewer(self, *, viewer: str, holder: str, ttl_ms: int) -> bool:
         """False when the holder lost the viewer lock."""

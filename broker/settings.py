@@ -125,6 +125,7 @@ class Settings:
     max_tool_steps: int = 8
     tool_lease_ms: int = 30_000
     tool_in_flight_wait_s: float = 30.0
+    approval_ttl_s: float = 86_400.0  # a pending approval is denied (expired) after this
     log_level: str = "INFO"
     log_format: str = "text"  # text | json
     # Security. With no API keys and no JWT key the broker runs open (local development only).
@@ -468,6 +469,7 @@ def _check_numbers(settings: Settings) -> None:
         "max_tool_steps",
         "tool_lease_ms",
         "tool_in_flight_wait_s",
+        "approval_ttl_s",
         "attach_token_ttl",
         "attach_token_max_ttl",
         "max_header_bytes",

@@ -11,6 +11,11 @@ A call of one of the turn's client tools is not dispatched: its arguments are st
 ``client`` and left :attr:`ToolSteps.pending`, for the attempt to end with (``requires_action``).
 Its id is derived from its slot (:func:`~broker.client_tools.client_call_id`), so a retry meets
 the same id.
+
+A server call whose tool's rule asks for a person's approval is claimed as
+``awaiting_approval`` (no dispatch), shown with an ``approval_request`` event and left
+:attr:`ToolSteps.awaiting`: the attempt parks once its message ended, and runs the call (or tells
+the model it was declined) when the decision came (:meth:`ToolSteps.resolve`).
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ from typing import Any
 
 import orjson
 
+from broker.approval_rules import request_event
 from broker.client_tools import client_call_id
 from broker.errors import StopRequested, StreamFull
 from broker.lease import TurnWriter
 from broker.ledger import Dispatcher, Outcome, Slot
 from broker.metrics import Metrics
 from broker.output import AttemptOutput
-from broker.providers import ToolCallChunk
+from broker.providers import ToolCallChunk, ToolStep
 
 
 class ToolFailure(Exception):
@@ -61,6 +67,9 @@ class ToolSteps:
         self._ordinals: dict[str, int] = {}
         self._client: frozenset[str] = frozenset()
         self.pending: list[dict[str, Any]] = []  # client calls whole: {call_id, name, arguments}
+        # Server calls waiting for a person: {call_id, name, ordinal, arguments, approval_id,
+        # expires_ms}.
+        self.awaiting: list[dict[str, Any]] = []
 
     def restart(self, client_tools: frozenset[str]) -> None:
         """A new upstream call redoes the attempt's steps: ordinals count from 0 again (to
@@ -68,6 +77,33 @@ class ToolSteps:
         self._client = client_tools
         self._ordinals = {}
         self.pending = []
+        self.awaiting = []
+
+    def parked(self) -> dict[str, Any]:
+        """What a parked attempt needs to go on (stored in its record): its ordinals so far,
+        its client calls pending, its calls awaiting a decision."""
+        return {"ordinals": self._ordinals, "pending": self.pending, "awaiting": self.awaiting}
+
+    def restore(self, parked: dict[str, Any]) -> None:
+        """Go on from :meth:`parked`'s state (a resumed attempt, after :meth:`restart`)."""
+        self._ordinals = dict(parked.get("ordinals") or {})
+        self.pending = list(parked.get("pending") or ())
+        self.awaiting = list(parked.get("awaiting") or ())
+
+    async def resolve(self, step: ToolStep) -> None:
+        """The calls that waited for a person were decided: each goes through the ledger now
+        (approved: it runs once; declined: the model is told) and joins ``step``'s calls and
+        results. Raises :class:`ToolFailure` when an outcome fails the turn."""
+        awaiting, self.awaiting = self.awaiting, []
+        for call in awaiting:
+            name, ordinal, call_id = call["name"], call["ordinal"], call["call_id"]
+            outcome = await self._dispatch({"arguments": call["arguments"]}, name, ordinal, call_id)
+            if outcome.source == "awaiting":  # decided, then met again: never run unapproved
+                outcome = Outcome(
+                    "refused",
+                    error={"code": "awaiting_approval", "message": f"{name} is not approved"},
+                )
+            await self._show_outcome(call, name, ordinal, call_id, outcome, step)
 
     def is_client(self, name: str) -> bool:
         """Whether ``name`` is one of the turn's client tools (the client runs its calls)."""
@@ -115,6 +151,38 @@ class ToolSteps:
             ]
         )
         outcome = await self._dispatch(call, name, ordinal, call_id)
+        if outcome.source == "awaiting" and outcome.approval is not None:
+            approval = outcome.approval
+            self.awaiting.append(
+                {
+                    "call_id": call_id,
+                    "name": name,
+                    "ordinal": ordinal,
+                    "arguments": call["arguments"],
+                    "approval_id": approval.approval_id,
+                    "expires_ms": approval.expires_ms,
+                }
+            )
+            event = request_event(
+                self._n, approval.approval_id, call_id, name, ordinal, shown, approval.expires_ms
+            )
+            await self._output.append([event])
+            return
+        await self._show_outcome(
+            call, name, ordinal, call_id, outcome, ToolStep("", calls, results)
+        )
+
+    async def _show_outcome(
+        self,
+        call: dict[str, Any],
+        name: str,
+        ordinal: int,
+        call_id: str,
+        outcome: Outcome,
+        step: ToolStep,
+    ) -> None:
+        """Put a dispatched call's ``tool_result`` on the stream and its result in ``step``."""
+        calls, results = step.calls, step.results
         data: dict[str, Any] = {
             "attempt": self._n,
             "call_id": call_id,

@@ -29,6 +29,7 @@ import httpx
 import jsonschema
 import orjson
 
+from broker.approval_rules import ApprovalRule, RuleError
 from broker.errors import BrokerError
 from broker.vocabulary import TOOL_NAME_PATTERN
 
@@ -68,6 +69,8 @@ class Tool:
     timeout_s: float = 30.0
     function: ToolFunction | None = None
     description: str = ""
+    approval: ApprovalRule = dataclasses.field(default_factory=ApprovalRule)
+    approval_ttl_s: float | None = None  # None: BROKER_APPROVAL_TTL_S
 
     def __post_init__(self) -> None:
         if not NAME_PATTERN.match(self.name):
@@ -82,6 +85,14 @@ class Tool:
             raise ToolConfigError(f"tool {self.name!r}: endpoint must be an http(s) URL")
         if self.timeout_s <= 0:
             raise ToolConfigError(f"tool {self.name!r}: timeout_s must be positive")
+        if self.approval_ttl_s is not None and not 0 < self.approval_ttl_s <= 31_536_000:
+            raise ToolConfigError(
+                f"tool {self.name!r}: approval_ttl_s must be positive (at most a year)"
+            )
+        if self.approval_ttl_s is not None and self.approval.mode == "never":
+            raise ToolConfigError(
+                f'tool {self.name!r}: approval_ttl_s is set but its approval is "never"'
+            )
         try:
             jsonschema.Draft202012Validator.check_schema(self.schema)
         except jsonschema.SchemaError as exc:
@@ -149,6 +160,8 @@ class ToolRegistry:
                 "endpoint",
                 "timeout_s",
                 "description",
+                "approval",
+                "approval_ttl_s",
             }
             if unknown:
                 raise ToolConfigError(f"{file}: unknown tool fields {sorted(unknown)}")
@@ -161,26 +174,39 @@ class ToolRegistry:
                         endpoint=entry.get("endpoint"),
                         timeout_s=float(entry.get("timeout_s", 30)),
                         description=str(entry.get("description", "")),
+                        approval=ApprovalRule.parse(entry.get("approval")),
+                        approval_ttl_s=_ttl(entry.get("approval_ttl_s")),
                     )
                 )
             except KeyError as exc:
                 raise ToolConfigError(f"{file}: a tool lacks {exc.args[0]!r}") from None
+            except RuleError as exc:
+                raise ToolConfigError(f"{file}: tool {entry.get('name')!r}: {exc}") from None
         return cls(tools)
 
     def audit(self) -> str:
         """A table: which tools can double-fire, and how each is protected."""
-        rows = [("tool", "class", "can double-fire", "protection")]
+        rows = [("tool", "class", "can double-fire", "approval", "protection")]
         for tool in self:
             fires = "no" if tool.kind == "read" else "yes, without the ledger"
-            rows.append((tool.name, tool.kind, fires, tool.protection))
+            rows.append((tool.name, tool.kind, fires, tool.approval.describe(), tool.protection))
         if len(rows) == 1:
             return "no tools registered (set BROKER_TOOLS to a tools file)\n"
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = [
-            "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:3])) + "  " + row[3]
+            "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4]
             for row in rows
         ]
         return "\n".join(lines) + "\n"
+
+
+def _ttl(value: Any) -> float | None:
+    """A tool's ``approval_ttl_s``: a number of seconds, or absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ToolConfigError(f"approval_ttl_s must be a number of seconds, not {value!r}")
+    return float(value)
 
 
 # The header that tells a tool endpoint whose turn the call is for.

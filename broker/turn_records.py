@@ -13,7 +13,10 @@ from typing import Any
 
 import orjson
 
-from broker.vocabulary import ACTIVE_STATUSES, unscoped
+from broker.vocabulary import ACTIVE_STATUSES, TurnStatus, unscoped
+
+# The statuses a current attempt shows as its own: queued, generating, or waiting for a person.
+WAITING_STATUSES = ACTIVE_STATUSES | {TurnStatus.AWAITING_APPROVAL}
 
 # The fields of an attempt's record that a turn's state shows.
 ATTEMPT_FIELDS = ("n", "strategy", "status", "reason", "canonical", "usage")
@@ -114,8 +117,14 @@ def links(turn_id: str, stream_id: str) -> dict[str, str]:
     }
 
 
-def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict[str, Any]:
-    """The turn's state as ``GET /v1/turns/{id}`` shows it, from its stored hash ``meta``."""
+def turn_state(
+    turn_id: str,
+    conversation_id: str,
+    meta: dict[str, str],
+    waiting: frozenset[str] | None = None,
+) -> dict[str, Any]:
+    """The turn's state as ``GET /v1/turns/{id}`` shows it, from its stored hash ``meta``;
+    ``waiting``: the approvals a parked attempt still waits for (None: all it parked on)."""
     current = int(meta["attempt"])
     attempts = []
     for n in range(1, current + 1):
@@ -125,7 +134,7 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
         record = orjson.loads(raw)
         attempt = {field: record.get(field) for field in ATTEMPT_FIELDS}
         attempt["canonical"] = bool(attempt["canonical"])
-        if n == current and meta["status"] in ACTIVE_STATUSES:
+        if n == current and meta["status"] in WAITING_STATUSES:
             attempt["status"] = meta["status"]
         if record.get("strategy") == "continue":
             attempt["continues"] = record.get("from")
@@ -152,4 +161,23 @@ def turn_state(turn_id: str, conversation_id: str, meta: dict[str, str]) -> dict
     }
     if pending:
         state["tool_calls"] = pending  # the client calls the canonical attempt ended with
+    if meta["status"] == TurnStatus.AWAITING_APPROVAL:
+        parked = orjson.loads(meta.get(f"attempt:{current}") or "{}").get("parked") or {}
+        state["approvals"] = [
+            approval_shown(call)
+            for call in parked.get("awaiting", ())
+            if waiting is None or call["approval_id"] in waiting
+        ]
     return state
+
+
+def approval_shown(call: dict[str, Any]) -> dict[str, Any]:
+    """A pending approval as ``GET /v1/turns/{id}`` lists it (the request event's fields)."""
+    return {
+        "approval_id": call["approval_id"],
+        "call_id": call["call_id"],
+        "name": call["name"],
+        "ordinal": call["ordinal"],
+        "args": orjson.loads(call["arguments"] or "{}"),
+        "expires_at": call["expires_ms"] / 1000,
+    }

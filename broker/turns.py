@@ -11,6 +11,7 @@ import orjson
 
 from broker import redis_calls as rc
 from broker.admission import Admission
+from broker.approvals import Approvals, Decided
 from broker.canonical import canonical_json, fingerprint
 from broker.client_tools import check_client_tools, check_tool_messages
 from broker.content import MAX_IMAGES, count_images, text_of
@@ -78,6 +79,7 @@ class Turns:
         self._settings = deps.settings
         self._providers = providers
         self._metrics = deps.metrics
+        self.approvals = Approvals(deps, self._enqueue)
 
     def _check_limits(self, request: TurnRequest) -> None:
         limit = self._settings.max_messages
@@ -274,7 +276,11 @@ class Turns:
         conversation_id, meta = await self._locate(turn_id, tenant)
         if meta["status"] == TurnStatus.QUEUED and meta.get("enqueued") != "1":
             await self._rescue(conversation_id, turn_id, int(meta["attempt"]))
-        return turn_state(turn_id, conversation_id, meta)
+        waiting = None
+        if meta["status"] == TurnStatus.AWAITING_APPROVAL:
+            key = self._keys.approvals_waiting(conversation_id, turn_id)
+            waiting = frozenset(await rc.smembers(self._redis, key))
+        return turn_state(turn_id, conversation_id, meta, waiting)
 
     # The reads every door needs, typed: no door reads a turn's hash fields itself.
 
@@ -391,9 +397,19 @@ class Turns:
         log.info("turn %s: attempt %d (%s) queued", turn_id, attempt, request.strategy)
         return turn_state(turn_id, conversation_id, meta)
 
-    async def cancel(self, turn_id: str, tenant: str | None = None) -> dict[str, Any]:
-        """The stop button: idempotent; a finished turn just reports its state."""
+    async def decide(
+        self, turn_id: str, approval_id: str, decision: str, reason: str | None, tenant: str | None
+    ) -> Decided:
+        """A person's decision on one of the caller's turn's approvals (the first one wins)."""
         conversation_id, _ = await self._locate(turn_id, tenant)
+        return await self.approvals.decide(conversation_id, turn_id, approval_id, decision, reason)
+
+    async def cancel(self, turn_id: str, tenant: str | None = None) -> dict[str, Any]:
+        """The stop button: idempotent; a finished turn just reports its state (approvals it
+        waits for are decided by the stop first)."""
+        conversation_id, meta = await self._locate(turn_id, tenant)
+        if meta["status"] == TurnStatus.AWAITING_APPROVAL:
+            await self.approvals.stop_waiting(conversation_id, turn_id)
         keys, settings = self._keys, self._settings
         outcome = await self._scripts.cancel_turn(
             turn=keys.turn(conversation_id, turn_id),

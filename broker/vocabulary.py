@@ -26,6 +26,9 @@ class TurnStatus(StrEnum):
     # The model called client tools: the attempt ended with the calls as its outcome, and the
     # next turn carries their results.
     REQUIRES_ACTION = "requires_action"
+    # A tool call waits for a person's approval: no worker holds the turn, readers stay
+    # attached, and a decision queues it again. Not at rest, and not active.
+    AWAITING_APPROVAL = "awaiting_approval"
 
 
 class AttemptStatus(StrEnum):

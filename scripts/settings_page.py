@@ -384,6 +384,12 @@ GROUPS = (
                 ("tool_in_flight_wait_s",),
                 "how long a call waits for the same call running elsewhere",
             ),
+            Row(
+                ("approval_ttl_s",),
+                "how long a call waits for a person's approval before it is denied "
+                "(`expired`); a tool's `approval_ttl_s` overrides it; at most "
+                "`BROKER_STREAM_TTL` + `BROKER_TOMBSTONE_TTL`",
+            ),
         ),
     ),
     Group(

@@ -28,6 +28,7 @@ DOCUMENT = ROOT / "docs" / "architecture.md"
 GROUND = {
     "broker",
     "broker.canonical",
+    "broker.approval_rules",
     "broker.client_tools",
     "broker.compression",
     "broker.connection",
@@ -73,7 +74,7 @@ WRITING = {
     "broker.tools",
     "broker.worker",
 }
-TURNS = {"broker.turns", "broker.turn_records", "broker.turn_requests"}
+TURNS = {"broker.approvals", "broker.turns", "broker.turn_records", "broker.turn_requests"}
 # Durable Streams' own streams: a service beside the core. The HTTP door reaches it through the
 # package's public names and its pure protocol rules, never its keys, scripts or replies.
 DURABLE_STORE_DOORS = {"broker.durable_store", "broker.durable_store.protocol"}

@@ -156,6 +156,7 @@ RUN = {
     ("quickstart.md", "Try it: start, cut, reattach, second viewer"): "tests/test_readme.py",
     ("quickstart.md", "Try it: stop, interruption, continue, regenerate"): "tests/test_readme.py",
     ("tools.md", "Try it: a payment that survives a regenerate"): "tests/test_readme.py",
+    ("tools.md", "Try it: a payment that waits for a yes"): "tests/test_readme.py",
     ("native.md", "Python client"): "tests/test_readme.py",
     ("native.md", "Mobile clients"): "tests/test_readme.py",
     ("durable-streams.md", "Durable Streams"): "tests/test_readme.py",

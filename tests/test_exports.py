@@ -80,6 +80,8 @@ def test_fast_path_public_api() -> None:
 def test_client_public_api() -> None:
     assert sorted(broker_client.__all__) == sorted(
         [
+            "ApprovalDecision",
+            "ApprovalRequest",
             "AttachPolicy",
             "AttachStats",
             "AttachToken",

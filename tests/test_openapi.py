@@ -9,6 +9,7 @@ those schemas here, and every event type the broker sends must have met its sche
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,16 +21,24 @@ from jsonschema import Draft202012Validator
 from broker.api.schemas import SSE_ONLY_EVENTS, STORED_EVENTS
 from broker.viewer import REPLACED
 from tests.conftest import BrokerFactory, RunningBroker, start_broker
-from tests.helpers import bearer, start_turn, wait_final
+from tests.helpers import bearer, start_turn, wait_final, wait_until
 
 KEY = "key-openapi-0123456789abcdef"
 STREAM = "/v1/streams/{stream_id}"
 
 
 @pytest.fixture(scope="module")
-def broker(redis_url: str) -> Iterator[RunningBroker]:
+def broker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
+    # One tool that always asks for approval (denied in the tests: its endpoint is never called).
+    tools = tmp_path_factory.mktemp("openapi") / "tools.json"
+    confirm = {"name": "confirm", "class": "unkeyed_write", "endpoint": "http://127.0.0.1:9/"}
+    tools.write_text(json.dumps({"tools": [{**confirm, "approval": "always"}]}))
     running = start_broker(
-        redis_url, api_keys=f"openapi={KEY}", simulate_max_tokens_per_s=0, simulate_scripting="on"
+        redis_url,
+        api_keys=f"openapi={KEY}",
+        simulate_max_tokens_per_s=0,
+        simulate_scripting="on",
+        tools=str(tools),
     )
     try:
         yield running
@@ -189,7 +198,31 @@ def turns(broker: RunningBroker) -> list[dict[str, Any]]:
         start_turn(base, "schema-f", auth=KEY, tokens=4, fail_before_first=1, error="fatal"),
         start_turn(base, "schema-i", auth=KEY, tokens=8, tokens_per_s=0, fail_after_deltas=3),
         client_tool_turn(base),
+        approval_turn(base),
     ]
+
+
+def approval_turn(base: str) -> dict[str, Any]:
+    """A turn whose tool call waits for approval and is denied (``approval_*`` events)."""
+    confirm = [{"name": "confirm", "args": {"q": "x"}, "after": 1}]
+    turn = start_turn(base, "schema-a", auth=KEY, tokens=4, tokens_per_s=0, tool_calls=confirm)
+    url = f"{base}/v1/turns/{turn['turn_id']}"
+    state = wait_until(
+        lambda: (
+            (t := httpx.get(url, headers=bearer(KEY), timeout=10).json())["status"]
+            == "awaiting_approval"
+            and t
+        )
+    )
+    approval_id = state["approvals"][0]["approval_id"]
+    denied = httpx.post(
+        f"{url}/approvals/{approval_id}",
+        json={"decision": "deny", "reason": "not now"},
+        headers=bearer(KEY),
+        timeout=10,
+    )
+    assert denied.status_code == 200, denied.text
+    return turn
 
 
 def client_tool_turn(base: str) -> dict[str, Any]:

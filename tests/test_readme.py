@@ -45,6 +45,7 @@ SECTIONS = (
     ("quickstart.md", "Try it: start, cut, reattach, second viewer"),
     ("quickstart.md", "Try it: stop, interruption, continue, regenerate"),
     ("tools.md", "Try it: a payment that survives a regenerate"),
+    ("tools.md", "Try it: a payment that waits for a yes"),
 )
 README_TRY_IT = "Try it: a reconnect and a second viewer"
 SpawnBroker = Callable[[dict[str, str]], BrokerProcess]
@@ -257,8 +258,8 @@ def test_the_readme_try_it_is_the_quickstarts_opening_word_for_word() -> None:
 def test_the_readme_examples_run_verbatim_in_order(
     first_terminal: FirstTerminal, tmp_path: Path
 ) -> None:
-    start, stop, pay = (snippets(page, title, "sh") for page, title in SECTIONS)
-    assert (len(start), len(stop), len(pay)) == (5, 3, 2)
+    start, stop, pay, wait = (snippets(page, title, "sh") for page, title in SECTIONS)
+    assert (len(start), len(stop), len(pay), len(wait)) == (5, 3, 2, 1)
     shell = Terminal(tmp_path)
 
     # --- start, cut, reattach, second viewer -------------------------------------------------
@@ -346,6 +347,21 @@ def test_the_readme_examples_run_verbatim_in_order(
     assert [(p["to"], p["amount"], p["payment_id"]) for p in payments["payments"]] == [
         ("bob", 10.0, paid["payment_id"])
     ]
+
+    # --- a payment that waits for a person's yes ---------------------------------------------
+    approved, too_late, waited, payments = outputs(ok(shell.run(wait[0])))
+    assert (approved["decision"], approved["by"]) == ("approve", "person")
+    assert too_late["error"]["code"] == "approval_decided"
+    assert too_late["decision"] == "approve"
+    assert statuses(waited) == [
+        ("approval_request", "None"),
+        ("approval_decision", "None"),
+        ("tool_result", "ran"),
+        ("end", "complete"),
+    ]
+    assert payments["count"] == 2
+    assert (payments["payments"][1]["to"], payments["payments"][1]["amount"]) == ("bob", 500.0)
+    assert api(first_terminal, "/v1/turns/pay-2")["status"] == "complete"
 
     # --- the Python client example, against the same broker ---------------------------------
     [example] = snippets("native.md", "Python client", "python")

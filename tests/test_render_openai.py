@@ -8,11 +8,12 @@ from typing import Any
 import orjson
 import pytest
 
-from broker.dialects.openai.events import REPLACED, AttemptEnd, Head
+from broker.dialects.openai.events import REPLACED, STATUS, AttemptEnd, Head
 from broker.dialects.openai.render import CHAT_REPLACED, DONE, ChatRenderer, ResponsesRenderer
 from broker.frames import Entry
 from broker.relay import Facts
 from broker.sse import PING
+from broker.vocabulary import TurnStatus
 
 
 def entry(entry_id: str, kind: str, data: str) -> Entry:
@@ -319,3 +320,9 @@ def test_chat_fixed_frames() -> None:
     assert (renderer.opening(), renderer.closing()) == (b"", DONE)
     assert DONE == b"data: [DONE]\n\n"
     assert renderer.replaced == CHAT_REPLACED
+
+
+def test_every_turn_status_has_a_response_status() -> None:
+    # A status the table lacks read as `failed`: a turn waiting for an approval did.
+    assert set(STATUS) == set(TurnStatus)
+    assert STATUS[TurnStatus.AWAITING_APPROVAL] == "in_progress"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -13,6 +13,8 @@ from starlette.responses import PlainTextResponse, Response
 
 from broker.api.native import event_stream
 from broker.api.schemas import (
+    ApprovalConflict,
+    ApprovalDecided,
     AttachToken,
     ErrorBody,
     History,
@@ -24,10 +26,12 @@ from broker.api.schemas import (
     stream_parameters,
     stream_responses,
 )
+from broker.approval_rules import MAX_REASON_CHARS
 from broker.auth import Principal
-from broker.errors import BadRequest
+from broker.errors import BadRequest, Forbidden
 from broker.http import (
     Actor,
+    Approver,
     Caller,
     Hangup,
     Services,
@@ -62,6 +66,10 @@ class AttachTokenRequest(BaseModel):
     )
     one_viewer: bool = Field(
         default=False, description="admit one SSE connection at a time (409 for a second)"
+    )
+    approve: bool = Field(
+        default=False,
+        description="the approve scope: the token may also decide the turn's tool approvals",
     )
 
 
@@ -105,6 +113,48 @@ async def cancel_turn(request: Request, turn_id: str, principal: Actor) -> Respo
     return json_response(await services(request).turns.cancel(turn_id, principal.tenant))
 
 
+class ApprovalDecisionRequest(BaseModel):
+    """The body of ``POST /v1/turns/{turn_id}/approvals/{approval_id}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    decision: Literal["approve", "deny"]
+    reason: str | None = Field(
+        default=None, max_length=MAX_REASON_CHARS, description="told to the model on deny"
+    )
+
+
+@api_router.post(
+    "/v1/turns/{turn_id}/approvals/{approval_id}",
+    openapi_extra=body_schema(ApprovalDecisionRequest),
+    response_model=ApprovalDecided,
+    responses={
+        409: {"model": ApprovalConflict, "description": "another decision stands"},
+        **errors(403, 410),
+    },
+)
+async def decide_approval(
+    request: Request, turn_id: str, approval_id: str, principal: Approver
+) -> Response:
+    """Approve or deny a tool call that waits for a person: the first decision wins. The same
+    decision again answers 200 with it; another answers 409 with the one that stands."""
+    body = await parse_body(request, ApprovalDecisionRequest)
+    rt = services(request)
+    if principal.kind == "attach":  # an approve-scoped attach token: its own turn's only
+        head = await rt.turns.find(turn_id, principal.tenant)
+        if head is None or head.stream_id != principal.stream_id:
+            raise Forbidden("this attach token is for another turn", code="read_only")
+    decided = await rt.turns.decide(
+        turn_id, approval_id, body.decision, body.reason, principal.tenant
+    )
+    shown = {"turn_id": turn_id, **decided.shown()}
+    if decided.decision != body.decision:
+        message = f"approval {approval_id!r} was decided already: {decided.decision}"
+        error = {"code": "approval_decided", "message": message}
+        return json_response({"error": error, **shown}, 409)
+    return json_response(shown)
+
+
 @api_router.post(
     "/v1/turns/{turn_id}/canonical",
     openapi_extra=body_schema(CanonicalRequest),
@@ -137,6 +187,7 @@ async def mint_attach_token(request: Request, turn_id: str, principal: Actor) ->
         token_request.ttl_s,
         token_request.one_viewer,
         not_after=principal.expires_at,
+        approve=token_request.approve,
     )
     return json_response(
         {

@@ -81,6 +81,33 @@ class PendingToolCall(BaseModel):
     arguments: str = Field(description="the arguments as JSON text")
 
 
+class PendingApproval(BaseModel):
+    """A tool call that waits for a person (the ``approval_request`` event's fields)."""
+
+    approval_id: str
+    call_id: str
+    name: str
+    ordinal: int
+    args: Any
+    expires_at: float = Field(description="seconds since the epoch: then it is denied (expired)")
+
+
+class ApprovalDecided(BaseModel):
+    """The decision that stands on an approval."""
+
+    turn_id: str
+    approval_id: str
+    decision: Literal["approve", "deny"]
+    reason: str | None
+    by: Literal["person", "expiry", "stop"]
+
+
+class ApprovalConflict(ApprovalDecided):
+    """409: another decision stands (it is the body's ``decision``)."""
+
+    error: ErrorDetail
+
+
 class TurnState(BaseModel):
     turn_id: str
     conversation_id: str
@@ -95,6 +122,11 @@ class TurnState(BaseModel):
         default=None,
         description="the client tool calls the canonical attempt ended with, when it ended "
         "requires_action: run them and send the results in the next turn",
+    )
+    approvals: list[PendingApproval] | None = Field(
+        default=None,
+        description="when the turn is awaiting_approval: the tool calls that wait for a "
+        "decision (POST /v1/turns/{turn_id}/approvals/{approval_id})",
     )
 
 
@@ -199,6 +231,24 @@ class ToolResultEvent(BaseModel):
     error: dict[str, Any] | None = None
 
 
+class ApprovalRequestEvent(PendingApproval):
+    """``approval_request``: a server tool call waits for a person's decision; the turn is
+    ``awaiting_approval`` and the stream stays open until it is decided."""
+
+    attempt: int = Field(ge=1)
+
+
+class ApprovalDecisionEvent(BaseModel):
+    """``approval_decision``: the decision that stands (the first one): by a ``person``, by
+    the ``expiry`` (deny, reason ``expired``) or by a ``stop`` of the turn."""
+
+    attempt: int = Field(ge=1)
+    approval_id: str
+    decision: Literal["approve", "deny"]
+    reason: str | None = None
+    by: Literal["person", "expiry", "stop"]
+
+
 class UsageEvent(BaseModel):
     """``usage``: tokens of one upstream call (an attempt with tool steps has several)."""
 
@@ -256,6 +306,8 @@ STORED_EVENTS: dict[str, type[BaseModel]] = {
     "tool_call": ToolCallEvent,
     "tool_input_delta": ToolInputDeltaEvent,
     "tool_result": ToolResultEvent,
+    "approval_request": ApprovalRequestEvent,
+    "approval_decision": ApprovalDecisionEvent,
     "usage": UsageEvent,
     "error": ErrorEvent,
     "end": EndEvent,

@@ -10,7 +10,10 @@
 -- ARGV[1]  ttl_ms         retention of the finished turn's keys
 -- ARGV[2]  tombstone_ms   how long the turn id stays taken after that
 --
--- Returns  {"cancelled", attempt}   a queued attempt was ended (attempt + end events written)
+-- An attempt parked on approvals (`awaiting_approval`) has no worker either: it is ended here
+-- too, its text kept (its approvals are decided `stop` by the caller first).
+--
+-- Returns  {"cancelled", attempt}   a queued or parked attempt was ended (its end written)
 --          {"signalled", attempt}   a running attempt was asked to stop
 --          {"final", status}        the turn was already at rest: nothing changed
 --          {"missing"}              no such turn
@@ -28,20 +31,26 @@ if status == 'streaming' then
   end
   return {'signalled', attempt}
 end
-if status ~= 'queued' then
+if status ~= 'queued' and status ~= 'awaiting_approval' then
   return {'final', status}
 end
--- No worker has it yet: no writer to fence, so the stop is written here.
+-- No worker has it (yet, or while it waits): no writer to fence, so the stop is written here.
 local record = cjson.decode(redis.call('HGET', turn, 'attempt:' .. attempt))
 record['status'] = 'cancelled'
 record['reason'] = 'cancelled'
+record['parked'] = nil
 local n = tonumber(attempt)
-redis.call('XADD', events, '*', 'e', 'attempt', 'd',
-  cjson.encode({attempt = n, strategy = record['strategy']}))
+local text = ''
+if status == 'queued' and not redis.call('HGET', turn, 'text:' .. attempt) then
+  redis.call('XADD', events, '*', 'e', 'attempt', 'd',
+    cjson.encode({attempt = n, strategy = record['strategy']}))
+else
+  text = redis.call('HGET', turn, 'text:' .. attempt) or ''
+end
 redis.call('XADD', events, '*', 'e', 'end', 'd',
   cjson.encode({attempt = n, status = 'cancelled', reason = 'cancelled'}))
 redis.call('HSET', turn, 'status', 'cancelled', 'attempt:' .. attempt, cjson.encode(record),
-  'text:' .. attempt, '')
+  'text:' .. attempt, text)
 local ttl = tonumber(ARGV[1])
 redis.call('PEXPIRE', turn, ttl)
 redis.call('PEXPIRE', events, ttl)

@@ -22,7 +22,10 @@
 --          {"args_mismatch", fp}       the slot holds a call with other arguments
 --          {"reclaimed", token, n}     the holder's lease expired: the caller holds it now
 --                                      (n = how many times it was reclaimed)
+--          {"awaiting_approval"}       the slot waits for a person (request_approval.lua):
+--                                      nothing runs until it is decided
 --          {"fenced"}                  the caller's turn lease is not current: nothing changed
+-- A slot a person approved (state "approved") is claimed as a new one is: it runs once.
 -- Every answer but "fenced" restarts the slot's retention, so a slot outlives its turn.
 -- Errors   none of its own.
 local slot = KEYS[1]
@@ -35,7 +38,7 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local v = redis.call('HMGET', slot, 'state', 'fingerprint', 'lease_until', 'result', 'error')
 local state = v[1]
-if not state then
+if not state or (state == 'approved' and v[2] == ARGV[1]) then
   local token = redis.call('HINCRBY', slot, 'token', 1)
   redis.call('HSET', slot, 'state', 'in_flight', 'fingerprint', ARGV[1],
     'lease_until', now_ms + tonumber(ARGV[2]), 'owner', ARGV[3], 'claimed_ms', now_ms,
@@ -47,6 +50,9 @@ if not state then
 end
 if v[2] ~= ARGV[1] then
   return {'args_mismatch', v[2]}
+end
+if state == 'awaiting_approval' then
+  return {'awaiting_approval'}
 end
 if state == 'completed' then
   return {'completed', v[4]}

@@ -5,7 +5,7 @@
 -- ARGV[1]  strategy       continue | regenerate
 --
 -- Returns  {"started", attempt}        the new attempt's number; the turn is queued again
---          {"busy", status}            a generation is queued or running
+--          {"busy", status}            a generation is queued, running or awaiting approval
 --          {"not_allowed", reason}     the strategy does not fit the turn's state
 --          {"missing"}                 no such turn
 -- Errors   none of its own.
@@ -15,7 +15,7 @@ local status, attempt, format, canonical = v[1], v[2], v[3], v[4]
 if not status then
   return {'missing'}
 end
-if status == 'queued' or status == 'streaming' then
+if status == 'queued' or status == 'streaming' or status == 'awaiting_approval' then
   return {'busy', status}
 end
 local strategy = ARGV[1]

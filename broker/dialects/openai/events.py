@@ -52,6 +52,7 @@ WHOLE: Final = frozenset({"complete", "requires_action"})
 STATUS: Final = {
     TurnStatus.QUEUED: "queued",
     TurnStatus.STREAMING: "in_progress",
+    TurnStatus.AWAITING_APPROVAL: "in_progress",  # a person decides; the answer goes on after
     TurnStatus.COMPLETE: "completed",
     TurnStatus.INTERRUPTED: "incomplete",
     TurnStatus.CANCELLED: "cancelled",

@@ -26,12 +26,14 @@ from .errors import (
     TurnNotFound,
     Unauthorized,
 )
-from .models import AttachToken, Event, Page, Turn
+from .models import ApprovalDecision, ApprovalRequest, AttachToken, Event, Page, Turn
 from .sse import ServerSentEvent, SSEDecoder, decode_all
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApprovalDecision",
+    "ApprovalRequest",
     "AttachPolicy",
     "AttachStats",
     "AttachToken",

@@ -26,7 +26,7 @@ from .errors import (
     error_from_response,
     parse_retry_after,
 )
-from .models import AttachToken, Event, Page, Turn
+from .models import ApprovalDecision, AttachToken, Event, Page, Turn
 from .sse import SSEDecoder
 
 __all__ = [
@@ -384,8 +384,49 @@ class BrokerClient:
             raise ProtocolError(f"turn answer is not a JSON object: {raw!r}")
         return raw
 
+    async def approve(
+        self, turn_id: str, approval_id: str, *, token: str | None = None
+    ) -> ApprovalDecision:
+        """Approve a tool call that waits for a person; see `decide`."""
+        return await self.decide(turn_id, approval_id, "approve", token=token)
+
+    async def deny(
+        self, turn_id: str, approval_id: str, reason: str | None = None, *, token: str | None = None
+    ) -> ApprovalDecision:
+        """Deny a tool call that waits for a person (the model is told `reason`); see `decide`."""
+        return await self.decide(turn_id, approval_id, "deny", reason, token=token)
+
+    async def decide(
+        self,
+        turn_id: str,
+        approval_id: str,
+        decision: str,
+        reason: str | None = None,
+        *,
+        token: str | None = None,
+    ) -> ApprovalDecision:
+        """POST /v1/turns/{turn_id}/approvals/{approval_id}: the first decision wins, and the
+        one that stands is returned (compare its `decision` with yours: another device, or the
+        expiry, may have decided first). `token`: an attach token minted with `approve=True`."""
+        body: dict[str, Any] = {"decision": decision}
+        if reason is not None:
+            body["reason"] = reason
+        path = f"/v1/turns/{quote(turn_id, safe='')}/approvals/{quote(approval_id, safe='')}"
+        try:
+            params = {"token": token} if token is not None else None
+            response = await self._request("POST", path, json=body, params=params, token=token)
+        except Conflict as exc:  # another decision stands: it is in the body
+            if isinstance(exc.body, dict) and "decision" in exc.body:
+                return ApprovalDecision.from_data(exc.body)
+            raise
+        return ApprovalDecision.from_data(_json_body(response))
+
     async def mint_attach_token(
-        self, turn_id: str, ttl_s: float | None = None, one_viewer: bool = False
+        self,
+        turn_id: str,
+        ttl_s: float | None = None,
+        one_viewer: bool = False,
+        approve: bool = False,
     ) -> AttachToken:
         """Mint a read-only token for a turn's stream (POST /v1/turns/{turn_id}/attach-tokens).
 
@@ -394,6 +435,8 @@ class BrokerClient:
         time. Raises `TurnNotFound` on 404 and `Forbidden` (`read_only`) for an attach token.
         """
         body: dict[str, Any] = {"one_viewer": one_viewer}
+        if approve:  # the approve scope: the token may also decide the turn's approvals
+            body["approve"] = True
         if ttl_s is not None:
             body["ttl_s"] = ttl_s
         response = await self._request(

@@ -9,7 +9,7 @@ from urllib.parse import quote
 
 from .errors import ProtocolError
 
-__all__ = ["AttachToken", "Event", "Page", "Turn"]
+__all__ = ["ApprovalDecision", "ApprovalRequest", "AttachToken", "Event", "Page", "Turn"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,3 +166,57 @@ class AttachToken:
             stream_url=link if "://" in link else base_url.rstrip("/") + link,
             raw=raw,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalRequest:
+    """A tool call that waits for a person (an `approval_request` event, or one of a turn's
+    `approvals` while it is `awaiting_approval`): answer it with `approve` or `deny`."""
+
+    approval_id: str
+    call_id: str
+    name: str
+    ordinal: int
+    args: Any
+    expires_at: float  # seconds since the epoch: then it is denied (reason "expired")
+    attempt: int = 0
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> ApprovalRequest:
+        """From an `approval_request` event's data or a turn's `approvals` entry."""
+        try:
+            return cls(
+                approval_id=str(data["approval_id"]),
+                call_id=str(data["call_id"]),
+                name=str(data["name"]),
+                ordinal=int(data["ordinal"]),
+                args=data.get("args"),
+                expires_at=float(data["expires_at"]),
+                attempt=int(data.get("attempt") or 0),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"not an approval request: {data!r}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalDecision:
+    """The decision that stands on an approval (an `approval_decision` event, or the answer of
+    `approve`/`deny`): `by` is `person`, `expiry` (deny, reason `expired`) or `stop`."""
+
+    approval_id: str
+    decision: str  # approve | deny
+    reason: str | None
+    by: str
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> ApprovalDecision:
+        try:
+            reason = data.get("reason")
+            return cls(
+                approval_id=str(data["approval_id"]),
+                decision=str(data["decision"]),
+                reason=None if reason is None else str(reason),
+                by=str(data["by"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(f"not an approval decision: {data!r}") from exc
