@@ -162,11 +162,11 @@ def test_every_copied_path_exists_and_reaches_the_build_context() -> None:
         for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    copies = [rest for name, rest in dockerfile() if name == "COPY"]
+    # What a stage copies from another stage is not in the build context.
+    copies = [rest for name, rest in dockerfile() if name == "COPY" and "--from" not in rest]
     assert copies
     for rest in copies:
         args = [arg for arg in shlex.split(rest) if not arg.startswith("--")]
-        assert "--from" not in rest
         for source in args[:-1]:
             path = ROOT / source
             assert path.exists(), f"COPY {source}: no such file in the repository"
@@ -183,14 +183,45 @@ def test_every_copied_path_exists_and_reaches_the_build_context() -> None:
     assert _ignored("tests/conftest.py", patterns)
 
 
-def test_the_image_installs_the_package_and_runs_it_as_a_user() -> None:
-    instructions = dockerfile()
-    names = [name for name, _ in instructions]
-    assert re.fullmatch(r"python:3\.11-slim(-\w+)?", only("FROM"))
-    installs = [rest for name, rest in instructions if name == "RUN" and "pip install" in rest]
+def stages() -> list[list[tuple[str, str]]]:
+    """The Dockerfile's instructions by stage (each from its FROM)."""
+    found: list[list[tuple[str, str]]] = []
+    for name, rest in dockerfile():
+        if name == "FROM":
+            found.append([])
+        if found:
+            found[-1].append((name, rest))
+    return found
+
+
+def test_the_image_is_built_on_a_pinned_base_in_two_stages() -> None:
+    """Issue 38: ``python:3.11-slim`` was a moving tag. The base is a build argument whose
+    default names one dated base (made by scripts/debian-base from Debian's archive)."""
+    base = [rest for name, rest in dockerfile() if name == "ARG" and rest.startswith("BASE=")]
+    assert len(base) == 1
+    default = base[0].removeprefix("BASE=")
+    assert re.search(r"\d{8}|@sha256:[0-9a-f]{64}$", default), f"{default} is not pinned"
+    assert "trixie" in default  # Debian's Python 3.13
+    build, final = stages()
+    assert build[0][1] == "${BASE} AS build"
+    assert final[0][1] == "${BASE}"
+    script = (ROOT / "scripts/debian-base").read_text()
+    assert "sed -n 's/^ARG BASE=//p' Dockerfile" in script  # it makes exactly that name
+
+
+def test_the_image_installs_the_locked_package_and_runs_it_as_a_user() -> None:
+    build, final = stages()
+    installs = [rest for name, rest in build if name == "RUN" and "pip install" in rest]
     assert len(installs) == 1
-    words = shlex.split(installs[0].split("&&")[0])
-    assert words[words.index("install") + 1 :] == ["."]  # not editable, no extras
+    words = shlex.split(installs[0].split("pip install", 1)[1].split("&&")[0])
+    assert words[words.index("-c") + 1] == "constraints.txt"  # the locked versions
+    assert words[-1] == "/tmp/wheel/*.whl"  # the package itself, not editable, no extras
+    # The final stage has Python and the build's virtualenv: no pip, compiler or secret.
+    final_text = " ".join(rest for _, rest in final)
+    for word in ("pip ", "gcc", "build-essential", "python3-venv", "secret"):
+        assert word not in final_text, word
+    assert ("COPY", "--from=build /opt/broker /opt/broker") in final
+    names = [name for name, _ in final]
     user = only("USER").split(":")[0]
     assert user not in ("root", "0")
     assert names.index("USER") > max(i for i, name in enumerate(names) if name == "RUN")
@@ -209,7 +240,7 @@ def test_the_command_parses_and_every_port_is_the_settings_port() -> None:
     healthcheck = only("HEALTHCHECK")
     command = healthcheck[healthcheck.index("CMD ") + 4 :]
     probe = exec_form(command)
-    assert probe[:2] == ["python", "-c"]  # the slim image has no curl
+    assert probe[:2] == ["python", "-c"]  # the image has no curl
     compile(probe[2], "<healthcheck>", "exec")
     url = urlsplit(re.findall(r"https?://[^'\"\s]+", probe[2])[0])
     assert (url.hostname, url.port, url.path) == ("127.0.0.1", port, "/healthz")
