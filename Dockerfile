@@ -53,11 +53,15 @@ COPY --from=build /opt/broker /opt/broker
 USER broker
 WORKDIR /home/broker
 
+# The address and port are settings, not flags, so that the health check reads the same port
+# (`-e BROKER_PORT=8001` moves both, e.g. for several containers on the host's network).
+ENV BROKER_HOST=0.0.0.0 \
+    BROKER_PORT=8000
 EXPOSE 8000
 # No curl in the image: the probe is Python's own urllib (a non-2xx answer raises).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ['BROKER_PORT'], timeout=2)"]
 
 # The exec form: the broker is PID 1's only process and gets SIGTERM itself, so it drains.
 ENTRYPOINT ["broker"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["serve"]

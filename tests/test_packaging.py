@@ -230,11 +230,20 @@ def test_the_image_installs_the_locked_package_and_runs_it_as_a_user() -> None:
     assert scripts["broker"] == "broker.__main__:main"
 
 
+def image_env() -> dict[str, str]:
+    """The ENV of the final stage (``NAME=value`` pairs, continuation lines joined)."""
+    found: dict[str, str] = {}
+    for name, rest in stages()[-1]:
+        if name == "ENV":
+            found |= dict(pair.split("=", 1) for pair in shlex.split(rest))
+    return found
+
+
 def test_the_command_parses_and_every_port_is_the_settings_port() -> None:
     port = container_port()
     args = _parser().parse_args(exec_form(only("CMD")))
     assert args.command == "serve"
-    settings = serve_settings(args, {})
+    settings = serve_settings(args, image_env())
     assert settings.host == "0.0.0.0"  # reachable from outside the container
     assert settings.port == port == Settings().port
     healthcheck = only("HEALTHCHECK")
@@ -242,7 +251,9 @@ def test_the_command_parses_and_every_port_is_the_settings_port() -> None:
     probe = exec_form(command)
     assert probe[:2] == ["python", "-c"]  # the image has no curl
     compile(probe[2], "<healthcheck>", "exec")
-    url = urlsplit(re.findall(r"https?://[^'\"\s]+", probe[2])[0])
+    # The probe asks the port the broker binds: BROKER_PORT, which a container may move.
+    assert "os.environ['BROKER_PORT']" in probe[2]
+    url = urlsplit(re.findall(r"https?://[^'\"\s]+", probe[2])[0] % image_env()["BROKER_PORT"])
     assert (url.hostname, url.port, url.path) == ("127.0.0.1", port, "/healthz")
 
 
@@ -278,7 +289,7 @@ def test_broker_services_have_valid_settings_roles_and_ports() -> None:
         settings = Settings.from_env(env)  # every BROKER_* value is one the broker accepts
         assert env.get("BROKER_ROLE") in ROLES
         roles[name] = settings.role
-        assert "BROKER_PORT" not in env  # the CMD's --port is the one port
+        assert env.get("BROKER_PORT", str(port)) == str(port)  # the health check's port
         redis_url = urlsplit(str(settings.redis_url))
         assert redis_url.hostname in services(), f"{name}: Redis is not a compose service"
         assert str(services()[redis_url.hostname]["image"]).startswith("redis:")
