@@ -466,3 +466,57 @@ def test_the_cluster_stack_pins_its_images_and_keeps_every_event() -> None:
             pairs = dict(zip(command[1::2], command[2::2], strict=False))
             assert pairs.get("--appendonly") == "yes", name
             assert pairs.get("--maxmemory-policy") == "noeviction", name
+
+
+# --- compose.host.yaml ----------------------------------------------------------------------
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML as Compose reads it: ``!reset`` clears what the file it overrides set."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: None)
+
+
+def host_services() -> dict[str, dict[str, Any]]:
+    data: dict[str, Any] = yaml.load((ROOT / "compose.host.yaml").read_text(), ComposeLoader)
+    found: dict[str, dict[str, Any]] = data["services"]
+    return found
+
+
+def test_the_host_network_override_puts_every_service_on_loopback_ports_of_its_own() -> None:
+    """compose.host.yaml, for machines without a Docker bridge: each service on the host's
+    network publishes nothing, binds loopback, and the brokers get distinct ports that
+    grafana/prometheus.host.yml scrapes."""
+    overrides = host_services()
+    assert set(overrides) == set(services())
+    ports: dict[str, str] = {}
+    for name, service in overrides.items():
+        assert service["network_mode"] == "host", name
+        if "ports" in services()[name]:
+            assert service["ports"] is None, name  # !reset: nothing published
+    for name in broker_services():
+        env = {**environment(services()[name]), **environment(overrides[name])}
+        settings = Settings.from_env(env)
+        assert settings.host == "127.0.0.1", name
+        assert urlsplit(str(settings.redis_url)).hostname == "127.0.0.1", name
+        ports[name] = str(settings.port)
+    assert len(set(ports.values())) == len(ports), ports
+    redis_command = [str(word) for word in overrides["redis"]["command"]]
+    pairs = dict(zip(redis_command[1::2], redis_command[2::2], strict=False))
+    assert pairs["--bind"] == "127.0.0.1"
+    assert pairs["--appendonly"] == "yes"
+    assert pairs["--maxmemory-policy"] == "noeviction"
+    config = yaml.safe_load((ROOT / "grafana/prometheus.host.yml").read_text())
+    (job,) = config["scrape_configs"]
+    targets = {t for group in job["static_configs"] for t in group["targets"]}
+    assert targets == {f"127.0.0.1:{port}" for port in ports.values()}
+    assert config["rule_files"] == prometheus_config()["rule_files"]
+    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == [
+        f"127.0.0.1:{ALERTMANAGER_PORT}"
+    ]
+    mounts = bind_mounts(overrides["prometheus"])
+    assert mounts[PROMETHEUS_CONFIG] == "grafana/prometheus.host.yml"
+    for name in ("prometheus", "alertmanager"):
+        listen = [w for w in overrides[name]["command"] if w.startswith("--web.listen-address=")]
+        assert [w.split("=")[1].split(":")[0] for w in listen] == ["127.0.0.1"], name
