@@ -169,6 +169,7 @@ def run_load() -> None:
     wait_final(APIS[0], slow["turn_id"])
 
 
+@pytest.mark.timeout(300)  # the stack comes up (at most 2 minutes) before it
 def test_a_load_lights_every_dashboard_panel(stack: None) -> None:
     run_load()
     queries = all_dashboard_queries()
@@ -205,6 +206,7 @@ def burst_of_upstream_failures(seconds: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.timeout(300)  # a 20 s burst, then bounded waits for firing and resolution
 def test_upstream_failures_fire_alerts_through_alertmanager_and_they_resolve(
     stack: None,
 ) -> None:
@@ -236,6 +238,7 @@ def test_upstream_failures_fire_alerts_through_alertmanager_and_they_resolve(
           f"{time.monotonic() - started:.0f} s")  # fmt: skip
 
 
+@pytest.mark.timeout(300)  # the stack goes down after it
 def test_a_killed_worker_hands_its_turn_over_and_the_generation_completes(stack: None) -> None:
     tokens = 60
     turn = start_turn(APIS[0], "kill-worker", tokens=tokens, tokens_per_s=10, seed=7)
