@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -39,6 +40,8 @@ FILES = ("compose.yaml", "compose.host.yaml", "tests/stack/compose.ci.yaml")
 APIS = ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
 PROMETHEUS = "http://127.0.0.1:9090"
 RECEIVER = "http://127.0.0.1:9095"
+# compose.host.yaml's ports (Redis, the brokers, Prometheus, Alertmanager) and the receiver's.
+PORTS = (6379, 8001, 8002, 8003, 9090, 9093, 9095)
 # The rules' durations divided by this: 5m windows become 5 s, a 10m `for` 10 s.
 SHORTEN = 60
 # Grafana's own variables, as a dashboard opened on "last 5 minutes" would fill them in.
@@ -87,8 +90,19 @@ def test_the_rules_are_shortened_not_rewritten() -> None:
     assert re.sub(r"\d+[smh]\b", "D", short) == re.sub(r"\d+[smh]\b", "D", original)
 
 
+def busy(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[None]:
+    taken = [port for port in PORTS if busy(port)]
+    assert not taken, f"the stack's ports {taken} are in use on this machine"
     with tempfile.TemporaryDirectory(prefix="broker-stack-rules-") as rules:
         Path(rules, "broker.rules.yml").write_text(shortened(RULES.read_text()))
         os.chmod(rules, 0o755)
