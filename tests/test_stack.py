@@ -92,6 +92,8 @@ def test_the_rules_are_shortened_not_rewritten() -> None:
 
 def busy(port: int) -> bool:
     with socket.socket() as probe:
+        # As the servers bind: a port that only has connections closing is free to them.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
