@@ -162,11 +162,11 @@ def test_every_copied_path_exists_and_reaches_the_build_context() -> None:
         for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    copies = [rest for name, rest in dockerfile() if name == "COPY"]
+    # What a stage copies from another stage is not in the build context.
+    copies = [rest for name, rest in dockerfile() if name == "COPY" and "--from" not in rest]
     assert copies
     for rest in copies:
         args = [arg for arg in shlex.split(rest) if not arg.startswith("--")]
-        assert "--from" not in rest
         for source in args[:-1]:
             path = ROOT / source
             assert path.exists(), f"COPY {source}: no such file in the repository"
@@ -183,14 +183,45 @@ def test_every_copied_path_exists_and_reaches_the_build_context() -> None:
     assert _ignored("tests/conftest.py", patterns)
 
 
-def test_the_image_installs_the_package_and_runs_it_as_a_user() -> None:
-    instructions = dockerfile()
-    names = [name for name, _ in instructions]
-    assert re.fullmatch(r"python:3\.11-slim(-\w+)?", only("FROM"))
-    installs = [rest for name, rest in instructions if name == "RUN" and "pip install" in rest]
+def stages() -> list[list[tuple[str, str]]]:
+    """The Dockerfile's instructions by stage (each from its FROM)."""
+    found: list[list[tuple[str, str]]] = []
+    for name, rest in dockerfile():
+        if name == "FROM":
+            found.append([])
+        if found:
+            found[-1].append((name, rest))
+    return found
+
+
+def test_the_image_is_built_on_a_pinned_base_in_two_stages() -> None:
+    """Issue 38: ``python:3.11-slim`` was a moving tag. The base is a build argument whose
+    default names one dated base (made by scripts/debian-base from Debian's archive)."""
+    base = [rest for name, rest in dockerfile() if name == "ARG" and rest.startswith("BASE=")]
+    assert len(base) == 1
+    default = base[0].removeprefix("BASE=")
+    assert re.search(r"\d{8}|@sha256:[0-9a-f]{64}$", default), f"{default} is not pinned"
+    assert "trixie" in default  # Debian's Python 3.13
+    build, final = stages()
+    assert build[0][1] == "${BASE} AS build"
+    assert final[0][1] == "${BASE}"
+    script = (ROOT / "scripts/debian-base").read_text()
+    assert "sed -n 's/^ARG BASE=//p' Dockerfile" in script  # it makes exactly that name
+
+
+def test_the_image_installs_the_locked_package_and_runs_it_as_a_user() -> None:
+    build, final = stages()
+    installs = [rest for name, rest in build if name == "RUN" and "pip install" in rest]
     assert len(installs) == 1
-    words = shlex.split(installs[0].split("&&")[0])
-    assert words[words.index("install") + 1 :] == ["."]  # not editable, no extras
+    words = shlex.split(installs[0].split("pip install", 1)[1].split("&&")[0])
+    assert words[words.index("-c") + 1] == "constraints.txt"  # the locked versions
+    assert words[-1] == "/tmp/wheel/*.whl"  # the package itself, not editable, no extras
+    # The final stage has Python and the build's virtualenv: no pip, compiler or secret.
+    final_text = " ".join(rest for _, rest in final)
+    for word in ("pip ", "gcc", "build-essential", "python3-venv", "secret"):
+        assert word not in final_text, word
+    assert ("COPY", "--from=build /opt/broker /opt/broker") in final
+    names = [name for name, _ in final]
     user = only("USER").split(":")[0]
     assert user not in ("root", "0")
     assert names.index("USER") > max(i for i, name in enumerate(names) if name == "RUN")
@@ -199,19 +230,30 @@ def test_the_image_installs_the_package_and_runs_it_as_a_user() -> None:
     assert scripts["broker"] == "broker.__main__:main"
 
 
+def image_env() -> dict[str, str]:
+    """The ENV of the final stage (``NAME=value`` pairs, continuation lines joined)."""
+    found: dict[str, str] = {}
+    for name, rest in stages()[-1]:
+        if name == "ENV":
+            found |= dict(pair.split("=", 1) for pair in shlex.split(rest))
+    return found
+
+
 def test_the_command_parses_and_every_port_is_the_settings_port() -> None:
     port = container_port()
     args = _parser().parse_args(exec_form(only("CMD")))
     assert args.command == "serve"
-    settings = serve_settings(args, {})
+    settings = serve_settings(args, image_env())
     assert settings.host == "0.0.0.0"  # reachable from outside the container
     assert settings.port == port == Settings().port
     healthcheck = only("HEALTHCHECK")
     command = healthcheck[healthcheck.index("CMD ") + 4 :]
     probe = exec_form(command)
-    assert probe[:2] == ["python", "-c"]  # the slim image has no curl
+    assert probe[:2] == ["python", "-c"]  # the image has no curl
     compile(probe[2], "<healthcheck>", "exec")
-    url = urlsplit(re.findall(r"https?://[^'\"\s]+", probe[2])[0])
+    # The probe asks the port the broker binds: BROKER_PORT, which a container may move.
+    assert "os.environ['BROKER_PORT']" in probe[2]
+    url = urlsplit(re.findall(r"https?://[^'\"\s]+", probe[2])[0] % image_env()["BROKER_PORT"])
     assert (url.hostname, url.port, url.path) == ("127.0.0.1", port, "/healthz")
 
 
@@ -247,7 +289,7 @@ def test_broker_services_have_valid_settings_roles_and_ports() -> None:
         settings = Settings.from_env(env)  # every BROKER_* value is one the broker accepts
         assert env.get("BROKER_ROLE") in ROLES
         roles[name] = settings.role
-        assert "BROKER_PORT" not in env  # the CMD's --port is the one port
+        assert env.get("BROKER_PORT", str(port)) == str(port)  # the health check's port
         redis_url = urlsplit(str(settings.redis_url))
         assert redis_url.hostname in services(), f"{name}: Redis is not a compose service"
         assert str(services()[redis_url.hostname]["image"]).startswith("redis:")
@@ -424,3 +466,57 @@ def test_the_cluster_stack_pins_its_images_and_keeps_every_event() -> None:
             pairs = dict(zip(command[1::2], command[2::2], strict=False))
             assert pairs.get("--appendonly") == "yes", name
             assert pairs.get("--maxmemory-policy") == "noeviction", name
+
+
+# --- compose.host.yaml ----------------------------------------------------------------------
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML as Compose reads it: ``!reset`` clears what the file it overrides set."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: None)
+
+
+def host_services() -> dict[str, dict[str, Any]]:
+    data: dict[str, Any] = yaml.load((ROOT / "compose.host.yaml").read_text(), ComposeLoader)
+    found: dict[str, dict[str, Any]] = data["services"]
+    return found
+
+
+def test_the_host_network_override_puts_every_service_on_loopback_ports_of_its_own() -> None:
+    """compose.host.yaml, for machines without a Docker bridge: each service on the host's
+    network publishes nothing, binds loopback, and the brokers get distinct ports that
+    grafana/prometheus.host.yml scrapes."""
+    overrides = host_services()
+    assert set(overrides) == set(services())
+    ports: dict[str, str] = {}
+    for name, service in overrides.items():
+        assert service["network_mode"] == "host", name
+        if "ports" in services()[name]:
+            assert service["ports"] is None, name  # !reset: nothing published
+    for name in broker_services():
+        env = {**environment(services()[name]), **environment(overrides[name])}
+        settings = Settings.from_env(env)
+        assert settings.host == "127.0.0.1", name
+        assert urlsplit(str(settings.redis_url)).hostname == "127.0.0.1", name
+        ports[name] = str(settings.port)
+    assert len(set(ports.values())) == len(ports), ports
+    redis_command = [str(word) for word in overrides["redis"]["command"]]
+    pairs = dict(zip(redis_command[1::2], redis_command[2::2], strict=False))
+    assert pairs["--bind"] == "127.0.0.1"
+    assert pairs["--appendonly"] == "yes"
+    assert pairs["--maxmemory-policy"] == "noeviction"
+    config = yaml.safe_load((ROOT / "grafana/prometheus.host.yml").read_text())
+    (job,) = config["scrape_configs"]
+    targets = {t for group in job["static_configs"] for t in group["targets"]}
+    assert targets == {f"127.0.0.1:{port}" for port in ports.values()}
+    assert config["rule_files"] == prometheus_config()["rule_files"]
+    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == [
+        f"127.0.0.1:{ALERTMANAGER_PORT}"
+    ]
+    mounts = bind_mounts(overrides["prometheus"])
+    assert mounts[PROMETHEUS_CONFIG] == "grafana/prometheus.host.yml"
+    for name in ("prometheus", "alertmanager"):
+        listen = [w for w in overrides[name]["command"] if w.startswith("--web.listen-address=")]
+        assert [w.split("=")[1].split(":")[0] for w in listen] == ["127.0.0.1"], name
