@@ -56,7 +56,7 @@ from broker.dialects.aisdk import router as aisdk_router
 from broker.dialects.durable import router as durable_router
 from broker.dialects.durable.wire import DS_REQUEST_HEADERS, DS_RESPONSE_HEADERS
 from broker.dialects.openai import router as openai_router
-from broker.durable_store import DurableStore
+from broker.durable_store import DurableStore, Subscriptions, WakeLoop
 from broker.embedded_redis import EmbeddedRedis
 from broker.fanout import FEED_BLOCK_MS, Hub
 from broker.fastpath import ConnectionLimits, http_protocol_class, probe, uncapped_addresses
@@ -135,6 +135,10 @@ class Runtime:
         self.webhook_queue = webhook_queue(redis, self.keys, settings.job_partitions)
         self.webhooks = Webhooks(redis, self.keys, self.webhook_queue, self.webhook_config)
         self.notifier: Notifier | None = None
+        # Durable Streams subscriptions: an append marks them; the wake loop wakes them.
+        self.subscriptions = Subscriptions(self.deps, self.durable)
+        self.wakes: WakeLoop | None = None
+        self.durable.on_write = self._wrote
         self.turns = Turns(
             self.deps,
             self.providers,
@@ -159,6 +163,8 @@ class Runtime:
             sequences=self.sequences,
             ledger=self.ledger,
             durable=self.durable,
+            subscriptions=self.subscriptions,
+            webhook_config=self.webhook_config,
             _deps=self.deps,
         )
         self.worker: Worker | None = None
@@ -242,11 +248,19 @@ class Runtime:
                 rt.deps, blocking, rt.providers, rt.jobs, rt.dispatcher, rt.admission
             )
             rt.worker.start()
+            rt.wakes = WakeLoop(rt.subscriptions, rt.webhook_config, rt.http, settings)
+            rt.wakes.start()
             if rt.webhook_config.enabled:
                 rt.notifier = Notifier(rt.deps, rt.webhook_queue, rt.http, rt.webhook_config)
                 rt.notifier.start()
                 rt.worker.on_attempt_ended = rt.notifier.nudge
         return rt
+
+    async def _wrote(self, tenant: str | None, path: str) -> None:
+        """A Durable Streams append or creation: mark the subscriptions it concerns, and wake
+        this process's loop at once when one is."""
+        if await self.subscriptions.mark(tenant, path) and self.wakes is not None:
+            self.wakes.nudge()
 
     async def trim_pools(self) -> bool:
         """Give back what a burst took: the idle Redis connections it left behind (see
@@ -276,6 +290,8 @@ class Runtime:
             await self._pool_trim.stop()
         if self.worker is not None:
             await self.worker.stop(self.settings.drain_timeout_s)
+        if self.wakes is not None:
+            await self.wakes.stop()
         if self.notifier is not None:  # after the worker: the attempts it ended are nudged
             await self.notifier.stop(min(self.settings.drain_timeout_s, WEBHOOK_DRAIN_S))
         await self.hub.close()

@@ -59,6 +59,12 @@ NAMES = (
     "ds_delete",
     "ds_fork_ref",
     "ds_touch",
+    "ds_sub_put",
+    "ds_sub_delete",
+    "ds_sub_link",
+    "ds_sub_mark",
+    "ds_sub_claim",
+    "ds_sub_ack",
 )
 
 
