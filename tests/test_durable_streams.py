@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import BrokerFactory, RunningBroker
+from tests.doc_pages import snippets
 from tests.helpers import bearer, get_turn, missing_tool, start_turn, wait_final, wait_until
 
 # Brokers of its own processes, on the server the session names: a test of the server too.
@@ -286,3 +287,19 @@ def test_an_expired_generation_is_gone_not_unknown(broker_factory: BrokerFactory
     assert httpx.head(url, timeout=5).status_code == 410
     unknown = f"{broker.base_url}/ds/v1/stream/st_{'0' * 32}"
     assert httpx.get(unknown, timeout=5).status_code == 404
+
+
+def test_the_subscriptions_example_runs_verbatim(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
+    """docs/durable-streams.md's pull-wake round in bash as a reader would paste it: the wake
+    reaches the wake stream, the claim takes it, the ack ends it with nothing left."""
+    from tests.test_readme import Terminal, ok
+
+    [example] = snippets("durable-streams.md", "Subscriptions", "sh")
+    shell = Terminal(tmp_path)
+    shell.port = httpx.URL(broker_factory(**LONG_POLL).base_url).port
+    printed = ok(shell.run(example))
+    assert '"subscription_id":"workers"' in printed
+    assert '"streams":["jobs/42"]' in printed
+    assert printed.rstrip().endswith('{"ok":true,"next_wake":false}')

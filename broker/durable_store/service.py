@@ -227,8 +227,8 @@ class DurableStore:
             max_entries=self._settings.ds_max_appends,
             quota=self.quota,
         )
-        if isinstance(reply, Appended) and self.on_write is not None:
-            await self.on_write(tenant, path)
+        if isinstance(reply, Appended | Duplicate) and self.on_write is not None:
+            await self.on_write(tenant, path)  # a retry marks again what a crash left unmarked
         if isinstance(reply, Appended | Duplicate | ClosedAgain):
             return reply
         raise self._append_refusal(reply)
