@@ -267,10 +267,18 @@ async def test_a_claim_is_fenced_once_its_lease_ends_and_another_claims(
     second = await subs.claim("t", "p", "w2")
     assert isinstance(second, Wake)
     assert second.generation == first.generation + 1
-    stale = {"token": first.token, "wake_id": first.wake_id, "generation": first.generation}
+    stale: dict[str, Any] = {
+        "token": first.token,
+        "wake_id": first.wake_id,
+        "generation": first.generation,
+    }
     with pytest.raises(Fenced):
         await subs.ack("t", "p", acks=[("events/a", tail)], done=True, **stale)
-    live = {"token": second.token, "wake_id": second.wake_id, "generation": second.generation}
+    live: dict[str, Any] = {
+        "token": second.token,
+        "wake_id": second.wake_id,
+        "generation": second.generation,
+    }
     with pytest.raises(Fenced):  # the right wake with another's token
         await subs.ack("t", "p", acks=[], done=False, **(live | {"token": first.token}))
     assert await subs.ack("t", "p", acks=[("events/a", tail)], done=True, **live) is False
@@ -287,7 +295,11 @@ async def test_an_ack_renews_the_lease_and_next_wake_says_what_is_left(
     await _append(subs, "events/b")
     wake = await subs.claim("t", "p", "w1")
     assert isinstance(wake, Wake)
-    live = {"token": wake.token, "wake_id": wake.wake_id, "generation": wake.generation}
+    live: dict[str, Any] = {
+        "token": wake.token,
+        "wake_id": wake.wake_id,
+        "generation": wake.generation,
+    }
     clock.ms += 900
     await subs.ack("t", "p", acks=[("events/a", first_tail)], done=False, **live)
     clock.ms += 900  # past the first lease, within the renewed one
