@@ -45,11 +45,16 @@ from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.scripts import Scripts
 from broker.settings import Settings
-from broker.webhook_config import WebhookConfig
+from broker.webhook_config import WebhookConfig, parse_hosts
+from tests.conftest import BrokerFactory
+from tests.helpers import bearer
 
 _prefixes = itertools.count()
+JSON_TYPE = {"Content-Type": "application/json"}
 LOOPBACK_ONLY = WebhookConfig(None, None, {}, (), secured=False, allow_loopback=True)
 PUBLIC_ONLY = WebhookConfig(None, None, {}, (), secured=False)
+SECURED = WebhookConfig(None, None, {}, (), secured=True)
+SECURED_LISTED = WebhookConfig(None, None, {}, parse_hosts("hooks.example.com:8443"), secured=True)
 
 
 # --- the pure rules ----------------------------------------------------------------------------
@@ -124,6 +129,10 @@ URLS = [
     (PUBLIC_ONLY, "https://8.8.8.8/x", True),
     (PUBLIC_ONLY, "ftp://8.8.8.8/x", False),
     (PUBLIC_ONLY, "https://user:pw@8.8.8.8/x", False),
+    (SECURED, "https://8.8.8.8/x", False),  # credentials on: only what the allow-list names
+    (SECURED_LISTED, "https://hooks.example.com:8443/x", True),
+    (SECURED_LISTED, "https://hooks.example.com/x", False),  # its port is 8443
+    (SECURED_LISTED, "https://8.8.8.8/x", False),
 ]
 
 
@@ -409,3 +418,63 @@ async def test_a_pull_wake_is_announced_once_on_its_wake_stream(
     events = [orjson.loads(payload) for _, payload in read.items]
     assert events == [{"type": "wake", "subscription_id": "p", "streams": ["events/a"]}]
     assert await subs.due(clock.ms) == []
+
+
+# --- through the routes, on a broker with credentials -----------------------------------------
+
+
+def test_subscriptions_belong_to_their_tenant_and_a_wake_s_token_alone_acks(
+    broker_factory: BrokerFactory,
+) -> None:
+    broker = broker_factory(api_keys="acme=key-acme-0123456789,beta=key-beta-0123456789")
+    ds = f"{broker.base_url}/ds/v1/stream"
+    acme, beta = bearer("key-acme-0123456789"), bearer("key-beta-0123456789")
+    sub = f"{ds}/__ds/subscriptions/jobs"
+    body = {"type": "pull-wake", "pattern": "jobs/*", "wake_stream": "wake/w"}
+    assert httpx.put(sub, json=body).status_code == 401
+    made = httpx.put(f"{ds}/wake/w", content=b"[]", headers=acme | JSON_TYPE)
+    assert made.status_code == 201
+    assert httpx.put(sub, json=body, headers=acme).status_code == 201
+    assert httpx.get(sub, headers=beta).status_code == 404  # another tenant's is not found
+    unknown = httpx.put(f"{ds}/__ds/subscriptions/x", json=body | {"x": 1}, headers=acme)
+    assert unknown.status_code == 400
+    assert "'x'" in unknown.json()["error"]["message"]
+    hook = {"type": "webhook", "pattern": "jobs/*", "webhook": {"url": "https://8.8.8.8/h"}}
+    refused = httpx.put(f"{ds}/__ds/subscriptions/h", json=hook, headers=acme)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (
+        400,
+        "WEBHOOK_URL_REJECTED",
+    )  # credentials on and no BROKER_WEBHOOK_HOSTS: no webhook URL is taken
+    put = httpx.put(f"{ds}/jobs/1", content=b'{"n": 1}', headers=acme | JSON_TYPE)
+    assert put.status_code == 201
+    claim = httpx.post(f"{sub}/claim", json={"worker": "w1"}, headers=acme)
+    assert claim.status_code == 200
+    wake = claim.json()
+    [stream] = wake["streams"]
+    ack = {
+        "wake_id": wake["wake_id"],
+        "generation": wake["generation"],
+        "acks": [{"stream": "jobs/1", "offset": stream["tail_offset"]}],
+        "done": True,
+    }
+    token = bearer(wake["token"])
+    wrong = httpx.post(f"{sub}/ack", params={"tenant": "beta"}, json=ack, headers=token)
+    assert wrong.status_code == 404  # beta has no such subscription
+    done = httpx.post(f"{sub}/ack", params={"tenant": "acme"}, json=ack, headers=token)
+    assert (done.status_code, done.json()) == (200, {"ok": True, "next_wake": False})
+    again = httpx.post(f"{sub}/ack", params={"tenant": "acme"}, json=ack, headers=token)
+    assert (again.status_code, again.json()["error"]["code"]) == (409, "FENCED")
+    jwks = httpx.get(f"{ds}/__ds/jwks.json")  # public: receivers have no credentials
+    assert jwks.status_code == 200
+    assert jwks.headers["content-type"].startswith("application/jwk-set+json")
+    assert jwks.json()["keys"][0]["kid"].startswith("ds_")
+    shown = httpx.get(sub, headers=acme).json()
+    assert shown["streams"][0] | {"tail_offset": ""} == {
+        "path": "jobs/1",
+        "link_type": "pattern",
+        "tail_offset": "",
+        "acked_offset": stream["tail_offset"],
+        "has_pending": False,
+    }
+    assert httpx.delete(sub, headers=acme).status_code == 204
+    assert httpx.get(sub, headers=acme).status_code == 404

@@ -196,7 +196,8 @@ def url_refusal(config: WebhookConfig, raw: str) -> str | None:
     webhooks: http(s), no credentials; non-public addresses only as the operator allows
     (``BROKER_WEBHOOK_ALLOW_PRIVATE``, ``BROKER_WEBHOOK_ALLOW_LOOPBACK``, an address entry of
     ``BROKER_WEBHOOK_HOSTS``); and, when ``BROKER_WEBHOOK_HOSTS`` is set, its host and port
-    rules. Names are resolved and their addresses checked again at send time."""
+    rules, without which a broker with credentials takes none (an open one takes any host and
+    port). Names are resolved and their addresses checked again at send time."""
     try:
         url = parse_url(raw)
     except WebhookConfigError as exc:
@@ -204,6 +205,11 @@ def url_refusal(config: WebhookConfig, raw: str) -> str | None:
     if config.hosts:
         refusal = config.url_refusal(url)
         return None if refusal is None else refusal[1].replace("notify.url", "webhook.url")
+    if config.secured:
+        return (
+            "this broker takes no subscription webhook URLs (BROKER_WEBHOOK_HOSTS is unset and "
+            "credentials are on)"
+        )
     host = (url.hostname or "").lower()
     address = literal_address(host)
     if address is None and is_localhost(host):

@@ -101,8 +101,9 @@ async def view(subs: Subscriptions, sub: Subscription) -> dict[str, Any]:
 
 
 @router.get(RESERVED + "/jwks.json")
-async def jwks(request: Request, principal: Caller) -> Response:
-    """The public keys wakes are signed with (a JSON Web Key Set)."""
+async def jwks(request: Request) -> Response:
+    """The public keys wakes are signed with (a JSON Web Key Set): public, so that a receiver
+    without credentials of the broker verifies its wakes."""
     signer = await _subs(request).signer()
     return _json(signer.jwks, media_type=JWKS_TYPE)
 
@@ -122,8 +123,9 @@ async def put_subscription(request: Request, sub_id: str, principal: Caller) -> 
 
 @router.get(SUBS)
 async def get_subscription(request: Request, sub_id: str, principal: Caller) -> Response:
+    tenant = _writer(request, principal).tenant
     subs = _subs(request)
-    return _json(await view(subs, await subs.get(principal.tenant, checked_id(sub_id))))
+    return _json(await view(subs, await subs.get(tenant, checked_id(sub_id))))
 
 
 @router.delete(SUBS, status_code=204)
