@@ -256,10 +256,10 @@ class Runtime:
                 rt.worker.on_attempt_ended = rt.notifier.nudge
         return rt
 
-    async def _wrote(self, tenant: str | None, path: str) -> None:
-        """A Durable Streams append or creation: mark the subscriptions it concerns, and wake
-        this process's loop at once when one is."""
-        if await self.subscriptions.mark(tenant, path) and self.wakes is not None:
+    def _wrote(self, tenant: str | None) -> None:
+        """A Durable Streams append or creation (its script marked the subscriptions it
+        concerns): this process's wake loop looks at once if the tenant has any."""
+        if self.wakes is not None and tenant in self.subscriptions.known:
             self.wakes.nudge()
 
     async def trim_pools(self) -> bool:

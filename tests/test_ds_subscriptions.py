@@ -29,6 +29,7 @@ from broker.durable_store import (
     WakeLoop,
     parse_config,
 )
+from broker.durable_store.keys import KeySpace
 from broker.durable_store.protocol import offset_of
 from broker.durable_store.sub_model import (
     Signer,
@@ -196,13 +197,7 @@ async def _made(aredis: Redis, clock: Clock, prefix: str = "") -> tuple[Subscrip
     deps = Deps(aredis, Scripts(aredis), Keys(prefix), settings, metrics)
     hub = Hub(aredis, metrics)
     store = DurableStore(deps, hub)
-    subs = Subscriptions(deps, store, clock)
-
-    async def wrote(tenant: str | None, path: str) -> None:
-        await subs.mark(tenant, path)
-
-    store.on_write = wrote
-    return subs, hub
+    return Subscriptions(deps, store, clock), hub
 
 
 @pytest.fixture
@@ -245,9 +240,18 @@ async def test_the_append_s_mark_matches_as_the_glob_says(
     subs, hub = await _made(aredis, clock)
     body = {"type": "pull-wake", "pattern": glob, "wake_stream": "wake"}
     await subs.put("t", "g", parse_config(body), "http://broker/ds")
-    assert await subs.mark("t", path) == int(matches)
+    await _append(subs, path)  # ds_create and ds_append mark in the same call
     assert [s.path for s in await subs.states("t", "g")] == ([path] if matches else [])
+    assert await subs.due(10**15) == ([("t", "g")] if matches else [])
+    assert await subs.mark("t", path) == int(matches)  # the mark on its own, the same rule
     await hub.close()
+
+
+def test_a_write_marks_the_keys_the_subscriptions_read() -> None:
+    keys = Subscriptions.__new__(Subscriptions)
+    keys._space = KeySpace("p")
+    mine = keys.keys("acme")
+    assert KeySpace("p").of("acme", "x").subs == (mine.registry, mine.links, mine.due, mine.marks)
 
 
 async def test_a_tenant_without_subscriptions_is_marked_with_nothing_written(

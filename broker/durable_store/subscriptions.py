@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 
 from broker import redis_calls as rc
 from broker.deps import Deps
+from broker.durable_store.keys import KeySpace
 from broker.durable_store.protocol import offset_of
 from broker.durable_store.records import AppendRequest
 from broker.durable_store.service import DurableStore
@@ -140,13 +141,16 @@ class Subscriptions:
         self._redis: Redis = deps.redis
         self._scripts: Scripts = deps.scripts
         self._prefix = deps.keys.prefix
+        self._space = KeySpace(deps.keys.prefix)
+        # The tenants known to have subscriptions (made here, or seen by the wake loop's look):
+        # an append of one of them makes this process's wake loop look at once.
+        self.known: set[str | None] = set()
         self._store = store
         self._clock = clock
         self._signer: Signer | None = None
 
     def keys(self, tenant: str | None) -> SubKeys:
-        mark = "open" if tenant is None else f"t:{tenant}"
-        return SubKeys(f"{self._prefix}:{{ds:{mark}}}")
+        return SubKeys(self._space.space(tenant))
 
     @property
     def tenants_key(self) -> str:
@@ -179,6 +183,7 @@ class Subscriptions:
         """Create the subscription (True) or find the same one (False); 409 for another."""
         keys = self.keys(tenant)
         await self._redis.sadd(self.tenants_key, "-" if tenant is None else f"t:{tenant}")
+        self.known.add(tenant)
         reply = await self._scripts(
             "ds_sub_put",
             [keys.sub(sub_id), keys.registry, keys.links],
@@ -267,7 +272,8 @@ class Subscriptions:
     # --- marks, wakes and their leases ----------------------------------------------------------
 
     async def mark(self, tenant: str | None, path: str) -> int:
-        """An append or a creation reached ``path``: the subscriptions it concerns are due."""
+        """Mark the subscriptions a write to ``path`` concerns as due (``ds_append`` and
+        ``ds_create`` make this mark themselves, in the same call as the write)."""
         keys = self.keys(tenant)
         now = self._now() or str(int(time.time() * 1000))  # a score: order, not a lease
         marked = await self._scripts(
@@ -375,6 +381,7 @@ class Subscriptions:
         found: list[tuple[str | None, str]] = []
         for mark in await rc.smembers(self._redis, self.tenants_key):
             tenant = None if mark == "-" else str(mark)[2:]
+            self.known.add(tenant)
             ids = await self._redis.zrangebyscore(
                 self.keys(tenant).due, "-inf", now_ms, start=0, num=limit
             )

@@ -23,6 +23,8 @@
 -- KEYS[8]  streams       <space>:streams  (sorted set: counted stream digest -> expiry ms)
 -- KEYS[9]  sizes         <space>:sizes    (hash: counted stream digest -> bytes)
 -- KEYS[10] usage         <space>:usage    (hash: bytes; tokens, ts: the append rate's bucket)
+-- KEYS[11..14]          the tenant's subscriptions: <space>:subs, :subs:links, :subs:due,
+--                        :subs:marks (see _ds_sub_mark.lua: a creation marks those it concerns)
 --          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
 -- ARGV[1]  path          the stream's path, kept for the record
 -- ARGV[2]  content type  normalized (lower case, no parameters)
@@ -59,8 +61,10 @@
 --          {"source_deleted"}          a fork's source is deleted (its forks still live)
 --          {"past_tail"}               the fork point is past the source's tail
 -- Errors   none of its own.
--- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token), put in place below.
+-- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token) and _ds_sub_mark.lua
+--          (sub_mark), put in place below.
 --! include _ds_quota
+--! include _ds_sub_mark
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage = KEYS[8], KEYS[9], KEYS[10]
 local member = ARGV[15]
@@ -182,4 +186,5 @@ end
 redis.call('ZADD', streams, expires, member)
 redis.call('HSET', sizes, member, int(bytes))
 redis.call('HINCRBY', usage, 'bytes', int(bytes))
+sub_mark(KEYS[11], KEYS[12], KEYS[13], KEYS[14], ARGV[1], now_ms)
 return {'created', tail, ARGV[6], ARGV[9]}
