@@ -217,6 +217,8 @@ def _store(subs: Subscriptions) -> DurableStore:
     return store
 
 
+WEBHOOK = {"type": "webhook", "pattern": "events/*", "lease_ttl_ms": 1000}
+HOOK = {"webhook": {"url": "http://127.0.0.1:9/hook"}}
 PULL = {"type": "pull-wake", "pattern": "events/*", "wake_stream": "wake", "lease_ttl_ms": 1000}
 
 
@@ -294,10 +296,17 @@ async def test_a_claim_is_fenced_once_its_lease_ends_and_another_claims(
     }
     with pytest.raises(Fenced):  # the right wake with another's token
         await subs.ack("t", "p", acks=[], done=False, **(live | {"token": first.token}))
-    assert await subs.ack("t", "p", acks=[("events/a", tail)], done=True, **live) is False
+    with pytest.raises(BadRequest) as refused:  # only the subscription's streams are acked
+        await subs.ack("t", "p", acks=[("other/x", tail)], done=False, **live)
+    assert refused.value.code == "unknown_stream"
+    assert await subs.ack("t", "p", acks=[("events/a", tail)], done=True, **live) == (False, 0)
     with pytest.raises(Fenced):  # a wake that ended is fenced too
         await subs.ack("t", "p", acks=[("events/a", tail)], done=True, **live)
     assert await subs.claim("t", "p", "w1") is None  # nothing pending
+    await subs.put("t", "hook", parse_config(WEBHOOK | HOOK), "http://broker/ds")
+    with pytest.raises(BadRequest) as refused:  # a webhook subscription's wakes go to its URL
+        await subs.claim("t", "hook", "w1")
+    assert refused.value.code == "not_pull_wake"
 
 
 async def test_an_ack_renews_the_lease_and_next_wake_says_what_is_left(
@@ -318,7 +327,7 @@ async def test_an_ack_renews_the_lease_and_next_wake_says_what_is_left(
     clock.ms += 900  # past the first lease, within the renewed one
     with pytest.raises(AlreadyClaimed):
         await subs.claim("t", "p", "w2")
-    assert await subs.ack("t", "p", acks=[], done=True, **live) is True  # events/b is left
+    assert await subs.ack("t", "p", acks=[], done=True, **live) == (True, 0)  # events/b is left
     states = {s.path: s for s in await subs.states("t", "p")}
     assert (states["events/a"].acked_offset, states["events/a"].has_pending) == (first_tail, False)
     assert (states["events/b"].acked_offset, states["events/b"].has_pending) == ("-1", True)
@@ -347,9 +356,6 @@ async def _receiver(answers: list[httpx.Response], seen: list[httpx.Request]) ->
         return answers.pop(0)
 
     return httpx.AsyncClient(transport=httpx.MockTransport(handle))
-
-
-WEBHOOK = {"type": "webhook", "pattern": "events/*", "lease_ttl_ms": 1000}
 
 
 async def test_a_failed_send_is_retried_after_a_jittered_backoff_then_done_acks(
@@ -382,6 +388,7 @@ async def test_a_failed_send_is_retried_after_a_jittered_backoff_then_done_acks(
     assert _verify(jwks, seen[1].headers["webhook-signature"], seen[1].content)
     [state] = await subs.states("t", "h")
     assert (state.acked_offset, state.has_pending) == (tail, False)
+    assert await aredis.hget(subs.keys("t").sub("h"), "tries") is None  # counted from 0 again
     await http.aclose()
 
 

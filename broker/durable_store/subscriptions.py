@@ -36,7 +36,7 @@ from broker.durable_store.protocol import offset_of
 from broker.durable_store.records import AppendRequest
 from broker.durable_store.service import DurableStore
 from broker.durable_store.sub_model import Signer, SubscriptionConfig
-from broker.errors import BrokerError, Conflict, NotFound
+from broker.errors import BadRequest, BrokerError, Conflict, NotFound
 from broker.scripts import Scripts
 
 ORIGIN_OFFSET: Final = "0000000000000000_0000000000000000"
@@ -320,7 +320,11 @@ class Subscriptions:
         return None
 
     async def claim(self, tenant: str | None, sub_id: str, worker: str) -> Wake | None:
-        """A pull-wake worker's claim: the wake (None: nothing pending); 409 when held."""
+        """A pull-wake worker's claim: the wake (None: nothing pending); 409 when held, 400 for
+        a webhook subscription (its wakes go to its URL)."""
+        config, _ = await self._config(self.keys(tenant), sub_id)
+        if config.kind != "pull-wake":
+            raise BadRequest("only a pull-wake subscription is claimed", code="not_pull_wake")
         found = await self.start(tenant, sub_id, "claim", worker)
         if isinstance(found, tuple):
             raise AlreadyClaimed(found[1])
@@ -336,15 +340,17 @@ class Subscriptions:
         generation: int,
         acks: Sequence[tuple[str, str]],
         done: bool,
-        look_at_ms: int | None = None,
-    ) -> bool:
-        """Ack offsets under a wake's lease (renewing it), or end it (``done``); whether a wake
-        follows. 409 ``FENCED`` for a wake that is not the live one."""
+        retry: tuple[int, int, float] | None = None,
+    ) -> tuple[bool, int]:
+        """Ack offsets under a wake's lease (renewing it), or end it (``done``): whether a wake
+        follows, and (``retry``: a failed send's first and longest pause and a jitter fraction)
+        the pause before the next send. 409 ``FENCED`` for a wake that is not the live one, 400
+        for an ack of a stream that is not the subscription's."""
         keys = self.keys(tenant)
         config, _ = await self._config(keys, sub_id)
         reply = await self._scripts(
             "ds_sub_ack",
-            [keys.sub(sub_id), keys.acked(sub_id), keys.due],
+            [keys.sub(sub_id), keys.acked(sub_id), keys.due, keys.links],
             [
                 sub_id,
                 self._now(),
@@ -353,7 +359,7 @@ class Subscriptions:
                 generation,
                 "1" if done else "",
                 config.lease_ttl_ms,
-                "" if look_at_ms is None else str(look_at_ms),
+                "" if retry is None else f"{retry[0]} {retry[1]} {retry[2]:.6f}",
                 orjson.dumps([list(a) for a in acks]).decode(),
             ],
         )
@@ -362,19 +368,20 @@ class Subscriptions:
             raise NotFound(f"no subscription {sub_id!r}", code="subscription_not_found")
         if result == "fenced":
             raise Fenced("this wake is not the live one (a later generation took it, or it ended)")
-        return bool(int(reply[1]))
+        if result == "unknown_stream":
+            raise BadRequest(
+                f"acks names {reply[1]!r}, not a stream of subscription {sub_id!r}",
+                code="unknown_stream",
+            )
+        return bool(int(reply[1])), int(reply[2])
 
     async def announced(self, tenant: str | None, sub_id: str) -> bool:
         """Whether a pull-wake subscription's wake stream was told of its pending wake."""
         return await rc.hget(self._redis, self.keys(tenant).sub(sub_id), "announced") == "1"
 
-    async def failed(self, tenant: str | None, sub_id: str, *, reset: bool = False) -> int:
-        """Count a failed webhook send (the backoff's count), or start the count again."""
-        key = self.keys(tenant).sub(sub_id)
-        if reset:
-            await self._redis.hset(key, "tries", 0)
-            return 0
-        return int(await self._redis.hincrby(key, "tries", 1))
+    async def forget(self, tenant: str | None, sub_id: str) -> None:
+        """Take a subscription that is no more off the due set."""
+        await self._redis.zrem(self.keys(tenant).due, sub_id)
 
     async def due(self, now_ms: int, limit: int = 32) -> list[tuple[str | None, str]]:
         """Subscriptions due by ``now_ms``, of every tenant that has some."""

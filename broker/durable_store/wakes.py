@@ -36,7 +36,7 @@ import orjson
 
 from broker.durable_store.sub_model import url_refusal
 from broker.durable_store.subscriptions import Subscriptions, Wake
-from broker.errors import BrokerError
+from broker.errors import BrokerError, NotFound
 from broker.settings import Settings
 from broker.webhook_config import WebhookConfig
 
@@ -44,10 +44,10 @@ log = logging.getLogger("broker.durable_store.wakes")
 USER_AGENT = "broker-durable-streams"
 
 
-def backoff_ms(failed: int, first_ms: int, max_ms: int) -> int:
-    """The pause after ``failed`` failed sends: doubled per failure, capped, jittered."""
-    ceiling = min(max_ms, first_ms << min(max(failed - 1, 0), 40))
-    return max(1, round(ceiling * random.uniform(0.5, 1.0)))
+def jitter() -> float:
+    """The part of a failed send's pause taken (its upper half: processes never retry in step,
+    never at once)."""
+    return random.uniform(0.5, 1.0)
 
 
 def callback_url(base: str, sub_id: str, tenant: str | None) -> str:
@@ -70,8 +70,9 @@ def notification(wake: Wake, tenant: str | None) -> dict[str, Any]:
     }
 
 
-async def pinned(url: str, config: WebhookConfig, timeout_s: float) -> tuple[str, str]:
-    """The URL to connect to (the host's checked address) and the Host header; raises
+async def pinned(url: str, config: WebhookConfig, timeout_s: float) -> tuple[str, str, str | None]:
+    """The URL to connect to (the host's checked address), the Host header and the TLS server
+    name (None for http: the certificate is checked for the URL's host, not the address); raises
     ``BrokerError`` for a URL the rules refuse, ``OSError`` when it does not resolve."""
     refusal = url_refusal(config, url)
     if refusal is not None:
@@ -88,7 +89,8 @@ async def pinned(url: str, config: WebhookConfig, timeout_s: float) -> tuple[str
         kind = config.address_refusal(address)
         if kind is not None:
             raise BrokerError(f"{config.address_message(host, kind)} (it resolved to {address})")
-    return str(httpx.URL(url).copy_with(host=str(addresses[0]))), parts.netloc
+    tls_name = host if parts.scheme.lower() == "https" else None
+    return str(httpx.URL(url).copy_with(host=str(addresses[0]))), parts.netloc, tls_name
 
 
 class WakeLoop:
@@ -155,7 +157,11 @@ class WakeLoop:
 
     async def handle(self, tenant: str | None, sub_id: str) -> None:
         try:
-            sub = await self._subs.get(tenant, sub_id)
+            try:
+                sub = await self._subs.get(tenant, sub_id)
+            except NotFound:  # deleted meanwhile
+                await self._subs.forget(tenant, sub_id)
+                return
             if sub.config.kind == "webhook":
                 await self._deliver(tenant, sub_id)
             else:
@@ -182,40 +188,44 @@ class WakeLoop:
         body = orjson.dumps(notification(wake, tenant))
         answer = await self._send(wake.config.webhook_url, body)
         if isinstance(answer, str):
-            tries = await self._subs.failed(tenant, sub_id)
-            pause = backoff_ms(
-                tries, self._settings.webhook_backoff_ms, self._settings.webhook_backoff_max_ms
-            )
+            settings = self._settings
+            retry = (settings.webhook_backoff_ms, settings.webhook_backoff_max_ms, jitter())
+            pause = await self._end(tenant, wake, [], retry)
             log.warning("wake of subscription %r %s: again in %d ms", sub_id, answer, pause)
-            now = self._subs.now_ms(int(time.time() * 1000))
-            await self._end(tenant, wake, [], now + pause)
             return
-        await self._subs.failed(tenant, sub_id, reset=True)
         if answer.get("done") is True:
             acks = [(s.path, s.tail_offset) for s in wake.streams if s.has_pending]
             await self._end(tenant, wake, acks, None)
 
     async def _end(
-        self, tenant: str | None, wake: Wake, acks: list[tuple[str, str]], look_at: int | None
-    ) -> None:
-        """End a wake the loop holds (a later generation may have taken it: then nothing)."""
+        self,
+        tenant: str | None,
+        wake: Wake,
+        acks: list[tuple[str, str]],
+        retry: tuple[int, int, float] | None,
+    ) -> int:
+        """End a wake the loop holds (a later generation may have taken it: then nothing); the
+        pause before the next send when ``retry``."""
         with contextlib.suppress(BrokerError):
-            await self._subs.ack(
-                tenant,
-                wake.sub_id,
-                token=wake.token,
-                wake_id=wake.wake_id,
-                generation=wake.generation,
-                acks=acks,
-                done=True,
-                look_at_ms=look_at,
-            )
+            return (
+                await self._subs.ack(
+                    tenant,
+                    wake.sub_id,
+                    token=wake.token,
+                    wake_id=wake.wake_id,
+                    generation=wake.generation,
+                    acks=acks,
+                    done=True,
+                    retry=retry,
+                )
+            )[1]
+        return 0
 
     async def _send(self, url: str, body: bytes) -> dict[str, Any] | str:
         """POST a signed wake: the answer's JSON object ({} for none) on a 2xx, else why not."""
         timeout = self._settings.webhook_timeout_s
         try:
-            target, host = await pinned(url, self._config, timeout)
+            target, host, tls_name = await pinned(url, self._config, timeout)
         except BrokerError as exc:
             return f"was refused ({exc.message})"
         except (OSError, TimeoutError, UnicodeError) as exc:
@@ -227,8 +237,11 @@ class WakeLoop:
             "host": host,
             "webhook-signature": signer.header(int(time.time()), body),
         }
+        extensions = {} if tls_name is None else {"sni_hostname": tls_name}
         try:
-            response = await self._http.post(target, content=body, headers=headers, timeout=timeout)
+            response = await self._http.post(
+                target, content=body, headers=headers, timeout=timeout, extensions=extensions
+            )
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             return f"failed: {type(exc).__name__}"
         if not 200 <= response.status_code < 300:

@@ -222,7 +222,7 @@ async def _ack(request: Request, sub_id: str) -> Response:
     done = body.get("done", False)
     if not isinstance(done, bool):
         raise BadRequest("done must be true or false", code="bad_request")
-    next_wake = await _subs(request).ack(
+    next_wake, _ = await _subs(request).ack(
         request.query_params.get("tenant"),
         checked_id(sub_id),
         token=token,
