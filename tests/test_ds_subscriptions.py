@@ -45,7 +45,7 @@ from broker.frames import ORIGIN
 from broker.keys import Keys
 from broker.metrics import Metrics
 from broker.scripts import Scripts
-from broker.settings import Settings
+from broker.settings import Settings, SettingsError
 from broker.webhook_config import WebhookConfig, parse_hosts
 from tests.conftest import BrokerFactory
 from tests.helpers import bearer
@@ -109,6 +109,12 @@ def test_a_bad_configuration_is_a_400_naming_the_field(body: Any, named: str) ->
         parse_config(body)
     assert caught.value.status == 400
     assert named in caught.value.message
+
+
+@pytest.mark.parametrize("value", [2, -1])
+def test_the_loopback_allowance_is_0_or_1(value: int) -> None:
+    with pytest.raises(SettingsError, match="BROKER_WEBHOOK_ALLOW_LOOPBACK"):
+        Settings(redis_url="unix:///unused", webhook_allow_loopback=value)
 
 
 def test_equal_configurations_are_written_alike() -> None:

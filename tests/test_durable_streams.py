@@ -3,8 +3,8 @@ used by the official TypeScript and Python clients to follow a generation and re
 
 The suite runs under vitest against a live broker (real uvicorn, this session's Redis); its
 pass, fail and skip counts are printed, and the gate holds at no fewer passes than ``GATE``,
-with none failed. What it skips is listed in docs/durable-streams.md (the subscription APIs,
-which the suite runs only when asked).
+with none failed. Its subscription tests run too (``DS_SUBSCRIPTIONS=1``): their webhook
+receivers listen on loopback, which the broker allows with ``BROKER_WEBHOOK_ALLOW_LOOPBACK``.
 """
 
 from __future__ import annotations

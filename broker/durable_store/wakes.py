@@ -1,8 +1,9 @@
 """The wake loop of Durable Streams subscriptions: it looks at due subscriptions and wakes them.
 
 Every broker process that runs a worker runs one. It looks at the due set of every tenant
-with subscriptions at once when an append of its own process marked one, and every
-``BROKER_DS_WAKE_POLL_MS`` otherwise (another process's marks). For a due subscription:
+with subscriptions at once after an append of its own process to a tenant it knows has some,
+and every 250 ms otherwise (another process's marks, leases that ended, backoffs that passed).
+For a due subscription:
 
 * ``webhook``: it takes the wake's lease (``ds_sub_claim``, holder ``webhook``) and POSTs the
   wake, signed with the broker's ed25519 key (``Webhook-Signature: t=..,kid=..,ed25519=..``),
