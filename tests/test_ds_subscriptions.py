@@ -8,7 +8,8 @@ from __future__ import annotations
 import base64
 import itertools
 import os
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -47,8 +48,8 @@ from broker.metrics import Metrics
 from broker.scripts import Scripts
 from broker.settings import Settings, SettingsError
 from broker.webhook_config import WebhookConfig, parse_hosts
-from tests.conftest import BrokerFactory
-from tests.helpers import bearer
+from tests.conftest import BrokerFactory, BrokerProcess
+from tests.helpers import ToolEndpoint, bearer, wait_until
 
 _prefixes = itertools.count()
 JSON_TYPE = {"Content-Type": "application/json"}
@@ -495,3 +496,43 @@ def test_subscriptions_belong_to_their_tenant_and_a_wake_s_token_alone_acks(
     }
     assert httpx.delete(sub, headers=acme).status_code == 204
     assert httpx.get(sub, headers=acme).status_code == 404
+
+
+def test_a_broker_killed_while_it_holds_a_wake_loses_no_wake(
+    broker_processes: Callable[[dict[str, str]], BrokerProcess], redis_url: str
+) -> None:
+    """A broker sends a wake and is killed (SIGKILL) before its receiver calls back: another
+    broker on the same Redis sends it again, one generation on, once the lease ends; the first
+    wake's callback is fenced, the second's acks."""
+    receiver = ToolEndpoint("/hook", lambda n: {})  # answers without "done": it will call back
+    env = {
+        "BROKER_REDIS_URL": redis_url,
+        "BROKER_KEY_PREFIX": f"subkill{os.getpid()}-{next(_prefixes)}",
+        "BROKER_WEBHOOK_ALLOW_LOOPBACK": "1",
+    }
+    try:
+        first = broker_processes(env)
+        ds = f"{first.base_url}/ds/v1/stream"
+        body = WEBHOOK | {"webhook": {"url": receiver.url}}
+        assert httpx.put(f"{ds}/__ds/subscriptions/k", json=body).status_code == 201
+        made = httpx.put(f"{ds}/events/1", content=b"[1]", headers=JSON_TYPE)
+        assert made.status_code == 201
+        wait_until(lambda: len(receiver.bodies) == 1)
+        first.stop(signal.SIGKILL, timeout=10)
+        second = broker_processes(env)
+        wait_until(lambda: len(receiver.bodies) == 2, timeout=15)  # after the 1 s lease
+        old, new = receiver.bodies
+        assert (old["generation"], new["generation"]) == (1, 2)
+        assert old["streams"] == new["streams"]
+        callback = new["callback_url"].replace(first.base_url, second.base_url)
+        for wake, status in ((old, 409), (new, 200)):
+            ack = {
+                "wake_id": wake["wake_id"],
+                "generation": wake["generation"],
+                "acks": [{"stream": "events/1", "offset": wake["streams"][0]["tail_offset"]}],
+                "done": True,
+            }
+            sent = httpx.post(callback, json=ack, headers=bearer(wake["callback_token"]))
+            assert sent.status_code == status, sent.text
+    finally:
+        receiver.close()
