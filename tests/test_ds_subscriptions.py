@@ -39,7 +39,7 @@ from broker.durable_store.sub_model import (
     glob_matches,
     lua_pattern,
 )
-from broker.durable_store.subscriptions import Fenced
+from broker.durable_store.subscriptions import MAX_SUBSCRIPTIONS, Fenced, TooManySubscriptions
 from broker.errors import BadRequest
 from broker.fanout import Hub
 from broker.frames import ORIGIN
@@ -536,3 +536,17 @@ def test_a_broker_killed_while_it_holds_a_wake_loses_no_wake(
             assert sent.status_code == status, sent.text
     finally:
         receiver.close()
+
+
+async def test_a_tenant_holds_a_bounded_number_of_subscriptions(subs: Subscriptions) -> None:
+    """Every append walks its tenant's subscriptions in its script: they are bounded."""
+    config = parse_config(PULL)
+    for n in range(MAX_SUBSCRIPTIONS):
+        assert await subs.put("t", f"s{n}", config, "http://broker/ds")
+    with pytest.raises(TooManySubscriptions) as caught:
+        await subs.put("t", "one-more", config, "http://broker/ds")
+    assert (caught.value.status, caught.value.code) == (429, "subscription_quota")
+    assert await subs.put("t", "s0", config, "http://broker/ds") is False  # found again: fine
+    assert await subs.put("other", "one-more", config, "http://broker/ds")  # per tenant
+    await subs.delete("t", "s0")
+    assert await subs.put("t", "one-more", config, "http://broker/ds")

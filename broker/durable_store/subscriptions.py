@@ -41,6 +41,9 @@ from broker.scripts import Scripts
 
 ORIGIN_OFFSET: Final = "0000000000000000_0000000000000000"
 NO_ACK: Final = "-1"  # what GET shows for a stream nothing was acked of
+# The most subscriptions a tenant holds: every append of the tenant walks them all in its script
+# (one pattern match each), so that walk stays short for Redis.
+MAX_SUBSCRIPTIONS: Final = 256
 Mode = Literal["deliver", "claim", "announce"]
 
 
@@ -49,6 +52,13 @@ class Fenced(BrokerError):
 
     code = "FENCED"
     status = 409
+
+
+class TooManySubscriptions(BrokerError):
+    """A tenant's subscriptions are at their most (every append walks them: see the module)."""
+
+    code = "subscription_quota"
+    status = 429
 
 
 class AlreadyClaimed(BrokerError):
@@ -187,9 +197,13 @@ class Subscriptions:
         reply = await self._scripts(
             "ds_sub_put",
             [keys.sub(sub_id), keys.registry, keys.links],
-            [sub_id, config.canonical, config.matcher, base, *config.streams],
+            [sub_id, config.canonical, config.matcher, base, MAX_SUBSCRIPTIONS, *config.streams],
         )
         result = str(reply[0])
+        if result == "full":
+            raise TooManySubscriptions(
+                f"a tenant holds at most {MAX_SUBSCRIPTIONS} subscriptions: delete one first"
+            )
         if result == "conflict":
             raise Conflict(
                 f"subscription {sub_id!r} exists with another configuration",
