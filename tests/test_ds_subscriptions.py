@@ -9,6 +9,7 @@ import base64
 import itertools
 import os
 import signal
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -550,3 +551,22 @@ async def test_a_tenant_holds_a_bounded_number_of_subscriptions(subs: Subscripti
     assert await subs.put("other", "one-more", config, "http://broker/ds")  # per tenant
     await subs.delete("t", "s0")
     assert await subs.put("t", "one-more", config, "http://broker/ds")
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("http://127.0.0.1:3000/x", True),
+        ("http://localhost:3000/x", True),
+        ("http://10.0.0.1:3000/x", False),
+        ("http://169.254.169.254:3000/x", False),
+    ],
+)
+def test_the_loopback_allowance_opens_loopback_only_for_a_turn_s_notify_url_too(
+    url: str, allowed: bool
+) -> None:
+    hosts = parse_hosts("*:3000")
+    config = WebhookConfig(b"k" * 32, None, {}, hosts, secured=True, allow_loopback=True)
+    closed = WebhookConfig(b"k" * 32, None, {}, hosts, secured=True)
+    assert (config.url_refusal(urllib.parse.urlsplit(url)) is None) is allowed
+    assert closed.url_refusal(urllib.parse.urlsplit(url)) is not None
