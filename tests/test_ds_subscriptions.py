@@ -31,6 +31,7 @@ from broker.durable_store import (
     WakeLoop,
     parse_config,
 )
+from broker.durable_store import subscriptions as subscriptions_module
 from broker.durable_store.keys import KeySpace
 from broker.durable_store.protocol import offset_of
 from broker.durable_store.sub_model import (
@@ -570,3 +571,20 @@ def test_the_loopback_allowance_opens_loopback_only_for_a_turn_s_notify_url_too(
     closed = WebhookConfig(b"k" * 32, None, {}, hosts, secured=True)
     assert (config.url_refusal(urllib.parse.urlsplit(url)) is None) is allowed
     assert closed.url_refusal(urllib.parse.urlsplit(url)) is not None
+
+
+async def test_every_process_signs_with_the_key_in_redis_and_follows_a_new_one(
+    aredis: Redis, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one, hub = await _made(aredis, clock)
+    other, other_hub = await _made(aredis, clock, one._prefix)
+    first = await one.signer()
+    assert (await other.signer()).kid == first.kid  # made once, shared
+    await aredis.delete(f"{one._prefix}:{{ds:subs}}:signing")  # a flushed Redis
+    assert (await one.signer()).kid == first.kid  # read again only now and then
+    monkeypatch.setattr(subscriptions_module, "SIGNER_CHECK_S", -1.0)
+    renewed = await one.signer()
+    assert renewed.kid != first.kid
+    assert (await other.signer()).kid == renewed.kid
+    await hub.close()
+    await other_hub.close()

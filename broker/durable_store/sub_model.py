@@ -236,9 +236,14 @@ class Signer:
     :meth:`broker.durable_store.subscriptions.Subscriptions.signer`)."""
 
     def __init__(self, seed: bytes) -> None:
+        self._seed = seed
         self._key = Ed25519PrivateKey.from_private_bytes(seed)
         self.public = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
         self.kid = "ds_" + _b64url(hashlib.sha256(self.public).digest()[:12])
+
+    def made_from(self, seed_hex: str) -> bool:
+        """Whether this is the key of ``seed_hex`` (the form Redis keeps it in)."""
+        return self._seed.hex() == seed_hex
 
     def header(self, timestamp: int, body: bytes) -> str:
         """``Webhook-Signature``: ``t=<unix s>,kid=<kid>,ed25519=<base64url signature of

@@ -44,6 +44,7 @@ NO_ACK: Final = "-1"  # what GET shows for a stream nothing was acked of
 # The most subscriptions a tenant holds: every append of the tenant walks them all in its script
 # (one pattern match each), so that walk stays short for Redis.
 MAX_SUBSCRIPTIONS: Final = 256
+SIGNER_CHECK_S: Final = 30.0
 Mode = Literal["deliver", "claim", "announce"]
 
 
@@ -158,6 +159,7 @@ class Subscriptions:
         self._store = store
         self._clock = clock
         self._signer: Signer | None = None
+        self._signer_read = 0.0  # (monotonic) when the key was last read
 
     def keys(self, tenant: str | None) -> SubKeys:
         return SubKeys(self._space.space(tenant))
@@ -176,13 +178,19 @@ class Subscriptions:
     async def signer(self) -> Signer:
         """The broker's wake-signing key: made once by the first process that needs it and kept
         in Redis (``<prefix>:{ds:subs}:signing``), so every process signs with the same key
-        and it survives restarts; whoever can read the broker's Redis can sign wakes."""
-        if self._signer is None:
+        and it survives restarts; whoever can read the broker's Redis can sign wakes. Read
+        again every ``SIGNER_CHECK_S``: a key that was replaced (a flushed Redis) is followed."""
+        now = time.monotonic()
+        if self._signer is None or now - self._signer_read > SIGNER_CHECK_S:
             key = f"{self._prefix}:{{ds:subs}}:signing"
-            await self._redis.set(key, secrets.token_bytes(32).hex(), nx=True)
             seed = await rc.get(self._redis, key)
+            if seed is None:
+                await self._redis.set(key, secrets.token_bytes(32).hex(), nx=True)
+                seed = await rc.get(self._redis, key)
             assert seed is not None
-            self._signer = Signer(bytes.fromhex(seed))
+            if self._signer is None or not self._signer.made_from(seed):
+                self._signer = Signer(bytes.fromhex(seed))
+            self._signer_read = now
         return self._signer
 
     # --- the subscriptions ----------------------------------------------------------------------
