@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
 import os
 import socket
 import sys
@@ -11,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 from broker import __version__, logs
-from broker.app import Runtime, Server, create_app, raise_file_limit, server_config
+from broker.app import Runtime, Server, create_app, server_config
 from broker.auth import Authenticator, new_api_key
 from broker.connection import RedisConnectError
 from broker.embedded_redis import EmbeddedRedisError
@@ -21,6 +23,8 @@ from broker.settings import ROLES, Settings, SettingsError
 from broker.tools import ToolConfigError, ToolRegistry
 from broker.webhook_config import new_secret
 from broker.workers import serve_workers
+
+log = logging.getLogger("broker")
 
 
 def _loadgen() -> ModuleType | None:
@@ -129,6 +133,38 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Sett
         if flag is None:
             raise
         raise SettingsError(f"{exc} (given as --{flag.removeprefix('BROKER_').lower()})") from None
+
+
+# Open files a process needs besides its client connections (Redis, logs, the listening socket).
+FILE_HEADROOM = 1_024
+
+
+def raise_file_limit(settings: Settings) -> None:
+    """Lift this process's soft limit on open files to what ``BROKER_MAX_CONNECTIONS`` needs.
+
+    The limit is raised at most to the hard limit; when that is still short, a warning says so,
+    since connections past the descriptors fail at accept instead of getting the broker's 503.
+    """
+    try:
+        import resource
+    except ImportError:  # not on this platform: nothing to raise
+        return
+    # The cap, the tenth past it that is closed unanswered, and Redis connections and files.
+    wanted = settings.max_connections + settings.max_connections // 10 + FILE_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        log.warning(
+            "BROKER_MAX_CONNECTIONS=%d needs about %d open files but this process may open %d "
+            "(ulimit -n): lower BROKER_MAX_CONNECTIONS or raise the limit",
+            settings.max_connections,
+            wanted,
+            soft,
+        )
 
 
 def serve(settings: Settings, listen_fd: int | None = None, ready_fd: int | None = None) -> int:

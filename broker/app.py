@@ -56,7 +56,7 @@ from broker.dialects.aisdk import router as aisdk_router
 from broker.dialects.durable import router as durable_router
 from broker.dialects.durable.wire import DS_REQUEST_HEADERS, DS_RESPONSE_HEADERS
 from broker.dialects.openai import router as openai_router
-from broker.durable_store import DurableStore
+from broker.durable_store import DurableStore, Subscriptions, WakeLoop
 from broker.embedded_redis import EmbeddedRedis
 from broker.fanout import FEED_BLOCK_MS, Hub
 from broker.fastpath import ConnectionLimits, http_protocol_class, probe, uncapped_addresses
@@ -83,8 +83,6 @@ log = logging.getLogger("broker")
 
 # The demo page and the browser client (broker/static/js), shipped as package data.
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-# Open files a process needs besides its client connections (Redis, logs, the listening socket).
-FILE_HEADROOM = 1_024
 # On shutdown, how long webhook sends in flight may finish (a cut one is sent again later).
 WEBHOOK_DRAIN_S = 2.0
 # How often a worker process denies the approvals whose time ran out (BROKER_APPROVAL_TTL_S).
@@ -137,6 +135,10 @@ class Runtime:
         self.webhook_queue = webhook_queue(redis, self.keys, settings.job_partitions)
         self.webhooks = Webhooks(redis, self.keys, self.webhook_queue, self.webhook_config)
         self.notifier: Notifier | None = None
+        # Durable Streams subscriptions: an append marks them; the wake loop wakes them.
+        self.subscriptions = Subscriptions(self.deps, self.durable)
+        self.wakes: WakeLoop | None = None
+        self.durable.on_write = self._wrote
         self.turns = Turns(
             self.deps,
             self.providers,
@@ -161,6 +163,8 @@ class Runtime:
             sequences=self.sequences,
             ledger=self.ledger,
             durable=self.durable,
+            subscriptions=self.subscriptions,
+            webhook_config=self.webhook_config,
             _deps=self.deps,
         )
         self.worker: Worker | None = None
@@ -248,6 +252,8 @@ class Runtime:
             rt._approval_sweep = Periodic(
                 rt.sweep_approvals, APPROVAL_SWEEP_S, name="approval expiry"
             )
+            rt.wakes = WakeLoop(rt.subscriptions, rt.webhook_config, rt.http, settings)
+            rt.wakes.start()
             if rt.webhook_config.enabled:
                 rt.notifier = Notifier(rt.deps, rt.webhook_queue, rt.http, rt.webhook_config)
                 rt.notifier.start()
@@ -261,6 +267,12 @@ class Runtime:
         except Exception:
             log.exception("the approval expiry sweep failed")
         return True
+
+    def _wrote(self, tenant: str | None) -> None:
+        """A Durable Streams append or creation (its script marked the subscriptions it
+        concerns): this process's wake loop looks at once if the tenant has any."""
+        if self.wakes is not None and tenant in self.subscriptions.known:
+            self.wakes.nudge()
 
     async def trim_pools(self) -> bool:
         """Give back what a burst took: the idle Redis connections it left behind (see
@@ -291,6 +303,8 @@ class Runtime:
                 await periodic.stop()
         if self.worker is not None:
             await self.worker.stop(self.settings.drain_timeout_s)
+        if self.wakes is not None:
+            await self.wakes.stop()
         if self.notifier is not None:  # after the worker: the attempts it ended are nudged
             await self.notifier.stop(min(self.settings.drain_timeout_s, WEBHOOK_DRAIN_S))
         await self.hub.close()
@@ -462,34 +476,6 @@ def server_config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
         access_log=False,
     )
-
-
-def raise_file_limit(settings: Settings) -> None:
-    """Lift this process's soft limit on open files to what ``BROKER_MAX_CONNECTIONS`` needs.
-
-    The limit is raised at most to the hard limit; when that is still short, a warning says so,
-    since connections past the descriptors fail at accept instead of getting the broker's 503.
-    """
-    try:
-        import resource
-    except ImportError:  # not on this platform: nothing to raise
-        return
-    # The cap, the tenth past it that is closed unanswered, and Redis connections and files.
-    wanted = settings.max_connections + settings.max_connections // 10 + FILE_HEADROOM
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        log.warning(
-            "BROKER_MAX_CONNECTIONS=%d needs about %d open files but this process may open %d "
-            "(ulimit -n): lower BROKER_MAX_CONNECTIONS or raise the limit",
-            settings.max_connections,
-            wanted,
-            soft,
-        )
 
 
 async def _demo_page() -> FileResponse:

@@ -34,10 +34,11 @@ from broker.sequence_index import SequenceIndex
 from broker.settings import Settings
 from broker.sse import EventStreamResponse
 from broker.turns import Turns
+from broker.webhook_config import WebhookConfig
 
 if TYPE_CHECKING:
     from broker.deps import Deps
-    from broker.durable_store import DurableStore
+    from broker.durable_store import DurableStore, Subscriptions
     from broker.ledger import Ledger
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
@@ -59,6 +60,9 @@ class Services:
     ledger: Ledger
     # Durable Streams' own streams (a service of their own).
     durable: DurableStore
+    # Its subscriptions, and the webhook rules their URLs follow.
+    subscriptions: Subscriptions
+    webhook_config: WebhookConfig
     # For the relay and readiness only; no door reaches into it.
     _deps: Deps = dataclasses.field(repr=False)
 

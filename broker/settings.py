@@ -158,6 +158,7 @@ class Settings:
     webhook_urls: str | None = None  # tenant=url,tenant=url
     webhook_hosts: str | None = None  # hosts[:port] a turn's notify.url may name; *.example.com
     webhook_allow_private: int = 0  # 1: per-turn URLs may reach loopback and private addresses
+    webhook_allow_loopback: int = 0  # 1: per-turn and subscription URLs may reach loopback
     webhook_max_tries: int = 12  # sends of one notification before it is given up
     webhook_backoff_ms: int = 1_000  # the pause after the first failed send, doubled after each
     webhook_backoff_max_ms: int = 600_000  # the longest pause
@@ -570,8 +571,9 @@ def _check_webhooks(settings: Settings) -> None:
             "BROKER_WEBHOOK_URL or BROKER_WEBHOOK_URLS is set but BROKER_WEBHOOK_SECRET is not: "
             "webhooks are signed (broker new-webhook-secret prints one)"
         )
-    if settings.webhook_allow_private not in (0, 1):
-        raise SettingsError("BROKER_WEBHOOK_ALLOW_PRIVATE must be 0 or 1")
+    for name in ("allow_private", "allow_loopback"):
+        if getattr(settings, f"webhook_{name}") not in (0, 1):
+            raise SettingsError(f"BROKER_WEBHOOK_{name.upper()} must be 0 or 1")
     if settings.webhook_backoff_ms > settings.webhook_backoff_max_ms:
         raise SettingsError(
             "BROKER_WEBHOOK_BACKOFF_MS must not exceed BROKER_WEBHOOK_BACKOFF_MAX_MS"

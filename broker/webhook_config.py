@@ -293,6 +293,8 @@ class WebhookSettings(Protocol):
     def webhook_hosts(self) -> str | None: ...
     @property
     def webhook_allow_private(self) -> int: ...
+    @property
+    def webhook_allow_loopback(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -305,6 +307,7 @@ class WebhookConfig:
     hosts: tuple[HostEntry, ...]
     secured: bool  # the broker has credentials: per-turn URLs need an allow-list
     allow_private: bool = False  # BROKER_WEBHOOK_ALLOW_PRIVATE: loopback and private addresses
+    allow_loopback: bool = False  # BROKER_WEBHOOK_ALLOW_LOOPBACK: loopback addresses only
 
     @classmethod
     def from_settings(cls, settings: WebhookSettings, *, secured: bool) -> WebhookConfig:
@@ -317,6 +320,7 @@ class WebhookConfig:
             parse_hosts(settings.webhook_hosts),
             secured,
             bool(settings.webhook_allow_private),
+            bool(settings.webhook_allow_loopback),
         )
 
     @property
@@ -398,7 +402,8 @@ class WebhookConfig:
         are fine; unspecified and multicast ones never; the others when an entry of
         ``BROKER_WEBHOOK_HOSTS`` is that address or a range holding it, and loopback and private
         ones also with ``BROKER_WEBHOOK_ALLOW_PRIVATE`` (link-local ones, where cloud metadata
-        services live, only when listed)."""
+        services live, only when listed), and loopback ones with
+        ``BROKER_WEBHOOK_ALLOW_LOOPBACK``."""
         kind = address_kind(address)
         if kind == "global":
             return None
@@ -408,6 +413,8 @@ class WebhookConfig:
         if any(e.network is not None and inner in e.network for e in self.hosts):
             return None
         if self.allow_private and kind in ("loopback", "private"):
+            return None
+        if self.allow_loopback and kind == "loopback":
             return None
         return kind
 

@@ -610,6 +610,15 @@ GROUPS = (
                 ),
             ),
             Row(
+                ("webhook_allow_loopback",),
+                (
+                    "`1`: a turn's `notify.url` and a Durable Streams subscription's `webhook.url` "
+                    "may reach loopback addresses (`127.0.0.0/8`, `::1`, `localhost`), and no "
+                    "other non-public ones: a receiver on the broker's own host without opening "
+                    "the private ranges. `0`: as `BROKER_WEBHOOK_ALLOW_PRIVATE` says"
+                ),
+            ),
+            Row(
                 ("webhook_max_tries",),
                 "sends of one notification before it is given up (logged, counted as `gave_up`)",
             ),

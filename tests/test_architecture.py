@@ -75,8 +75,10 @@ WRITING = {
     "broker.worker",
 }
 TURNS = {"broker.approvals", "broker.turns", "broker.turn_records", "broker.turn_requests"}
-# Durable Streams' own streams: a service beside the core. The HTTP door reaches it through the
-# package's public names and its pure protocol rules, never its keys, scripts or replies.
+# Durable Streams' own streams: a service beside the core (its subscriptions, their wake loop and
+# their pure rules included: durable_store/subscriptions.py, wakes.py, sub_model.py). The HTTP
+# door (dialects/durable/routes.py and subscriptions.py) reaches it through the package's public
+# names and its pure protocol rules, never its keys, scripts or replies.
 DURABLE_STORE_DOORS = {"broker.durable_store", "broker.durable_store.protocol"}
 ASSEMBLY = {"broker.app", "broker.__main__", "broker.workers"}
 
@@ -257,7 +259,15 @@ def test_the_http_layer_reaches_the_durable_store_through_its_service() -> None:
         and module != "broker.scripts"  # loads every script at start, the ds_* ones included
         and any(
             name in path.read_text("utf-8")
-            for name in ("KeySpace", "StreamKeys", "StreamScripts", '"ds_create"', '"ds_append"')
+            for name in (
+                "KeySpace",
+                "StreamKeys",
+                "StreamScripts",
+                "SubKeys",
+                '"ds_create"',
+                '"ds_append"',
+                '"ds_sub_claim"',
+            )
         )
     )
     assert outside == []

@@ -25,7 +25,7 @@ import httpx
 import orjson
 import pytest
 
-from broker.app import raise_file_limit
+from broker.__main__ import raise_file_limit
 from broker.settings import Settings, SettingsError
 from tests.conftest import BrokerProcess, spawn_broker
 from tests.helpers import read_sse, start_turn, text_of, wait_until

@@ -160,6 +160,7 @@ RUN = {
     ("native.md", "Python client"): "tests/test_readme.py",
     ("native.md", "Mobile clients"): "tests/test_readme.py",
     ("durable-streams.md", "Durable Streams"): "tests/test_readme.py",
+    ("durable-streams.md", "Subscriptions"): "tests/test_durable_streams.py",
     ("openai.md", "OpenAI Responses and Chat Completions"): "tests/test_openai_readme.py",
 }
 COMMANDS = "the install, run and test commands: .ci/run runs the install and the tests as written"

@@ -3,8 +3,8 @@ used by the official TypeScript and Python clients to follow a generation and re
 
 The suite runs under vitest against a live broker (real uvicorn, this session's Redis); its
 pass, fail and skip counts are printed, and the gate holds at no fewer passes than ``GATE``,
-with none failed. What it skips is listed in docs/durable-streams.md (the subscription APIs,
-which the suite runs only when asked).
+with none failed. Its subscription tests run too (``DS_SUBSCRIPTIONS=1``): their webhook
+receivers listen on loopback, which the broker allows with ``BROKER_WEBHOOK_ALLOW_LOOPBACK``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import BrokerFactory, RunningBroker
+from tests.doc_pages import snippets
 from tests.helpers import bearer, get_turn, missing_tool, start_turn, wait_final, wait_until
 
 # Brokers of its own processes, on the server the session names: a test of the server too.
@@ -30,9 +31,9 @@ pytestmark = pytest.mark.server
 
 FOLDER = Path(__file__).resolve().parent / "node" / "durable-streams"
 SUITE = "@durable-streams/server-conformance-tests"
-# Passes of suite 0.3.6 here: every test it runs by default (6 subscription tests are off).
+# Passes of suite 0.3.6 here: every test, its 6 subscription tests on (DS_SUBSCRIPTIONS=1).
 # The reference server makes 326.
-GATE = 332
+GATE = 338
 LONG_POLL = {"ds_long_poll_s": 0.5}  # the suite waits out long polls: keep them short
 
 
@@ -49,7 +50,8 @@ def test_the_official_conformance_suite_passes_at_the_gate(
     broker_factory: BrokerFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     node = _node()
-    broker = broker_factory(cors_origins="*", **LONG_POLL)
+    # The suite's webhook receivers listen on loopback; 10.0.0.1 must still be refused.
+    broker = broker_factory(cors_origins="*", webhook_allow_loopback=1, **LONG_POLL)
     report = tmp_path / "report.json"
     vitest = FOLDER / "node_modules" / "vitest" / "vitest.mjs"
     result = subprocess.run(
@@ -59,7 +61,12 @@ def test_the_official_conformance_suite_passes_at_the_gate(
         text=True,
         timeout=600,
         check=False,
-        env={**os.environ, "DS_URL": f"{broker.base_url}/ds", "DS_LONG_POLL_MS": "500"},
+        env={
+            **os.environ,
+            "DS_URL": f"{broker.base_url}/ds",
+            "DS_LONG_POLL_MS": "500",
+            "DS_SUBSCRIPTIONS": "1",
+        },
     )
     assert report.exists(), f"vitest wrote no report:\n{result.stdout[-3000:]}\n{result.stderr}"
     outcome = json.loads(report.read_text())
@@ -313,3 +320,19 @@ def test_an_expired_generation_is_gone_not_unknown(broker_factory: BrokerFactory
     assert httpx.head(url, timeout=5).status_code == 410
     unknown = f"{broker.base_url}/ds/v1/stream/st_{'0' * 32}"
     assert httpx.get(unknown, timeout=5).status_code == 404
+
+
+def test_the_subscriptions_example_runs_verbatim(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
+    """docs/durable-streams.md's pull-wake round in bash as a reader would paste it: the wake
+    reaches the wake stream, the claim takes it, the ack ends it with nothing left."""
+    from tests.test_readme import Terminal, ok
+
+    [example] = snippets("durable-streams.md", "Subscriptions", "sh")
+    shell = Terminal(tmp_path)
+    shell.port = httpx.URL(broker_factory(**LONG_POLL).base_url).port
+    printed = ok(shell.run(example))
+    assert '"subscription_id":"workers"' in printed
+    assert '"streams":["jobs/42"]' in printed
+    assert printed.rstrip().endswith('{"ok":true,"next_wake":false}')

@@ -117,11 +117,13 @@ def test_client_public_api() -> None:
 
 
 def test_durable_store_public_api() -> None:
-    """The Durable Streams service as the HTTP door sees it: the service, what it takes and
-    gives, and its own exceptions; never its keys, scripts or reply decoders."""
+    """The Durable Streams service as the HTTP door sees it: the service and its subscriptions,
+    what they take and give, their pure checks and their own exceptions; never their keys,
+    scripts or reply decoders."""
     import broker.durable_store
 
     assert sorted(broker.durable_store.__all__) == [
+        "AlreadyClaimed",
         "AppendDone",
         "AppendRequest",
         "Appended",
@@ -136,4 +138,12 @@ def test_durable_store_public_api() -> None:
         "Read",
         "StaleEpoch",
         "StreamMade",
+        "Subscription",
+        "Subscriptions",
+        "Wake",
+        "WakeLoop",
+        "checked_id",
+        "checked_url",
+        "parse_config",
+        "stream_list",
     ]

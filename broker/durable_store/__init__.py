@@ -9,8 +9,12 @@ from broker.durable_store.errors import AppendsFull, QuotaExceeded, StaleEpoch
 from broker.durable_store.records import AppendRequest, CreateRequest, ForkRequest, Meta, Read
 from broker.durable_store.replies import AppendDone, Appended, ClosedAgain, Duplicate, StreamMade
 from broker.durable_store.service import DurableStore
+from broker.durable_store.sub_model import checked_id, checked_url, parse_config, stream_list
+from broker.durable_store.subscriptions import AlreadyClaimed, Subscription, Subscriptions, Wake
+from broker.durable_store.wakes import WakeLoop
 
 __all__ = [
+    "AlreadyClaimed",
     "AppendDone",
     "AppendRequest",
     "Appended",
@@ -25,4 +29,12 @@ __all__ = [
     "Read",
     "StaleEpoch",
     "StreamMade",
+    "Subscription",
+    "Subscriptions",
+    "Wake",
+    "WakeLoop",
+    "checked_id",
+    "checked_url",
+    "parse_config",
+    "stream_list",
 ]

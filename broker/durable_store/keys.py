@@ -32,6 +32,7 @@ class StreamKeys:
     streams: str
     sizes: str
     usage: str
+    subs: tuple[str, str, str, str]  # the tenant's subscriptions' keys an append marks
 
     @property
     def all(self) -> tuple[str, str, str]:
@@ -106,6 +107,12 @@ class KeySpace:
         (``tokens``, ``ts`` = last refill in ms)."""
         return f"{self.space(tenant)}:usage"
 
+    def subs(self, tenant: str | None) -> tuple[str, str, str, str]:
+        """The tenant's subscription keys a write marks (``broker.durable_store.subscriptions``):
+        its registry (hash), their links (hash), the due set (sorted set) and the marks (hash)."""
+        space = self.space(tenant)
+        return (f"{space}:subs", f"{space}:subs:links", f"{space}:subs:due", f"{space}:subs:marks")
+
     def of(self, tenant: str | None, path: str) -> StreamKeys:
         """The keys of the stream at ``path`` of ``tenant`` (None: an open broker's)."""
         return StreamKeys(
@@ -119,4 +126,5 @@ class KeySpace:
             self.streams(tenant),
             self.sizes(tenant),
             self.usage(tenant),
+            self.subs(tenant),
         )

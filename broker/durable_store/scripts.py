@@ -104,7 +104,7 @@ class StreamScripts:
         ]
         refs = [source.meta, source.data, source.forks]
         reply = await self._scripts(
-            "ds_create", [*keys.with_forks, *refs, *keys.accounts], [*args, *more]
+            "ds_create", [*keys.with_forks, *refs, *keys.accounts, *keys.subs], [*args, *more]
         )
         return decode_create(reply)
 
@@ -122,8 +122,10 @@ class StreamScripts:
     ) -> AppendReply:
         ident, epoch, seq = producer if producer is not None else ("", 0, 0)
         args = [content_type, body, "1" if close else "", ident, epoch, seq, stream_seq]
-        more = [max_entries, keys.member, *quota.args[1:]]
-        reply = await self._scripts("ds_append", [*keys.all, *keys.accounts], [*args, *more])
+        more = [max_entries, keys.member, *quota.args[1:], keys.path]
+        reply = await self._scripts(
+            "ds_append", [*keys.all, *keys.accounts, *keys.subs], [*args, *more]
+        )
         return decode_append(reply)
 
     async def delete(self, keys: StreamKeys) -> DeleteReply:

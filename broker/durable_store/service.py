@@ -132,6 +132,9 @@ class DurableStore:
         self._settings = deps.settings
         self._metrics = deps.metrics
         self._hub = hub
+        # Told of each append and creation (whose scripts marked the subscriptions they concern):
+        # the process's wake loop looks at once when the tenant has subscriptions.
+        self.on_write: Callable[[str | None], None] | None = None
 
     def _keys(self, tenant: str | None, path: str) -> StreamKeys:
         return self._space.of(tenant, path)
@@ -179,6 +182,8 @@ class DurableStore:
         )
         match reply:
             case StreamMade():
+                if reply.created and self.on_write is not None:
+                    self.on_write(tenant)
                 # The type as the stream keeps it (as its creator wrote it), else this one's.
                 return dataclasses.replace(
                     reply, content_type=reply.content_type or made.content_type
@@ -260,6 +265,8 @@ class DurableStore:
             max_entries=self._settings.ds_max_appends,
             quota=self.quota,
         )
+        if isinstance(reply, Appended) and self.on_write is not None:
+            self.on_write(tenant)
         if isinstance(reply, Appended | Duplicate | ClosedAgain):
             return reply
         raise self._append_refusal(reply)

@@ -17,6 +17,8 @@
 -- KEYS[4]  streams       <space>:streams  (sorted set: counted stream digest -> expiry ms)
 -- KEYS[5]  sizes         <space>:sizes    (hash: counted stream digest -> bytes)
 -- KEYS[6]  usage         <space>:usage    (hash: bytes; tokens, ts: the append rate's bucket)
+-- KEYS[7..10]           the tenant's subscriptions: <space>:subs, :subs:links, :subs:due,
+--                        :subs:marks (see _ds_sub_mark.lua: an append marks those it concerns)
 --          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
 -- ARGV[1]  content type  the request's, normalized; "" for a close without a body
 -- ARGV[2]  body          the entry's payload (its bytes, kept as they are: field b); "" to
@@ -31,6 +33,7 @@
 -- ARGV[10] max bytes     the tenant's most bytes (BROKER_DS_TENANT_MAX_BYTES); 0: no limit
 -- ARGV[11] rate          the tenant's appends per second (BROKER_DS_TENANT_APPENDS_PER_S); 0: none
 -- ARGV[12] burst         the rate's bucket (BROKER_DS_TENANT_APPEND_BURST)
+-- ARGV[13] path          the stream's path (for the subscriptions' patterns)
 --
 -- Returns  {"ok", tail, closed}             appended (and/or closed); tail: the last entry id
 --          {"missing"}                      no such stream
@@ -48,9 +51,11 @@
 --          {"rate", retry_after_ms}         the tenant appends faster than its rate
 --          {"quota", "bytes", max}          the tenant's bytes would pass its quota
 -- Errors   none of its own.
--- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token), put in place below;
---          prune gives the references of forks that expired back (keys built from KEYS[4]).
+-- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token) and _ds_sub_mark.lua
+--          (sub_mark), put in place below; prune gives the references of forks that expired
+--          back (keys built from KEYS[4]).
 --! include _ds_quota
+--! include _ds_sub_mark
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage, member = KEYS[4], KEYS[5], KEYS[6], ARGV[9]
 local now_ms = clock_ms()
@@ -139,4 +144,5 @@ if ARGV[3] == '1' then
   redis.call('XADD', data, '*', 'e', 'close', 'b', '')
 end
 keep_alive()
+sub_mark(KEYS[7], KEYS[8], KEYS[9], KEYS[10], ARGV[13], now_ms)
 return {'ok', tail, closed}

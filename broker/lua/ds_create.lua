@@ -26,6 +26,8 @@
 -- KEYS[8]  streams       <space>:streams  (sorted set: counted stream digest -> expiry ms)
 -- KEYS[9]  sizes         <space>:sizes    (hash: counted stream digest -> bytes)
 -- KEYS[10] usage         <space>:usage    (hash: bytes; tokens, ts: the append rate's bucket)
+-- KEYS[11..14]          the tenant's subscriptions: <space>:subs, :subs:links, :subs:due,
+--                        :subs:marks (see _ds_sub_mark.lua: a creation marks those it concerns)
 --          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
 --          and, built from KEYS[8] (see _ds_quota): the tenant's refs hash, the data of the
 --          source's chain, and the keys of a fork gone meanwhile whose reference is given back
@@ -67,8 +69,9 @@
 --          {"too_deep", max}           the fork would read through more than max streams
 -- Errors   none of its own.
 -- Uses     _ds_quota.lua (clock_ms, int, release, prune, take_token, key_of, unref,
---          MAX_FORK_DEPTH), put in place below.
+--          MAX_FORK_DEPTH) and _ds_sub_mark.lua (sub_mark), put in place below.
 --! include _ds_quota
+--! include _ds_sub_mark
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
 local streams, sizes, usage = KEYS[8], KEYS[9], KEYS[10]
 local member = ARGV[15]
@@ -196,4 +199,5 @@ end
 redis.call('ZADD', streams, expires, member)
 redis.call('HSET', sizes, member, int(bytes))
 redis.call('HINCRBY', usage, 'bytes', int(bytes))
+sub_mark(KEYS[11], KEYS[12], KEYS[13], KEYS[14], ARGV[1], now_ms)
 return {'created', tail, ARGV[6], ARGV[9]}

@@ -1,0 +1,16 @@
+-- ds_sub_mark: mark the Durable Streams subscriptions a write to a stream concerns, on its own
+-- (ds_append and ds_create make the same mark in their own call: see _ds_sub_mark.lua).
+--
+-- KEYS[1]  registry      <space>:subs        (hash: id -> "<Lua pattern>\n<wake stream>")
+-- KEYS[2]  links         <space>:subs:links  (hash: "<id>\n<path>" -> "pattern" or "explicit")
+-- KEYS[3]  due           <space>:subs:due    (sorted set: id -> when to look, ms)
+-- KEYS[4]  marks         <space>:subs:marks  (hash: id -> appends marked so far)
+--          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
+-- ARGV[1]  path          the stream's path
+-- ARGV[2]  now_ms        the clock (ms)
+--
+-- Returns  the number of subscriptions marked
+-- Errors   none of its own.
+-- Uses     _ds_sub_mark.lua (sub_mark), put in place below.
+--! include _ds_sub_mark
+return sub_mark(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[2]))
