@@ -149,6 +149,7 @@ class Runtime:
         )
         self.tools = tools
         self.ledger = Ledger(self.deps)
+        self.ledger.on_approval_requested = self.webhooks.watch_approval
         self.http = httpx.AsyncClient(follow_redirects=False)
         self.dispatcher = Dispatcher(tools, self.ledger, self.http, settings, metrics)
         self.sequences = SequenceIndex(self.deps)

@@ -29,6 +29,7 @@ DECISIONS: Final[tuple[Decision, ...]] = ("approve", "deny")
 DECIDED_BY: Final = ("person", "expiry", "stop")
 EXPIRED: Final = "expired"  # the reason of a decision the expiry made
 STOPPED: Final = "stopped"  # the reason of a decision a stop made
+APPROVAL_DENIED: Final = "approval_denied"  # the error code of a call that was declined
 APPROVAL_ID_PATTERN: Final = re.compile(r"^apr_[0-9a-f]{24}$")
 MAX_REASON_CHARS: Final = 1_000
 
@@ -95,7 +96,7 @@ def declined_error(reason: str | None, by: str) -> dict[str, Any]:
         message = "the call was not approved in time and was not run"
     else:
         message = f"the user declined this call{why}; it was not run"
-    return {"code": "approval_denied", "message": message, "reason": reason}
+    return {"code": APPROVAL_DENIED, "message": message, "reason": reason}
 
 
 def request_event(

@@ -66,13 +66,15 @@ SUBSCRIPTION_ERRORS = (RedisError, RedisClusterException, OSError)
 @dataclasses.dataclass(frozen=True, slots=True)
 class Job:
     """One generation job: run ``attempt`` of a turn. ``conversation_id`` is the scoped id;
-    ``stream`` the partition the job was read from, where it is refreshed and settled."""
+    ``stream`` the partition the job was read from, where it is refreshed and settled. A
+    notification job of an approval request (``broker.webhooks``) names its ``approval_id``."""
 
     stream: str
     job_id: str
     conversation_id: str
     turn_id: str
     attempt: int
+    approval_id: str | None = None
 
     @classmethod
     def parse(cls, stream: str, job_id: str, fields: rc.Fields | None) -> Job | None:
@@ -82,7 +84,12 @@ class Job:
         values = rc.fields_dict(fields)
         try:
             return cls(
-                stream, job_id, values["conversation_id"], values["turn_id"], int(values["attempt"])
+                stream,
+                job_id,
+                values["conversation_id"],
+                values["turn_id"],
+                int(values["attempt"]),
+                values.get("approval"),
             )
         except (KeyError, ValueError):
             return None
@@ -144,11 +151,16 @@ class JobQueue:
         """The partition that carries a (scoped) conversation's jobs."""
         return self.streams[job_partition(conversation_id, self._partitions)]
 
-    async def enqueue(self, conversation_id: str, turn_id: str, attempt: int) -> str:
-        """Put a job for one attempt of a turn on its conversation's partition; its job id."""
+    async def enqueue(
+        self, conversation_id: str, turn_id: str, attempt: int, approval_id: str | None = None
+    ) -> str:
+        """Put a job for one attempt of a turn (or one of its approval requests) on its
+        conversation's partition; its job id."""
         partition = job_partition(conversation_id, self._partitions)
         stream = self.streams[partition]
         job = {"conversation_id": conversation_id, "turn_id": turn_id, "attempt": str(attempt)}
+        if approval_id is not None:
+            job["approval"] = approval_id
         if not self._cluster or not self._ring:
             return str(await self._redis.xadd(stream, job))  # type: ignore[arg-type]
         # The doorbell shares the partition's slot: one round trip. A lost doorbell only delays

@@ -66,9 +66,18 @@ class Keys:
         webhook partition ``stream`` that holds its job."""
         return f"{stream}:try:{job_id}"
 
-    def webhook_sent(self, stream: str, conversation_id: str, turn_id: str, attempt: int) -> str:
-        """String with a PEXPIRE: the attempt's notification was delivered (a second job of the
-        same attempt is settled unsent); in the slot of the attempt's webhook partition."""
+    def webhook_sent(
+        self,
+        stream: str,
+        conversation_id: str,
+        turn_id: str,
+        attempt: int,
+        approval_id: str | None = None,
+    ) -> str:
+        """String with a PEXPIRE: the attempt's (or approval request's) notification was
+        delivered (a second job of it is settled unsent); in the slot of its webhook partition."""
+        if approval_id is not None:
+            return f"{stream}:sent:{conversation_id} {turn_id} {approval_id}"
         return f"{stream}:sent:{conversation_id} {turn_id} {attempt}"
 
     def webhook_hold(self, stream: str, job_id: str) -> str:

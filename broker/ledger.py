@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -92,6 +93,9 @@ class Ledger:
         self._settings = deps.settings
         self._metrics = deps.metrics
         self._retention_ms = deps.settings.index_ttl_ms
+        # Told (conversation_id, turn_id, approval_id) each time an approval request is met:
+        # the approval webhook's watch (broker.webhooks).
+        self.on_approval_requested: Callable[[str, str, str], Awaitable[None]] | None = None
 
     async def claim(
         self, slot: Slot, args_fingerprint: str, row: dict[str, Any], lease_token: str = ""
@@ -162,6 +166,8 @@ class Ledger:
             await self._redis.zadd(self._keys.approval_expiry(), {member: reply.expires_ms})
         if reply.result == "requested":
             self._metrics.approvals_requested.inc()
+        if reply.result in ("requested", "pending") and self.on_approval_requested is not None:
+            await self.on_approval_requested(slot.conversation_id, slot.turn_id, reply.approval_id)
         return reply
 
     async def renew(self, slot: Slot, token: str, lease_ms: int | None = None) -> None:

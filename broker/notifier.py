@@ -25,6 +25,11 @@ one send, and the worker POSTs it.
   timeout, and as long again up to 5 s) the next look sends it again. Receivers deduplicate by
   ``webhook-id``.
 
+A job that names an approval (an approval request's, ``approval.requested``) waits for nothing:
+its body is made from the turn and the approval's hash the first time it is taken, and it goes
+through the same take, send, backoff and settle as an attempt's, its own ``webhook-id`` and sent
+marker keyed by the approval id.
+
 A worker that ends an attempt nudges (:meth:`Notifier.nudge`): the job, found by the id kept on
 the turn, is taken at once, wherever it was pending, so a notification normally leaves within
 milliseconds of the end; the periodic look is what makes it certain.
@@ -71,6 +76,7 @@ HOLD_MARGIN_MS = 5_000
 END_SCAN_PAGE = 16
 END_SCAN_PAGES = 8
 EVENT_TYPE = "turn.finished"
+APPROVAL_EVENT_TYPE = "approval.requested"
 USER_AGENT = f"resumable-stream-broker/{__version__} (completion webhook)"
 
 # The turn status an attempt's own status stands for, once a later attempt has started.
@@ -81,6 +87,12 @@ TURN_STATUS_OF = {
     AttemptStatus.FAILED: TurnStatus.FAILED,
     AttemptStatus.REQUIRES_ACTION: TurnStatus.REQUIRES_ACTION,
 }
+
+
+def iso_ms(ms: int) -> str:
+    """A time in ms since the epoch as the notifications' ``timestamp`` (UTC, to the ms)."""
+    moment = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def backoff_ms(failed: int, first_ms: int, max_ms: int) -> int:
@@ -269,6 +281,9 @@ class Notifier:
 
     async def _deliver(self, job: Job) -> None:
         """Look at one job: leave it while its attempt runs, else send it unless it is held."""
+        if job.approval_id is not None:
+            await self._deliver_approval(job, job.approval_id)
+            return
         turn_key = self._keys.turn(job.conversation_id, job.turn_id)
         n = job.attempt
         values = await rc.hmget(
@@ -293,11 +308,53 @@ class Notifier:
                 await self._give_up(job, 0, "its turn has no webhook target any more")
                 return
         # An expired turn leaves only a notification taken before, sent with its stored body.
+        await self._take_and_send(job, body, url, ended_ms)
+
+    async def _deliver_approval(self, job: Job, approval_id: str) -> None:
+        """Send the notification of an approval request at once (its body taken the first
+        time); one whose turn or request is gone before it was taken is given up."""
+        keys = self._keys
+        status, stream_id, attempt, notify = await rc.hmget(
+            self._redis,
+            keys.turn(job.conversation_id, job.turn_id),
+            ["status", "stream_id", "attempt", "notify"],
+        )
+        approval_key = keys.approval(job.conversation_id, job.turn_id, approval_id)
+        request, requested_ms, expires_ms = await rc.hmget(
+            self._redis, approval_key, ["request", "requested_ms", "expires_ms"]
+        )
+        body, url, ms = "", "", 0
+        if status is not None and request is not None:
+            tenant, conversation_id = unscoped(job.conversation_id)
+            row: dict[str, Any] = orjson.loads(request)
+            ms = int(requested_ms or time.time() * 1000)
+            data = {
+                "turn_id": job.turn_id,
+                "conversation_id": conversation_id,
+                "tenant": tenant,
+                "stream_id": stream_id,
+                "attempt": int(attempt or 0),
+                "approval_id": approval_id,
+                "name": row.get("tool"),
+                "ordinal": row.get("ordinal"),
+                "expires_at": int(expires_ms or 0) / 1000,
+            }
+            body = orjson.dumps(
+                {"type": APPROVAL_EVENT_TYPE, "timestamp": iso_ms(ms), "data": data}
+            ).decode()
+            url = self._target(tenant, notify)
+        await self._take_and_send(job, body, url, ms)
+
+    async def _take_and_send(self, job: Job, body: str, url: str, ended_ms: int) -> None:
+        """Take the job (``take_webhook.lua``) and send what it holds, unless it was delivered
+        (settled unsent) or is held; one with nothing to send is given up."""
         keys = self._keys
         take = await self._scripts.take_webhook(
             delivery=keys.webhook_try(job.stream, job.job_id),
             hold=keys.webhook_hold(job.stream, job.job_id),
-            sent=keys.webhook_sent(job.stream, job.conversation_id, job.turn_id, n),
+            sent=keys.webhook_sent(
+                job.stream, job.conversation_id, job.turn_id, job.attempt, job.approval_id
+            ),
             body=body,
             url=url,
             ended_ms=ended_ms,
@@ -310,13 +367,16 @@ class Notifier:
         if take.result == "wait":
             return
         if not take.body or not take.url:
-            await self._give_up(job, take.tries, "its turn expired before it was sent")
+            await self._give_up(job, take.tries, "its turn expired, or has no target any more")
             return
         await self._send_taken(job, take)
 
     async def _send_taken(self, job: Job, take: WebhookTake) -> None:
         """Send a taken notification, then settle it, hold it for a retry, or give it up."""
-        msg_id = webhook_id(str(orjson.loads(take.body)["data"]["stream_id"]), job.attempt)
+        stream_id = str(orjson.loads(take.body)["data"]["stream_id"])
+        msg_id = webhook_id(stream_id, job.attempt)
+        if job.approval_id is not None:  # one per approval request
+            msg_id = f"msg_{stream_id}_{job.approval_id}"
         host = urllib.parse.urlsplit(take.url).hostname or "?"
         tries = take.tries + 1
         try:
@@ -431,7 +491,9 @@ class Notifier:
         keys, stream = self._keys, job.stream
         async with self._redis.pipeline(transaction=False) as pipe:
             if sent:
-                marker = keys.webhook_sent(stream, job.conversation_id, job.turn_id, job.attempt)
+                marker = keys.webhook_sent(
+                    stream, job.conversation_id, job.turn_id, job.attempt, job.approval_id
+                )
                 pipe.set(marker, "1", px=self._settings.stream_ttl_ms)
             pipe.xack(stream, JOB_GROUP, job.job_id)
             pipe.xdel(stream, job.job_id)
@@ -470,12 +532,7 @@ class Notifier:
             "canonical_text_length": text_length,
             "last_offset": from_entry_id(end_id) if end_id else None,
         }
-        ended = datetime.datetime.fromtimestamp(ended_ms / 1000, tz=datetime.UTC)
-        body = {
-            "type": EVENT_TYPE,
-            "timestamp": ended.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            "data": data,
-        }
+        body = {"type": EVENT_TYPE, "timestamp": iso_ms(ended_ms), "data": data}
         return orjson.dumps(body).decode(), self._target(tenant, meta["notify"]), ended_ms
 
     def _target(self, tenant: str | None, notify: str | None) -> str:

@@ -93,8 +93,11 @@ class Read:
     ``batch_s`` holds the feed's live writes that long to send them in one (see
     :class:`EventStreamResponse`). With ``caught_up``, the renderer is told each time the read
     reached the stream's tail (:meth:`Renderer.caught_up`). ``max_s`` ends the read at its
-    first batch or heartbeat after that long (the client resumes). (A raw renderer's read
-    takes neither: the native door has no use for them.)
+    first batch or heartbeat after that long (the client resumes). ``settled`` is asked
+    each time the read waits at the stream's tail (with ``caught_up``) and after each heartbeat:
+    True ends the read there (a door whose message is over for now, such as the AI SDK's at a
+    turn that waits for a person). (A raw renderer's read takes none of these: the native door
+    has no use for them.)
     """
 
     location: Location
@@ -107,6 +110,7 @@ class Read:
     headers: Sequence[tuple[bytes, bytes]] = ()
     caught_up: bool = False
     max_s: float | None = None
+    settled: Callable[[], Awaitable[bool]] | None = None
 
 
 async def relay(
@@ -181,6 +185,8 @@ async def _rendered(streams: Streams, read: Read, sink: Sink) -> AsyncIterator[b
                 data = await render(renderer, facts, entries)
             else:
                 data = renderer.caught_up() if isinstance(item, CaughtUp) else renderer.heartbeat
+                if read.settled is not None and await read.settled():
+                    break
             if data:
                 yield data
             if ends_at is not None and loop.time() >= ends_at:

@@ -335,6 +335,11 @@ class Turns:
         status, current = await rc.hmget(self._redis, key, ["status", "attempt"])
         return status is None or (status in FINAL_STATUSES and current == str(attempt))
 
+    async def waiting(self, conversation_id: str, turn_id: str) -> bool:
+        """Whether the turn waits for a person (``awaiting_approval``: no worker holds it)."""
+        key = self._keys.turn(conversation_id, turn_id)
+        return await rc.hget(self._redis, key, "status") == TurnStatus.AWAITING_APPROVAL
+
     async def latest(self, client_conversation_id: str, tenant: str | None) -> str | None:
         """The id of the caller's conversation's newest turn, if it has one (none for a
         malformed id)."""

@@ -11,6 +11,11 @@ pending for another worker.
 
 The job's id is kept on the turn hash (``webhook_job:<attempt>``) so that a worker that ends
 the attempt can take the job at once instead of waiting for its next look.
+
+A tool call of a watched turn that waits for a person gets a job of its own, naming its
+approval (:meth:`Webhooks.watch_approval`, called by the ledger each time the request is met,
+so a crash right after the request loses nothing): it is sent at once (``approval.requested``),
+so that an app can tell its user on another device.
 """
 
 from __future__ import annotations
@@ -63,13 +68,24 @@ class Webhooks:
     async def watch(self, conversation_id: str, turn_id: str, attempt: int) -> None:
         """Queue the notification of ``attempt``'s end if the turn has a target (a scoped
         conversation id); nothing when webhooks are off."""
-        if not self.config.enabled:
-            return
-        turn_key = self._keys.turn(conversation_id, turn_id)
-        tenant = unscoped(conversation_id)[0]
-        if self.config.tenant_url(tenant) is None and not await rc.hget(
-            self._redis, turn_key, "notify"
-        ):
-            return  # neither the tenant nor the turn has a target
+        if not await self._has_target(conversation_id, turn_id):
+            return  # webhooks are off, or neither the tenant nor the turn has a target
         job_id = await self.queue.enqueue(conversation_id, turn_id, attempt)
+        turn_key = self._keys.turn(conversation_id, turn_id)
         await self._redis.hset(turn_key, f"webhook_job:{attempt}", job_id)
+
+    async def watch_approval(self, conversation_id: str, turn_id: str, approval_id: str) -> None:
+        """Queue the notification that a tool call of the turn waits for a person, if the turn
+        has a target (sent at once; a request met again queues it again, and a second job of a
+        delivered one is settled unsent); nothing when webhooks are off."""
+        if await self._has_target(conversation_id, turn_id):
+            await self.queue.enqueue(conversation_id, turn_id, 0, approval_id=approval_id)
+
+    async def _has_target(self, conversation_id: str, turn_id: str) -> bool:
+        """Whether webhooks are on and the turn (or its tenant) has a target."""
+        if not self.config.enabled:
+            return False
+        if self.config.tenant_url(unscoped(conversation_id)[0]) is not None:
+            return True
+        turn_key = self._keys.turn(conversation_id, turn_id)
+        return bool(await rc.hget(self._redis, turn_key, "notify"))

@@ -1,5 +1,6 @@
 """The AI SDK example page (``examples/ai-sdk``) in a real Chromium: ``useChat({ resume: true })``
-reloaded mid-answer resumes it, and the answer completes once with the uninterrupted text.
+reloaded mid-answer resumes it, and the answer completes once with the uninterrupted text; a
+page reloaded while a tool call waits for approval shows the request again and answers it.
 
 The page is bundled by the example's own server from its node_modules (esbuild) and talks to a
 real broker through it, as docs/aisdk.md tells a reader to run it.
@@ -22,7 +23,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from tests.chromium import CHROMIUM, launched
 from tests.conftest import BrokerFactory, free_port
-from tests.helpers import missing_tool
+from tests.helpers import ToolEndpoint, missing_tool
 
 # The clients' side: CI's passes on other servers leave it out (see .ci/run).
 pytestmark = pytest.mark.client_side
@@ -175,3 +176,59 @@ def test_a_client_tool_runs_in_the_page_and_the_answer_follows(
     finally:
         server.kill()
         server.wait(timeout=10)
+
+
+def test_a_reload_while_an_approval_waits_shows_it_again_and_allow_completes_the_answer(
+    broker_factory: BrokerFactory, page: Page, tmp_path: Path
+) -> None:
+    """A server tool that waits for a person: the page shows Allow/Deny; reloaded, it shows
+    the request again (it lives in the broker); Allow runs the payment once and the answer
+    completes in the same message."""
+    payments = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
+    tools = tmp_path / "tools.json"
+    tool = {
+        "name": "send_payment",
+        "class": "unkeyed_write",
+        "endpoint": payments.url,
+        "timeout_s": 5,
+        "approval": "always",
+    }
+    tools.write_text(json.dumps({"tools": [tool]}))
+    broker = broker_factory(tools=str(tools))
+    server, base = serve_example(broker.base_url)
+    simulate = {
+        "seed": "approval",
+        "tokens": 10,
+        "tokens_per_s": 0,
+        "tool_calls": [{"name": "send_payment", "args": {"to": "bob", "amount": 500}, "after": 3}],
+    }
+    try:
+        page.goto(f"{base}/?chat=approval-chat&simulate={json.dumps(simulate)}")
+        page.get_by_placeholder("Ask").fill("Pay bob 500")
+        page.get_by_role("button", name="Send").click()
+        tool_part = page.locator("article[data-role=assistant] .tool")
+        expect(tool_part).to_have_attribute("data-state", "approval-requested")
+        expect(page.locator("main")).to_have_attribute("data-status", "ready")
+        turn_id = page.locator("article[data-role=user]").get_attribute("data-id")
+        turn_url = f"{broker.base_url}/v1/turns/{turn_id}"
+        assert httpx.get(turn_url, timeout=10).json()["status"] == "awaiting_approval"
+
+        page.reload()
+        expect(tool_part).to_have_attribute("data-state", "approval-requested")
+        expect(page.locator("main")).to_have_attribute("data-status", "ready")
+        assert payments.requests == [], "nothing ran before a person said yes"
+        page.get_by_role("button", name="Allow").click()
+        expect(tool_part).to_have_attribute("data-state", "output-available")
+        expect(page.locator("main")).to_have_attribute("data-status", "ready")
+        turn = httpx.get(turn_url, timeout=10).json()
+        assert turn["status"] == "complete"
+        answer = page.locator("article[data-role=assistant] .text")
+        expect(answer).to_have_text(turn["canonical"]["text"])
+        expect(page.locator("article[data-role=assistant]")).to_have_count(1)
+        assert len(payments.requests) == 1, "the payment ran once"
+        assert "pay_1" in (tool_part.text_content() or "")
+        assert page.locator("[role=alert]").count() == 0
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+        payments.close()

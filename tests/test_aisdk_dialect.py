@@ -248,3 +248,37 @@ def test_a_chat_is_its_tenants_own(broker_factory: BrokerFactory) -> None:
             while http.get("/v1/turns/m-1", headers=a).json()["status"] != "cancelled":
                 assert time.monotonic() < deadline, "the stop did not reach the turn"
                 time.sleep(0.02)
+
+
+def test_tool_approvals_in_the_ai_sdk_chat_against_a_live_broker(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
+    """A server tool that waits for a person: approved, denied, and answered after a reload."""
+    node = _node()
+    payments = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
+    try:
+        tools = tmp_path / "tools.json"
+        tool = {
+            "name": "send_payment",
+            "class": "unkeyed_write",
+            "endpoint": payments.url,
+            "timeout_s": 5,
+            "approval": "always",
+        }
+        tools.write_text(json.dumps({"tools": [tool]}))
+        broker = broker_factory(tools=str(tools))
+        result = subprocess.run(
+            [node, "--test", "--test-timeout=60000", "test/approvals.test.mjs"],
+            cwd=NODE_DIR,
+            env={**os.environ, "BROKER_URL": broker.base_url},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
+        assert "# fail 0" in result.stdout
+        assert "# pass 3" in result.stdout  # every test ran
+        assert len(payments.requests) == 2, "approved twice, denied once: two payments"
+    finally:
+        payments.close()

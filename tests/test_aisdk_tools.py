@@ -472,3 +472,78 @@ def test_files_the_model_cannot_take_are_a_400_naming_them(
     with pytest.raises(BadRequest) as refused:
         ChatRequest.model_validate(body).turn_request()
     assert message in str(refused.value)
+
+
+APR = "apr_0123456789abcdef01234567"
+
+
+def pay(state: str, **fields: Any) -> dict[str, Any]:
+    """The broker's own call that waited for a person, as the client keeps it."""
+    return {
+        "type": "tool-send_payment",
+        "toolCallId": "call_p",
+        "state": state,
+        "input": {"amount": 500},
+        "providerExecuted": True,
+        **fields,
+    }
+
+
+def answer_chat(*parts: dict[str, Any], message_id: str = "u1-reply") -> ChatRequest:
+    message = {"id": message_id, "role": "assistant", "parts": [{"type": "step-start"}, *parts]}
+    return ChatRequest.model_validate(
+        {"id": "chat1", "trigger": "submit-message", "messages": [QUESTION, message]}
+    )
+
+
+BROKER_PART = {"type": "data-broker", "id": "broker", "data": {"turnId": "t9", "attempt": 1}}
+
+
+@pytest.mark.parametrize(
+    ("parts", "message_id", "expected"),
+    [
+        (  # addToolApprovalResponse({approved: true}): the turn its id names
+            [pay("approval-responded", approval={"id": APR, "approved": True})],
+            "u1-reply",
+            ("u1", [(APR, True, None)]),
+        ),
+        (  # a deny with its reason, the turn its data-broker part names
+            [
+                BROKER_PART,
+                pay("approval-responded", approval={"id": APR, "approved": False, "reason": "no"}),
+            ],
+            "m7",
+            ("t9", [(APR, False, "no")]),
+        ),
+        ([pay("approval-requested", approval={"id": APR})], "u1-reply", None),  # not answered
+        ([weather()], "u1-reply", None),  # client tool outputs: a follow-up turn
+    ],
+    ids=["approve", "deny, named by its facts part", "not answered yet", "no approvals"],
+)
+def test_approval_responses_are_decisions_on_the_turn_they_answer(
+    parts: list[dict[str, Any]], message_id: str, expected: Any
+) -> None:
+    found = answer_chat(*parts, message_id=message_id).approvals()
+    if expected is None:
+        assert found is None
+        return
+    assert found is not None
+    turn_id, answers = found
+    assert (turn_id, [(a.id, a.approved, a.reason) for a in answers]) == expected
+
+
+@pytest.mark.parametrize(
+    ("approval", "names"),
+    [
+        ({"id": APR}, "messages[1].parts[1].approval: approved"),
+        ({"id": APR, "approved": "yes"}, "messages[1].parts[1].approval: approved"),
+        ({"id": APR, "approved": True, "reason": "x" * 1001}, "approval: reason"),
+        (None, "messages[1].parts[1].approval"),
+    ],
+    ids=["no approved", "not a boolean", "a reason too long", "no approval"],
+)
+def test_a_bad_approval_response_is_a_400_naming_it(approval: Any, names: str) -> None:
+    chat = answer_chat(pay("approval-responded", approval=approval))
+    with pytest.raises(BadRequest) as raised:
+        chat.approvals()
+    assert names in raised.value.message

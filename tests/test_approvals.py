@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from broker.approval_rules import set_clock
@@ -528,4 +529,29 @@ def test_a_regenerate_after_a_stop_asks_again(
     assert second["approval_id"] != first["approval_id"], "the stop freed the slot"
     assert decide(broker, "ask-again", second["approval_id"], "approve").status_code == 200
     assert wait_final(broker.base_url, "ask-again")["status"] == "complete"
+    assert len(payments.requests) == 1
+
+
+def test_a_responses_client_sees_the_wait_in_progress_and_the_answer_after_the_native_decision(
+    approved_broker: RunningBroker, payments: ToolEndpoint
+) -> None:
+    """The OpenAI Responses door shows no approval items: the response stays ``in_progress``
+    while a person decides through the native route (its id is the turn id)."""
+    broker = approved_broker
+    sdk = openai.OpenAI(base_url=f"{broker.base_url}/v1", api_key="unused", max_retries=0)
+    script = [{"name": "send_payment", "args": BIG, "after": 3}]
+    simulate = {"tokens": 8, "tokens_per_s": 0, "tool_calls": script}
+    response = sdk.responses.create(
+        model="simulated",
+        input="pay bob",
+        background=True,
+        extra_body={"broker": {"params": {"simulate": simulate}}},
+    )
+    (pending,) = wait_awaiting(broker, response.id)["approvals"]
+    assert sdk.responses.retrieve(response.id).status == "in_progress"
+    assert decide(broker, response.id, pending["approval_id"], "approve").status_code == 200
+    done = wait_until(
+        lambda: (r := sdk.responses.retrieve(response.id)).status == "completed" and r
+    )
+    assert done.output_text == wait_final(broker.base_url, response.id)["canonical"]["text"]
     assert len(payments.requests) == 1

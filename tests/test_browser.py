@@ -7,6 +7,7 @@ skipped when /usr/bin/chromium is missing. One browser serves the whole module, 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from playwright.sync_api import (
 
 from tests.chromium import CHROMIUM, launched
 from tests.conftest import BrokerFactory, RunningBroker
-from tests.helpers import bearer, missing_tool, read_sse
+from tests.helpers import ToolEndpoint, bearer, missing_tool, read_sse
 
 # The clients' side: CI's passes on other servers leave it out (see .ci/run).
 pytestmark = pytest.mark.client_side
@@ -358,3 +359,57 @@ def test_the_demo_page_breaks_none_of_its_policy(
             "beforeend", '<p style="color: red">inline</p>')""")
     page.wait_for_function("window.__violations.length > 0")
     assert any(v.startswith("style-src") for v in violations(page)), violations(page)
+
+
+def test_every_tab_shows_allow_and_deny_one_decides_and_both_see_the_answer(
+    broker_factory: BrokerFactory, page: Page, tmp_path: Path
+) -> None:
+    """A payment that waits for a person: two tabs show the request with Allow and Deny; one
+    allows; both see the decision and the answer, and the payment ran once."""
+    payments = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
+    tool = {
+        "name": "send_payment",
+        "class": "unkeyed_write",
+        "endpoint": payments.url,
+        "timeout_s": 5,
+        "approval": "always",
+    }
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"tools": [tool]}))
+    try:
+        broker = broker_factory(tools=str(tools))
+        page.goto(broker.base_url + "/")
+        calls = [{"name": "send_payment", "args": {"to": "bob", "amount": 500}, "after": 3}]
+        page.get_by_label("Tool calls").fill(json.dumps(calls))
+        send(page, broker, seed="approval", tokens=10, pace=0, navigate=False)
+        status = page.get_by_test_id("status")
+        expect(status).to_have_text("awaiting_approval")
+        approval = page.get_by_test_id("approval")
+        expect(approval).to_have_attribute("data-state", "pending")
+        expect(approval).to_contain_text("send_payment")
+        expect(approval.get_by_test_id("allow")).to_be_visible()
+        expect(approval.get_by_test_id("deny")).to_be_visible()
+
+        with page.context.expect_page() as opened:
+            page.get_by_test_id("second-tab").click()
+        second = opened.value
+        other = second.get_by_test_id("approval")
+        expect(other).to_have_attribute("data-state", "pending")
+        expect(second.get_by_test_id("status")).to_have_text("awaiting_approval")
+        assert payments.requests == [], "nothing ran before a person said yes"
+
+        other.get_by_test_id("allow").click()
+        for tab in (page, second):
+            row = tab.get_by_test_id("approval")
+            expect(row).to_have_attribute("data-state", "approve")
+            expect(row.get_by_test_id("approval-decision")).to_have_text("allowed (person)")
+            expect(row.get_by_test_id("allow")).to_have_count(0)
+            expect(tab.get_by_test_id("status")).to_have_text("complete")
+        turn_id = page.get_by_test_id("turn-id").text_content()
+        turn = httpx.get(f"{broker.base_url}/v1/turns/{turn_id}", timeout=10).json()
+        assert turn["status"] == "complete"
+        assert answer(page) == answer(second) == turn["canonical"]["text"]
+        assert len(payments.requests) == 1, "the payment ran once"
+        assert page.get_by_test_id("error").text_content() == ""
+    finally:
+        payments.close()

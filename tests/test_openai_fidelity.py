@@ -189,6 +189,17 @@ def test_item_references_resolve_to_the_brokers_own_items(broker: RunningBroker)
                 model="simulated",
                 input=items({"type": "computer_call_output", "call_id": "c", "output": "x"}),
             )
+        with pytest.raises(openai.BadRequestError) as approval:  # decided on the native route
+            sdk.responses.create(
+                model="simulated",
+                input=items(
+                    {
+                        "type": "mcp_approval_response",
+                        "approval_request_id": "apr_x",
+                        "approve": True,
+                    }
+                ),
+            )
         with pytest.raises(openai.BadRequestError) as image:
             sdk.responses.create(
                 model="simulated",
@@ -203,6 +214,8 @@ def test_item_references_resolve_to_the_brokers_own_items(broker: RunningBroker)
     assert "input.str" not in unknown.value.message
     assert unsupported.value.param == "input"
     assert "computer_call_output" in unsupported.value.message
+    assert approval.value.param == "input"
+    assert "mcp_approval_response" in approval.value.message
     assert image.value.param == "input"
     assert "input_image" in image.value.message
     assert malformed.value.param == "input"

@@ -248,3 +248,123 @@ def test_a_prelude_goes_out_after_start_and_before_the_turns_own_steps() -> None
     assert renderer.render([ATTEMPT], {}) == frames(O1, *START, *before, {"type": "start-step"})
     resumed = UIMessageRenderer("t1", "st1", ATTEMPT.cursor, before)
     assert resumed.render([ATTEMPT, DELTA], {}) == DELTA_FRAMES, "past the start: not again"
+
+
+# A server call that waits for a person: its request, the decision that stands, its result.
+APR = "apr_0123456789abcdef01234567"
+PAY = entry(
+    "1-1",
+    "tool_call",
+    '{"attempt":1,"call_id":"c1","name":"pay","args":{"amount":500},"ordinal":0,'
+    '"status":"dispatched"}',
+)
+ASK = entry(
+    "1-2",
+    "approval_request",
+    f'{{"attempt":1,"approval_id":"{APR}","call_id":"c1","name":"pay","ordinal":0,'
+    '"args":{"amount":500},"expires_at":1.5}',
+)
+APPROVED = entry(
+    "3-0",
+    "approval_decision",
+    f'{{"attempt":1,"approval_id":"{APR}","decision":"approve","reason":null,"by":"person"}}',
+)
+DENIED = entry(
+    "3-0",
+    "approval_decision",
+    f'{{"attempt":1,"approval_id":"{APR}","decision":"deny","reason":"too much","by":"person"}}',
+)
+RAN = entry(
+    "3-1",
+    "tool_result",
+    '{"attempt":1,"call_id":"c1","name":"pay","ordinal":0,"source":"ran","status":"ok",'
+    '"result":{"id":"p1"}}',
+)
+REFUSED = entry(
+    "3-1",
+    "tool_result",
+    '{"attempt":1,"call_id":"c1","name":"pay","ordinal":0,"source":"replayed","status":"error",'
+    '"error":{"code":"approval_denied","message":"declined","reason":"too much"}}',
+)
+CALL_FRAMES = frames(O1, *START, {"type": "start-step"}) + frames(
+    PAY.offset,
+    {
+        "type": "tool-input-available",
+        "toolCallId": "c1",
+        "toolName": "pay",
+        "input": {"amount": 500},
+        "providerExecuted": True,
+    },
+)
+ASK_FRAMES = frames(
+    ASK.offset, {"type": "tool-approval-request", "approvalId": APR, "toolCallId": "c1"}
+)
+
+
+def response(approved: bool, **reason: str) -> dict[str, Any]:
+    chunk = {"type": "tool-approval-response", "approvalId": APR, "approved": approved}
+    return {**chunk, "providerExecuted": True, **reason}
+
+
+def plain(*chunks: dict[str, Any]) -> bytes:
+    """Frames of no event: no ``id:``."""
+    return b"".join(b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks)
+
+
+@pytest.mark.parametrize(
+    ("emit_after", "entries", "expected", "closing"),
+    [
+        (  # the read ends at the tail of a turn that waits: the message ends for now
+            ORIGIN,
+            [ATTEMPT, PAY, ASK],
+            CALL_FRAMES + ASK_FRAMES,
+            plain(
+                {"type": "finish-step"},
+                facts(ASK.offset, "awaiting_approval"),
+                {"type": "finish", "finishReason": "tool-calls"},
+            )
+            + DONE,
+        ),
+        (  # approved: the response, then the call's output, in the same step
+            ORIGIN,
+            [ATTEMPT, PAY, ASK, APPROVED, RAN],
+            CALL_FRAMES
+            + ASK_FRAMES
+            + frames(APPROVED.offset, response(True))
+            + frames(
+                RAN.offset,
+                {
+                    "type": "tool-output-available",
+                    "toolCallId": "c1",
+                    "output": {"id": "p1"},
+                    "providerExecuted": True,
+                },
+            ),
+            b"",
+        ),
+        (  # denied: the reason on the response, and the part is output-denied
+            ORIGIN,
+            [ATTEMPT, PAY, ASK, DENIED, REFUSED],
+            CALL_FRAMES
+            + ASK_FRAMES
+            + frames(DENIED.offset, response(False, reason="too much"))
+            + frames(REFUSED.offset, {"type": "tool-output-denied", "toolCallId": "c1"}),
+            b"",
+        ),
+        (  # the continuation a client's approval response reads: from the decision on
+            ASK.cursor,
+            [ATTEMPT, PAY, ASK, APPROVED],
+            frames(APPROVED.offset, response(True)),
+            b"",
+        ),
+    ],
+    ids=["waiting", "approved", "denied", "the answer goes on"],
+)
+def test_approval_frames(
+    emit_after: Cursor, entries: list[Entry], expected: bytes, closing: bytes
+) -> None:
+    renderer = UIMessageRenderer("t1", "st1", emit_after)
+    assert renderer.render(entries, {}) == expected
+    assert renderer.waiting is (closing != b"")
+    assert renderer.closing() == closing
+    assert renderer.closing() == (DONE if closing else b""), "the pause goes out once"

@@ -8,10 +8,12 @@ import base64
 import dataclasses
 import http.server
 import itertools
+import json
 import os
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,7 +36,7 @@ from broker.webhook_config import (
     webhook_id,
 )
 from tests.conftest import BrokerFactory, RunningBroker, free_port
-from tests.helpers import bearer, get_turn, read_sse, wait_final, wait_until
+from tests.helpers import ToolEndpoint, bearer, get_turn, read_sse, wait_final, wait_until
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 # Webhooks on, every wait short: a look every 100 ms, retries after 10 to 40 ms.
@@ -558,3 +560,66 @@ def test_webhook_settings_are_read_from_the_environment() -> None:
     assert config.url_refusal(urllib.parse.urlsplit("https://x.example.com/h")) is None
     assert settings.webhook_max_tries == 5
     assert SECRET not in repr(settings)  # never printed
+
+
+def test_an_approval_request_is_posted_at_once_then_the_end_after_the_decision(
+    broker_factory: BrokerFactory, receivers: Callable[..., Receiver], tmp_path: Path
+) -> None:
+    """A tool call that waits for a person is its own notification (``approval.requested``),
+    sent while the turn waits, so an app can tell its user; the decision's answer ends the
+    turn, whose ``turn.finished`` follows."""
+    receiver = receivers()
+    payments = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
+    try:
+        tool = {
+            "name": "send_payment",
+            "class": "unkeyed_write",
+            "endpoint": payments.url,
+            "timeout_s": 5,
+            "approval": "always",
+        }
+        tools = tmp_path / "tools.json"
+        tools.write_text(json.dumps({"tools": [tool]}))
+        broker = broker_factory(**FAST, webhook_hosts=receiver.host, tools=str(tools))
+        calls = [{"name": "send_payment", "args": {"to": "bob", "amount": 500}, "after": 2}]
+        response = post_turn(broker, "asks-1", {"url": receiver.url}, tool_calls=calls)
+        assert response.status_code == 201, response.text
+        stream_id = response.json()["stream_id"]
+        (delivery,) = receiver.wait_for(1)
+        payload = delivery.payload
+        turn = wait_until(
+            lambda: (
+                (t := get_turn(broker.base_url, "asks-1"))["status"] == "awaiting_approval" and t
+            )
+        )
+        (pending,) = turn["approvals"]
+        assert payload["type"] == "approval.requested"
+        assert payload["data"] == {
+            "turn_id": "asks-1",
+            "conversation_id": "hooks",
+            "tenant": None,
+            "stream_id": stream_id,
+            "attempt": 1,
+            "approval_id": pending["approval_id"],
+            "name": "send_payment",
+            "ordinal": 0,
+            "expires_at": pending["expires_at"],
+        }
+        assert delivery.headers["webhook-id"] == f"msg_{stream_id}_{pending['approval_id']}"
+        assert payments.requests == [], "told, not run"
+
+        decided = httpx.post(
+            f"{broker.base_url}/v1/turns/asks-1/approvals/{pending['approval_id']}",
+            json={"decision": "approve"},
+            timeout=10,
+        )
+        assert decided.status_code == 200, decided.text
+        _, finished = receiver.wait_for(2)
+        assert finished.payload["type"] == "turn.finished"
+        assert finished.payload["data"]["status"] == "complete"
+        assert finished.headers["webhook-id"] == f"msg_{stream_id}_1"
+        wait_final(broker.base_url, "asks-1")
+        assert len(payments.requests) == 1
+        assert broker.metric(DELIVERED) == 2
+    finally:
+        payments.close()

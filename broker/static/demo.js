@@ -4,6 +4,9 @@
 // sessionStorage, so a reload resumes where it was; a second tab opens the same hash without an
 // offset and reads the same stream from its start.
 //
+// A tool whose rule asks a person (docs/tools.md, Approvals) shows its call with Allow and Deny
+// in every tab that follows the turn: the first decision wins, and every tab sees it.
+//
 // A broker with API keys answers 401: the page then asks for a key, keeps it in sessionStorage
 // (this tab only) and sends it on every call. "Share read-only link" mints an attach token for
 // the turn; the link carries it in the hash (never sent to a server, never in a Referer), and a
@@ -35,6 +38,8 @@ let reading = null; // AbortController of the running read
 let drop = null; // cuts the current connection (the reader then reattaches)
 let reconnects = 0;
 let starting = false;
+let deciding = false;
+let shownApprovals = ""; // what the approvals box shows, to rebuild it only when it changes
 
 const newId = () =>
   globalThis.crypto?.randomUUID?.() ?? `${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`;
@@ -56,14 +61,78 @@ function keep() {
   }
 }
 
+function renderApprovals(viewer) {
+  const approvals = [...(state?.approvals.values() ?? [])];
+  const shown = JSON.stringify([approvals, viewer, deciding]);
+  if (shown === shownApprovals) return;
+  shownApprovals = shown;
+  const box = $("approvals");
+  box.replaceChildren();
+  box.hidden = approvals.length === 0;
+  for (const { request, decision } of approvals) {
+    const id = request?.approval_id ?? decision?.approval_id;
+    const row = document.createElement("div");
+    row.className = "approval";
+    row.dataset.testid = "approval";
+    row.dataset.approvalId = id;
+    row.dataset.state = decision?.decision ?? "pending";
+    const call = document.createElement("code");
+    call.textContent = request ? `${request.name}(${JSON.stringify(request.args)})` : id;
+    row.append(call);
+    if (decision) {
+      const said = document.createElement("span");
+      said.dataset.testid = "approval-decision";
+      const why = decision.reason ? `: ${decision.reason}` : "";
+      said.textContent = `${decision.decision === "approve" ? "allowed" : "denied"} (${decision.by}${why})`;
+      row.append(said);
+    } else if (!viewer) {
+      for (const [label, verdict] of [["Allow", "approve"], ["Deny", "deny"]]) {
+        const button = document.createElement("button");
+        button.type = "button";
+        button.textContent = label;
+        button.dataset.testid = verdict === "approve" ? "allow" : "deny";
+        button.disabled = deciding;
+        button.addEventListener("click", () => decide(id, verdict));
+        row.append(button);
+      }
+    } else {
+      const waits = document.createElement("span");
+      waits.textContent = "waits for a person";
+      row.append(waits);
+    }
+    box.append(row);
+  }
+}
+
+async function decide(approvalId, verdict) {
+  showError(null);
+  deciding = true;
+  render();
+  try {
+    // The first decision wins; the one that stands also arrives on the stream, in every tab.
+    const standing = verdict === "approve"
+      ? await client.approve(turnId, approvalId)
+      : await client.deny(turnId, approvalId, { reason: "denied on the demo page" });
+    if (standing.decision !== verdict) showError(`Another decision stood: ${standing.decision}`);
+  } catch (error) {
+    showError(error);
+  } finally {
+    deciding = false;
+    render();
+  }
+}
+
 function render() {
-  const status = state?.status ?? (starting ? "starting" : reading ? "streaming" : state ? "waiting" : "idle");
+  const waiting = state?.status == null && (state?.pendingApprovals.length ?? 0) > 0;
+  const running = reading ? (waiting ? "awaiting_approval" : "streaming") : state ? "waiting" : "idle";
+  const status = state?.status ?? (starting ? "starting" : running);
   const badge = $("status");
   badge.textContent = status;
   badge.dataset.status = status;
   $("prefix").textContent = state?.prefix ?? "";
   $("own").textContent = state?.slot?.text ?? "";
   const viewer = token !== null;
+  renderApprovals(viewer);
   $("answer").classList.toggle("partial", status === "interrupted");
   $("recovery").hidden = viewer || status !== "interrupted" || reading !== null;
   $("composer").hidden = viewer;
@@ -146,12 +215,21 @@ function knobs() {
   };
   const breakAfter = $("knob-break").value;
   if (breakAfter !== "") simulate.fail_after_deltas = Number(breakAfter);
+  const toolCalls = $("knob-tools").value.trim();
+  if (toolCalls !== "") simulate.tool_calls = JSON.parse(toolCalls); // a SyntaxError is shown
   return { simulate };
 }
 
 async function send(event) {
   event.preventDefault();
   showError(null);
+  let params;
+  try {
+    params = knobs();
+  } catch (error) {
+    showError(error);
+    return;
+  }
   reading?.abort();
   turnId = newId();
   state = new TurnState(turnId);
@@ -165,7 +243,7 @@ async function send(event) {
       conversationId: `demo-${turnId}`,
       turnId,
       messages: [{ role: "user", content: $("prompt").value }],
-      params: knobs(),
+      params,
     });
     streamId = turn.stream_id;
   } catch (error) {

@@ -1,6 +1,10 @@
 // A chat page on the AI SDK's useChat, with the broker as its backend.
 import { useChat } from "@ai-sdk/react";
-import { DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls } from "ai";
+import {
+  DefaultChatTransport,
+  lastAssistantMessageIsCompleteWithApprovalResponses,
+  lastAssistantMessageIsCompleteWithToolCalls,
+} from "ai";
 import { useState } from "react";
 import { createRoot } from "react-dom/client";
 
@@ -42,12 +46,35 @@ function textOf(message) {
   return message.parts.filter((part) => part.type === "text").map((part) => part.text).join("");
 }
 
+// The chat goes on by itself once every client call has its output, or once a person answered
+// every tool call that waits for approval (a server tool's rule, docs/tools.md, Approvals).
+const sendAutomaticallyWhen = (chat) =>
+  lastAssistantMessageIsCompleteWithToolCalls(chat)
+  || lastAssistantMessageIsCompleteWithApprovalResponses(chat);
+
+function ToolPart({ part, answer }) {
+  const name = part.type.slice(5);
+  if (part.state === "approval-requested") {
+    // The request lives in the broker: a reload or another device shows it again.
+    return (
+      <span className="tool" data-state={part.state}>
+        {name} {JSON.stringify(part.input)}?{" "}
+        <button type="button" onClick={() => answer(part.approval.id, true)}>Allow</button>
+        <button type="button" onClick={() => answer(part.approval.id, false)}>Deny</button>{" "}
+      </span>
+    );
+  }
+  const shown = part.state === "output-available" ? JSON.stringify(part.output)
+    : part.state === "output-denied" ? "denied" : "…";
+  return <code className="tool" data-state={part.state}>{name}: {shown} </code>;
+}
+
 function App() {
-  const { messages, sendMessage, addToolOutput, status, stop, error } = useChat({
+  const { messages, sendMessage, addToolOutput, addToolApprovalResponse, status, stop, error } = useChat({
     id: chatId,
     transport,
     resume: true,
-    sendAutomaticallyWhen: lastAssistantMessageIsCompleteWithToolCalls,
+    sendAutomaticallyWhen,
     onToolCall({ toolCall }) {
       if (toolCall.toolName !== "local_time") return;
       if (!done.has(toolCall.toolCallId)) done.set(toolCall.toolCallId, localTime());
@@ -78,9 +105,8 @@ function App() {
         <article key={message.id} data-id={message.id} data-role={message.role}>
           <b>{message.role === "user" ? "You" : "Model"}: </b>
           {message.parts.filter((part) => part.type.startsWith("tool-")).map((part) => (
-            <code key={part.toolCallId} className="tool" data-state={part.state}>
-              {part.type.slice(5)}: {part.state === "output-available" ? JSON.stringify(part.output) : "…"}{" "}
-            </code>
+            <ToolPart key={part.toolCallId} part={part}
+                      answer={(id, approved) => addToolApprovalResponse({ id, approved })} />
           ))}
           <span className="text">{textOf(message)}</span>
         </article>

@@ -18,12 +18,22 @@ that does not want a full replay resumes after it.
 | ``tool_call`` | ``tool-input-available`` (dispatched: ``providerExecuted``; client: the |
 |  | client's to run, after a ``tool-input-start`` if none came), ``tool-input-error`` (not |
 |  | run: ``providerExecuted``, so that the client never runs it) |
-| ``tool_result`` | ``tool-output-available`` or ``tool-output-error`` |
+| ``tool_result`` | ``tool-output-available`` or ``tool-output-error``; a call a person |
+|  | denied: ``tool-output-denied`` |
+| ``approval_request`` | ``tool-approval-request`` (``approvalId``, the call's ``toolCallId``) |
+| ``approval_decision`` | ``tool-approval-response`` (``approved``, ``reason``, |
+|  | ``providerExecuted``) |
 | ``error`` | kept for the ``end`` that follows |
 | ``usage`` | nothing (``GET /v1/turns/{id}`` has it) |
 | ``end`` | ``text-end``, ``finish-step``, ``data-broker``; at rest: ``finish`` (complete; |
 |  | ``tool-calls`` for requires_action), ``abort`` (cancelled), ``error`` + ``finish`` |
 |  | (interrupted, failed) |
+
+A read that reaches its tail while approvals it showed wait for a person (the turn is
+``awaiting_approval``: nothing comes until someone decides) ends the message for now:
+``finish-step``, ``data-broker`` (``awaiting_approval``), ``finish`` (``tool-calls``), as the AI
+SDK's own server does. The client's approval response (``addToolApprovalResponse``) sends the
+chat again, and the answer goes on in the same message (see :mod:`broker.dialects.aisdk.tools`).
 
 A client call's ``toolCallId`` is the broker's call id, derived from its slot: the same after a
 retry, a regenerate or a resume (see :mod:`broker.client_tools`).
@@ -36,6 +46,7 @@ from typing import Any, Final
 
 import orjson
 
+from broker.approval_rules import APPROVAL_DENIED
 from broker.dialects.aisdk.tools import reply_id
 from broker.frames import Entry
 from broker.vocabulary import TurnStatus
@@ -79,6 +90,8 @@ class Renderer:
         self._parts = 0  # text parts of the current attempt
         self._error: dict[str, Any] | None = None
         self._inputs: set[str] = set()  # client calls of the attempt whose input started
+        self.waiting: set[str] = set()  # approvals shown and not decided yet
+        self.offset = ""  # the last event rendered
 
     def facts(self, offset: str, status: str, **extra: Any) -> Chunk:
         """The broker's own facts as one data part, updated in place (fixed ``id``)."""
@@ -106,6 +119,7 @@ class Renderer:
             chunks.append(self.facts(entry.offset, TurnStatus.STREAMING))
             chunks += self.prelude
         kind = entry.kind
+        self.offset = entry.offset
         if kind == "attempt":
             chunks += self._close_step()
             chunks.append({"type": "start-step"})
@@ -137,10 +151,45 @@ class Renderer:
         elif kind == "tool_result":
             chunks += self._open_step() + self._close_text()
             chunks.append(self._tool_result(data))
+        elif kind in ("approval_request", "approval_decision"):
+            chunks += self._approval(kind, data)
         elif kind == "error":
             self._error = data
         elif kind == "end":
             chunks += self._end(entry.offset, data, final)
+        return chunks
+
+    def _approval(self, kind: str, data: dict[str, Any]) -> list[Chunk]:
+        """A server call that waits for a person, or the decision that stands on it."""
+        approval_id = str(data.get("approval_id"))
+        if kind == "approval_request":
+            self.waiting.add(approval_id)
+            chunk = {"approvalId": approval_id, "toolCallId": str(data.get("call_id"))}
+            return (
+                self._open_step()
+                + self._close_text()
+                + [{"type": "tool-approval-request", **chunk}]
+            )
+        self.waiting.discard(approval_id)
+        response: Chunk = {
+            "type": "tool-approval-response",
+            "approvalId": approval_id,
+            "approved": data.get("decision") == "approve",
+            "providerExecuted": True,
+        }
+        if data.get("reason"):
+            response["reason"] = str(data["reason"])
+        return [response]
+
+    def pause(self) -> list[Chunk]:
+        """The message's end for now, at the tail of a turn that waits for a person: the
+        client answers the approvals it shows and sends the chat again."""
+        if self.finished or not self.waiting:
+            return []
+        self.finished = True
+        chunks = self._close_step()
+        chunks.append(self.facts(self.offset, TurnStatus.AWAITING_APPROVAL))
+        chunks.append({"type": "finish", "finishReason": "tool-calls"})
         return chunks
 
     def _open_step(self) -> list[Chunk]:
@@ -203,6 +252,8 @@ class Renderer:
         error = data.get("error")
         if error is not None:
             code = error.get("code") if isinstance(error, dict) else error
+            if code == APPROVAL_DENIED:
+                return {"type": "tool-output-denied", "toolCallId": call_id}
             return {
                 "type": "tool-output-error",
                 "toolCallId": call_id,

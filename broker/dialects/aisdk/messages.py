@@ -20,8 +20,11 @@ from broker.client_tools import ClientTool
 from broker.dialects.aisdk.tools import (
     ANSWERS,
     PRELUDE_PARTS,
+    ApprovalAnswer,
     UITool,
     answered_attempt,
+    answered_turn,
+    approval_answers,
     assistant_messages,
     client_tools,
     follow_up_turn_id,
@@ -147,6 +150,24 @@ class ChatRequest(BaseModel):
             answered = answered_attempt([p.model_dump() for p in last.parts])
             return follow_up_turn_id(self.id, last.id, native, answered)
         return self.turn_id
+
+    def approvals(self) -> tuple[str, list[ApprovalAnswer]] | None:
+        """When the last message is the assistant's with tool approvals a person answered
+        (``addToolApprovalResponse``): the turn they are of, and the answers; else None."""
+        last = self.messages[-1]
+        if last.role != "assistant" or self.trigger != "submit-message":
+            return None
+        parts = [p.model_dump() for p in last.parts]
+        answers = approval_answers(parts, f"messages[{len(self.messages) - 1}]")
+        if not answers:
+            return None
+        turn_id = answered_turn(last.id, parts)
+        if not ID_PATTERN.fullmatch(turn_id):
+            raise BadRequest(
+                f"message id {last.id[:80]!r} names no turn whose approvals it answers",
+                code="bad_message_id",
+            )
+        return turn_id, answers
 
     @property
     def turn_id(self) -> str:

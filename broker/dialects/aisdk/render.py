@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+import orjson
+
 from broker.dialects.aisdk.chunks import DONE, REPLACED, Chunk, Renderer, encode
 from broker.frames import ORIGIN, Cursor, Entry
 from broker.relay import Facts
@@ -52,5 +54,13 @@ class UIMessageRenderer:
         return b""
 
     def closing(self) -> bytes:
-        """``[DONE]`` once the message finished."""
-        return DONE if self.chunks.finished else b""
+        """``[DONE]`` once the message finished; a read that ends at a turn waiting for a
+        person ends the message for now first (:meth:`Renderer.pause`)."""
+        # (No ``id:``: these frames are of no event; a resume starts after the last one.)
+        head = b"".join(b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in self.chunks.pause())
+        return head + DONE if self.chunks.finished else b""
+
+    @property
+    def waiting(self) -> bool:
+        """Whether approvals it showed wait for a person."""
+        return bool(self.chunks.waiting)

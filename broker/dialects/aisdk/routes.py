@@ -6,6 +6,7 @@ conversation, a user message is a turn, regenerate and continue are attempts of 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Sequence
 from typing import Annotated, Any, Final
@@ -18,7 +19,14 @@ from broker.auth import Principal
 from broker.dialects.aisdk.chunks import Chunk
 from broker.dialects.aisdk.messages import ChatRequest
 from broker.dialects.aisdk.render import UIMessageRenderer
-from broker.dialects.aisdk.tools import ANSWERS, FOLLOW_UP, PRELUDE_PARTS, prelude, renamed
+from broker.dialects.aisdk.tools import (
+    ANSWERS,
+    FOLLOW_UP,
+    PRELUDE_PARTS,
+    ApprovalAnswer,
+    prelude,
+    renamed,
+)
 from broker.errors import BadRequest, NotFound
 from broker.frames import ORIGIN, Cursor, Entry
 from broker.http import (
@@ -43,6 +51,9 @@ UI_STREAM_HEADERS: Final = [
     (b"cache-control", b"no-cache"),
     (b"x-vercel-ai-ui-message-stream", b"v1"),
 ]
+# How long a read that showed an approval request looks for its turn to park, and how often.
+PARK_WAIT_S: Final = 2.0
+PARK_LOOK_S: Final = 0.05
 # How many follow-up turns back a resume looks for an answer that runs again.
 MAX_FOLLOW_UPS: Final = 16
 UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
@@ -66,8 +77,33 @@ async def _stream(
     stands); read by ``principal`` through the relay (see :mod:`broker.relay`)."""
     renderer = UIMessageRenderer(location.turn_id, location.stream_id, emit_after, prelude)
     facts = functools.partial(_final, rt, location)
-    read = Read(location, render_after, renderer, facts, headers=UI_STREAM_HEADERS)
+    settled = functools.partial(_parked, rt, location, renderer)
+    read = Read(
+        location,
+        render_after,
+        renderer,
+        facts,
+        headers=UI_STREAM_HEADERS,
+        caught_up=True,
+        settled=settled,
+    )
     return await rt.relay(principal, read)
+
+
+async def _parked(rt: Services, location: Location, renderer: UIMessageRenderer) -> bool:
+    """Whether the read ends at the stream's tail: approvals it showed wait for a person and the
+    turn is ``awaiting_approval`` (nothing comes until someone decides). The attempt parks
+    right after the model's message that asked: a read that meets the request first looks a
+    few times, for at most :data:`PARK_WAIT_S` (then again at its next heartbeat)."""
+    if not renderer.waiting:
+        return False
+    loop = asyncio.get_running_loop()
+    until = loop.time() + PARK_WAIT_S
+    while not await rt.turns.waiting(location.conversation_id, location.turn_id):
+        if loop.time() >= until:
+            return False
+        await asyncio.sleep(PARK_LOOK_S)
+    return True
 
 
 async def _final(rt: Services, location: Location, end: Entry) -> bool:
@@ -140,6 +176,46 @@ async def _replay(
     return await _stream(rt, principal, location, after, after, steps)
 
 
+async def _answer_approvals(
+    rt: Services,
+    principal: Principal,
+    chat_id: str,
+    turn_id: str,
+    answers: Sequence[ApprovalAnswer],
+) -> Response:
+    """A person's answers to a turn's approvals (``addToolApprovalResponse``): each is that
+    turn's decision through the core (the first decision wins, from any device), and the answer
+    goes on in the same message, from the first of their decisions on the stream (the one that
+    stands, whoever made it)."""
+    tenant = principal.tenant
+    state = await rt.turns.get(turn_id, tenant)
+    location = await rt.streams.locate(state["stream_id"], tenant)
+    if location.conversation_id != scoped(tenant, chat_id):
+        raise NotFound(f"chat {chat_id!r} has no turn {turn_id!r}")
+    for answer in answers:
+        decision = "approve" if answer.approved else "deny"
+        await rt.turns.decide(turn_id, answer.id, decision, answer.reason, tenant)
+    start = await _chain_start(rt, location) if state["attempt"] > 1 else ORIGIN
+    after = await _before_decision(rt, location, {answer.id for answer in answers})
+    return await _stream(rt, principal, location, start, after)
+
+
+async def _before_decision(rt: Services, location: Location, approval_ids: set[str]) -> Cursor:
+    """Where the continuation of a message whose approvals were answered starts: right before
+    the first decision on one of ``approval_ids`` (the client has everything before it)."""
+    previous, page_start = ORIGIN, FROM_START
+    while True:
+        page = await rt.streams.page(location, page_start)
+        for event in page["events"]:
+            decided = event["event"] == "approval_decision"
+            if decided and event["data"].get("approval_id") in approval_ids:
+                return previous
+            previous = Cursor.after_offset(event["id"])
+        if page["up_to_date"] or not page["events"]:
+            return previous
+        page_start = StartPoint.parse(page["next_offset"])
+
+
 @router.post(
     "/v1/ui/chat",
     openapi_extra=body_schema(ChatRequest),
@@ -150,6 +226,9 @@ async def post_chat(request: Request, principal: Actor) -> Response:
     as UI message chunks. The same user message sent again attaches to its turn."""
     rt = services(request)
     chat = await parse_body(request, ChatRequest)
+    approvals = chat.approvals()
+    if approvals is not None:
+        return await _answer_approvals(rt, principal, chat.id, *approvals)
     turn_request = chat.turn_request()
     tenant = principal.tenant
     if chat.trigger == "regenerate-message":

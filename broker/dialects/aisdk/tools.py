@@ -29,6 +29,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.api.errors import describe_validation
+from broker.approval_rules import MAX_REASON_CHARS
 from broker.errors import BadRequest
 from broker.vocabulary import ID_PATTERN, TOOL_NAME_PATTERN
 
@@ -197,6 +198,44 @@ def assistant_messages(
                 )
     segments.flush()
     return segments.messages or [{"role": "assistant", "content": ""}]
+
+
+# The state of a tool part a person answered with ``addToolApprovalResponse``.
+APPROVAL_RESPONDED: Final = "approval-responded"
+
+
+class ApprovalAnswer(BaseModel):
+    """A tool part's ``approval`` once a person answered it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str = Field(min_length=1, max_length=128)
+    approved: bool
+    reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS)
+
+
+def approval_answers(parts: Sequence[dict[str, Any]], where: str) -> list[ApprovalAnswer]:
+    """The approvals a message's tool parts answer (state ``approval-responded``), in order;
+    400 naming a part whose ``approval`` does not fit."""
+    answers: list[ApprovalAnswer] = []
+    for j, part in enumerate(parts):
+        if not is_tool_part(str(part.get("type"))) or part.get("state") != APPROVAL_RESPONDED:
+            continue
+        try:
+            answers.append(ApprovalAnswer.model_validate(part.get("approval")))
+        except ValidationError as exc:
+            detail = describe_validation(exc.errors())
+            raise BadRequest(f"{where}.parts[{j}].approval: {detail}") from None
+    return answers
+
+
+def answered_turn(reply: str, parts: Sequence[dict[str, Any]]) -> str:
+    """The turn whose approvals a message answers: the one its ``data-broker`` part names,
+    else the one its id names (``<turn_id>-reply``)."""
+    answered = answered_attempt(parts)
+    if answered and isinstance(answered[0], str):
+        return answered[0]
+    return reply.removesuffix("-reply")
 
 
 def answered_attempt(parts: Sequence[dict[str, Any]]) -> list[Any]:

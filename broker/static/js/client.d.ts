@@ -1,7 +1,9 @@
 /** One event of a broker stream. */
 export interface BrokerEvent {
   id: string;
-  type: "attempt" | "delta" | "tool_call" | "tool_result" | "usage" | "error" | "end" | string;
+  type:
+    | "attempt" | "delta" | "tool_call" | "tool_result" | "approval_request" | "approval_decision"
+    | "usage" | "error" | "end" | string;
   data: any;
   /** Attempt number the event belongs to (0 when it names none). */
   attempt: number;
@@ -82,6 +84,29 @@ export interface AttachTokenOptions {
   ttlS?: number;
   /** Admit one SSE connection at a time (a newer one takes over; the older gets `replaced`). */
   oneViewer?: boolean;
+  /** The approve scope: the token may also decide the turn's tool approvals. */
+  approve?: boolean;
+}
+
+/** The decision that stands on an approval (an `approval_decision` event's fields). */
+export interface ApprovalDecision {
+  approval_id: string;
+  decision: "approve" | "deny";
+  reason: string | null;
+  /** `person`, `expiry` (deny, reason `expired`) or `stop`. */
+  by: "person" | "expiry" | "stop" | string;
+}
+
+/** A tool call that waits for a person (an `approval_request` event's fields). */
+export interface ApprovalRequest {
+  approval_id: string;
+  call_id: string;
+  name: string;
+  ordinal: number;
+  args: unknown;
+  /** Seconds since the epoch: then it is denied (reason `expired`). */
+  expires_at: number;
+  attempt?: number;
 }
 
 export interface AttachTokenInfo {
@@ -141,6 +166,17 @@ export class BrokerClient {
   cancel(turnId: string): Promise<Record<string, any>>;
   retry(turnId: string, strategy: "continue" | "regenerate"): Promise<Record<string, any>>;
   mintAttachToken(turnId: string, options?: AttachTokenOptions): Promise<AttachTokenInfo>;
+  /** Approve a tool call that waits for a person; the decision that stands is returned. */
+  approve(turnId: string, approvalId: string, options?: { token?: string }): Promise<ApprovalDecision>;
+  /** Deny a tool call that waits for a person (the model is told `reason`). */
+  deny(
+    turnId: string, approvalId: string, options?: { reason?: string; token?: string },
+  ): Promise<ApprovalDecision>;
+  /** The first decision wins: the one that stands is returned (a 409 is not thrown). */
+  decide(
+    turnId: string, approvalId: string, decision: "approve" | "deny",
+    options?: { reason?: string; token?: string },
+  ): Promise<ApprovalDecision>;
   catchUp(streamId: string, offset?: string, options?: { token?: string }): Promise<{
     events: Array<Record<string, any>>; next_offset: string; up_to_date: boolean; closed: boolean;
   }>;

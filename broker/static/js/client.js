@@ -11,7 +11,8 @@ import { SSEDecoder } from "./sse.js";
 
 /** Event types the broker sends on a stream. */
 export const EVENT_TYPES = Object.freeze([
-  "attempt", "delta", "tool_input_delta", "tool_call", "tool_result", "usage", "error", "end",
+  "attempt", "delta", "tool_input_delta", "tool_call", "tool_result", "approval_request",
+  "approval_decision", "usage", "error", "end",
 ]);
 
 // The event whose id is where a read from `now` starts (its data repeats it as `offset`).
@@ -199,13 +200,49 @@ export class BrokerClient {
    * Mint a read-only attach token for a turn's stream (POST /v1/turns/{id}/attach-tokens).
    * Returns the broker's answer plus `streamUrl`, the absolute stream URL with `?token=`.
    */
-  async mintAttachToken(turnId, { ttlS, oneViewer = false } = {}) {
+  async mintAttachToken(turnId, { ttlS, oneViewer = false, approve = false } = {}) {
     const body = { one_viewer: Boolean(oneViewer) };
+    if (approve) body.approve = true; // the token may also decide the turn's approvals
     if (ttlS != null) body.ttl_s = ttlS;
     const path = `/v1/turns/${enc(turnId)}/attach-tokens`;
     const { data } = await this._json("POST", path, body);
     const link = data?.links?.stream ?? this.streamUrl(data.stream_id, null, data.token);
     return { ...data, streamUrl: /^[a-z]+:\/\//i.test(link) ? link : this.baseUrl + link };
+  }
+
+  /** Approve a tool call that waits for a person; see `decide`. */
+  async approve(turnId, approvalId, { token } = {}) {
+    return this.decide(turnId, approvalId, "approve", { token });
+  }
+
+  /** Deny a tool call that waits for a person (the model is told `reason`); see `decide`. */
+  async deny(turnId, approvalId, { reason, token } = {}) {
+    return this.decide(turnId, approvalId, "deny", { reason, token });
+  }
+
+  /**
+   * Decide an approval (POST /v1/turns/{id}/approvals/{approval_id}): the first decision wins,
+   * and the one that stands is returned, `{approval_id, decision, reason, by}` (compare its
+   * `decision` with yours: another device, or the expiry, may have decided first). `token`: an
+   * attach token minted with `approve: true`, sent as `?token=` instead of the API key.
+   */
+  async decide(turnId, approvalId, decision, { reason, token } = {}) {
+    if (decision !== "approve" && decision !== "deny") {
+      throw new TypeError(`decision must be "approve" or "deny", not ${decision}`);
+    }
+    const body = { decision };
+    if (reason != null) body.reason = reason;
+    const path = withQuery(`/v1/turns/${enc(turnId)}/approvals/${enc(approvalId)}`, { token });
+    try {
+      return (await this._json("POST", path, body, token)).data;
+    } catch (error) {
+      // Another decision stands (409 approval_decided): the body names it.
+      if (error instanceof BrokerHTTPError && error.status === 409 && error.body?.decision) {
+        const { approval_id, decision: standing, reason: why = null, by } = error.body;
+        return { approval_id, decision: standing, reason: why, by };
+      }
+      throw error;
+    }
   }
 
   /** One JSON page of events after `offset`, for clients that poll; `token`: an attach token. */

@@ -1,4 +1,9 @@
-import type { BrokerEvent } from "./client.js";
+import type { ApprovalDecision, ApprovalRequest, BrokerEvent } from "./client.js";
+
+export interface ApprovalState {
+  request: ApprovalRequest | null;
+  decision: ApprovalDecision | null;
+}
 
 export interface AttemptSlot {
   n: number;
@@ -20,13 +25,20 @@ export class TurnState {
   attempts: Map<number, AttemptSlot>;
   current: number | null;
   lastId: string | null;
+  /** Every approval the stream showed, by approval id: its request and the decision that stands. */
+  approvals: Map<string, ApprovalState>;
+  /** The requests with no decision yet (the calls that wait for a person). */
+  readonly pendingApprovals: ApprovalRequest[];
   readonly slot: AttemptSlot | null;
   readonly text: string;
   readonly prefix: string;
   readonly status: string | null;
   textOf(n: number | null): string;
   apply(event: BrokerEvent): boolean;
-  toJSON(): { turnId: string; current: number | null; lastId: string | null; attempts: AttemptSlot[] };
+  toJSON(): {
+    turnId: string; current: number | null; lastId: string | null; attempts: AttemptSlot[];
+    approvals: ApprovalState[];
+  };
   static fromJSON(json: ReturnType<TurnState["toJSON"]>): TurnState;
 }
 

@@ -15,6 +15,13 @@ export class TurnState {
     this.attempts = new Map();
     this.current = null; // number of the newest attempt
     this.lastId = null; // id of the last event applied
+    /** @type {Map<string, {request: object, decision: object|null}>} by approval id */
+    this.approvals = new Map();
+  }
+
+  /** The tool calls that wait for a person: requests with no decision yet, in their order. */
+  get pendingApprovals() {
+    return [...this.approvals.values()].filter((a) => a.decision === null).map((a) => a.request);
   }
 
   /** The newest attempt's slot, or null before any. */
@@ -71,6 +78,16 @@ export class TurnState {
       case "tool_result":
         slot.toolCalls.push({ type: event.type, ...data });
         break;
+      case "approval_request":
+        this.approvals.set(data.approval_id, {
+          request: data, decision: this.approvals.get(data.approval_id)?.decision ?? null,
+        });
+        break;
+      case "approval_decision": {
+        const known = this.approvals.get(data.approval_id);
+        this.approvals.set(data.approval_id, { request: known?.request ?? null, decision: data });
+        break;
+      }
       case "usage":
         slot.usage = data;
         break;
@@ -102,7 +119,7 @@ export class TurnState {
   toJSON() {
     return {
       turnId: this.turnId, current: this.current, lastId: this.lastId,
-      attempts: [...this.attempts.values()],
+      attempts: [...this.attempts.values()], approvals: [...this.approvals.values()],
     };
   }
 
@@ -111,6 +128,10 @@ export class TurnState {
     for (const slot of json.attempts ?? []) state.attempts.set(slot.n, { ...slot });
     state.current = json.current ?? null;
     state.lastId = json.lastId ?? null;
+    for (const approval of json.approvals ?? []) {
+      const id = approval.request?.approval_id ?? approval.decision?.approval_id;
+      if (id) state.approvals.set(id, { request: approval.request, decision: approval.decision });
+    }
     return state;
   }
 }

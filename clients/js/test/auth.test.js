@@ -247,3 +247,39 @@ test("attachEventSource puts the token in the URL", () => {
     "/v1/streams/s?offset=-1&token=a%2Bb", "/v1/streams/s?token=t.o.k", "/v1/streams/s",
   ]);
 });
+
+test("approve, deny and decide post the decision; the one that stands comes back, a 409 too", async () => {
+  const standing = { approval_id: "apr_1", decision: "approve", reason: null, by: "person" };
+  const { fetch, calls } = fakeFetch([
+    Response.json({ turn_id: "t/1", ...standing }),
+    Response.json(
+      { error: { code: "approval_decided", message: "decided already" }, turn_id: "t/1", ...standing },
+      { status: 409 },
+    ),
+    Response.json({ turn_id: "t/1", ...standing }),
+    Response.json({ error: { code: "not_found", message: "unknown approval" } }, { status: 404 }),
+  ]);
+  const client = new BrokerClient("http://b", { fetch, apiKey: KEY });
+  assert.deepEqual((await client.approve("t/1", "apr_1")).decision, "approve");
+  const other = await client.deny("t/1", "apr_1", { reason: "too much" });
+  assert.deepEqual(other, standing, "another decision stands: it is returned, not thrown");
+  await client.decide("t/1", "apr_1", "approve", { token: "t.o.k" });
+  await assert.rejects(client.approve("t/1", "apr_9"), { status: 404 });
+  await assert.rejects(client.decide("t/1", "apr_1", "maybe"), TypeError);
+  assert.equal(calls[0].method, "POST");
+  assert.equal(calls[0].url, "http://b/v1/turns/t%2F1/approvals/apr_1");
+  assert.deepEqual(calls[0].body, { decision: "approve" });
+  assert.deepEqual(calls[1].body, { decision: "deny", reason: "too much" });
+  assert.equal(calls[0].headers.Authorization, `Bearer ${KEY}`);
+  // An approve-scoped attach token goes in the query, without the API key.
+  assert.equal(calls[2].url, "http://b/v1/turns/t%2F1/approvals/apr_1?token=t.o.k");
+  assert.equal(calls[2].headers.Authorization, undefined);
+  assert.equal(calls.length, 4, "a bad decision is refused before any call");
+});
+
+test("mintAttachToken asks for the approve scope when told", async () => {
+  const minted = { token: "x", turn_id: "t", stream_id: "s", links: { stream: "/v1/streams/s?token=x" } };
+  const { fetch, calls } = fakeFetch([Response.json(minted, { status: 201 })]);
+  await new BrokerClient("http://b", { fetch }).mintAttachToken("t", { approve: true });
+  assert.deepEqual(calls[0].body, { one_viewer: false, approve: true });
+});

@@ -64,3 +64,19 @@ test("a transcript keeps turns in separate slots", () => {
   assert.equal(transcript.turn("a").text, "one");
   assert.equal(transcript.turn("b").text, "two");
 });
+
+test("approval requests wait until their decision comes, and survive toJSON", () => {
+  const turn = new TurnState("t-approval");
+  turn.apply(ev("attempt", 1, { strategy: "initial" }));
+  const request = { approval_id: "apr_1", call_id: "c1", name: "pay", ordinal: 0, args: { amount: 500 } };
+  turn.apply(ev("approval_request", 1, request));
+  assert.deepEqual(turn.pendingApprovals.map((r) => r.approval_id), ["apr_1"]);
+  assert.equal(turn.pendingApprovals[0].name, "pay");
+  const kept = TurnState.fromJSON(JSON.parse(JSON.stringify(turn)));
+  assert.deepEqual(kept.pendingApprovals.map((r) => r.approval_id), ["apr_1"], "a reload keeps it");
+  turn.apply(ev("approval_decision", 1, { approval_id: "apr_1", decision: "deny", reason: "no", by: "person" }));
+  assert.deepEqual(turn.pendingApprovals, []);
+  assert.equal(turn.approvals.get("apr_1").decision.decision, "deny");
+  assert.equal(turn.approvals.get("apr_1").request.args.amount, 500);
+  assert.equal(turn.status, null, "the attempt goes on after a decision");
+});
