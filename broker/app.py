@@ -421,7 +421,7 @@ def create_app(
         cors=bool(cors_origins(settings.cors_origins)),
         layered=layered,
     )
-    return FrontDoor(app, reads, [DurableDoor(app, found, layered)])
+    return FrontDoor(app, reads, [DurableDoor(app, found, layered, settings)])
 
 
 def parser_header_limit(settings: Settings) -> int:

@@ -1,11 +1,13 @@
 """The Durable Streams routes' own door answers as the framework's routes do: one table of
-requests, each sent through the broker's server (the front door sends it to ``DurableDoor``)
-and to the FastAPI app itself (its routes), with the same status, body and headers: the
-caller's checks, the limits, CORS, compression, the security headers and the error shape."""
+requests, each sent through the broker's server (the front door sends it to ``DurableDoor``,
+which answers it at once or through the app's layers) and to the FastAPI app itself (its
+routes), with the same status, body and headers: the caller's checks, the limits, CORS,
+compression, the security headers and the error shape."""
 
 from __future__ import annotations
 
 import gzip
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -39,6 +41,14 @@ def _framework(broker: RunningBroker) -> FastAPI:
 
 
 async def _in_app(app: FastAPI, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    if "chunks" in kwargs:  # a body of unknown length (sent chunked)
+        chunks = kwargs.pop("chunks")
+
+        async def body() -> AsyncIterator[bytes]:
+            for chunk in chunks:
+                yield chunk
+
+        kwargs["content"] = body()
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
         return await client.request(method, path, **kwargs)
@@ -52,11 +62,13 @@ def _answer(response: httpx.Response) -> tuple[int, dict[str, str], bytes]:
     return response.status_code, headers, body
 
 
-@pytest.fixture
-def broker(broker_factory: BrokerFactory) -> RunningBroker:
+@pytest.fixture(params=["cors", "no cors"])
+def broker(broker_factory: BrokerFactory, request: pytest.FixtureRequest) -> RunningBroker:
+    """A secured broker with small limits, with CORS (every answer through the app's layers)
+    or without (a plain request answered at once, the others through the layers)."""
     running = broker_factory(
         api_keys=f"acme={KEY}",
-        cors_origins=ORIGIN,
+        cors_origins=ORIGIN if request.param == "cors" else None,
         max_body_bytes=1024,
         max_header_bytes=4096,
     )
@@ -120,6 +132,19 @@ CASES: list[tuple[str, str, str, dict[str, Any]]] = [
         {"headers": TEXT, "content": b"x"},
     ),
     ("a method the protocol lacks", "PATCH", "/ds/v1/stream/d/text", {"headers": AUTH}),
+    ("a delete of a missing stream", "DELETE", "/ds/v1/stream/d/none", {"headers": AUTH}),
+    (
+        "a chunked append to a closed stream",  # (no Content-Length: through the layers)
+        "POST",
+        "/ds/v1/stream/d/closed",
+        {"headers": TEXT, "chunks": [b"mo", b"re"]},
+    ),
+    (
+        "a chunked body past the limit",
+        "POST",
+        "/ds/v1/stream/d/text",
+        {"headers": TEXT, "chunks": [BIG[:900], BIG[900:]]},
+    ),
     (
         "a CORS preflight",
         "OPTIONS",
@@ -133,17 +158,20 @@ CASES: list[tuple[str, str, str, dict[str, Any]]] = [
 def test_the_door_answers_as_the_framework_routes_do(
     broker: RunningBroker, case: str, method: str, path: str, kwargs: dict[str, Any]
 ) -> None:
-    door = httpx.request(method, f"{broker.base_url}{path}", timeout=10, **kwargs)
+    sent = dict(kwargs)
+    if "chunks" in sent:
+        sent["content"] = iter(sent.pop("chunks"))
+    door = httpx.request(method, f"{broker.base_url}{path}", timeout=10, **sent)
     framework = broker.call(_in_app(_framework(broker), method, path, **kwargs))
     assert _answer(door) == _answer(framework), case
     if door.status_code >= 400:
         assert set(door.json()["error"]) == {"code", "message"}
-    if method == "OPTIONS":  # (the CORS layer answers it, outside the others)
+    cors = broker.settings.cors_origins is not None
+    if method == "OPTIONS" and cors:  # (the CORS layer answers it, outside the others)
         assert door.headers["access-control-allow-origin"] == ORIGIN
         return
     assert door.headers["x-content-type-options"] == "nosniff"
     assert door.headers["cross-origin-resource-policy"] == "cross-origin"
-    assert ("access-control-allow-origin" in door.headers) == (
-        "Origin" in kwargs.get("headers", {})
-    )
+    from_page = cors and "Origin" in kwargs.get("headers", {})
+    assert ("access-control-allow-origin" in door.headers) == from_page
     assert door.headers.get("content-encoding") == ("gzip" if "gzip" in case else None)

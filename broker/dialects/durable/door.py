@@ -8,7 +8,11 @@ plain ASGI app that calls the same handlers (:mod:`broker.dialects.durable.route
 same caller (``http.authenticate``: credentials, their failure counts, the tenant's share),
 answers every error with the same JSON the app's handlers would (``api.errors``), and runs
 inside the same layers as the app (body and header limits, compression, security headers,
-CORS), built for it from the app's one list. The FastAPI routes stay: they are the document's
+CORS), built for it from the app's one list. A request that needs none of them but compression
+(CORS off, headers under their limit, a body of a declared length within its limit: the
+appends of a plain client) is answered without them, doing what each would (the
+security headers, the same compression) with the same functions, as the SSE reads' door does.
+The FastAPI routes stay: they are the document's
 (the protocol's own, see docs/durable-streams.md) and answer what this door does not claim (a
 method the protocol does not have: FastAPI's 405; a CORS preflight is the CORS layer's).
 """
@@ -24,10 +28,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.api.errors import broker_error_response, error_response, internal_error
 from broker.api.errors import redis_unavailable as unavailable
+from broker.api.limits import header_bytes
+from broker.api.security import cors_origins, headers_for, with_headers
 from broker.auth import Principal
+from broker.compression import Compression
 from broker.dialects.durable import routes
 from broker.errors import REDIS_UNAVAILABLE, BrokerError
 from broker.http import Services, authenticate
+from broker.settings import Settings
 
 Handler = Callable[[Request, str, Principal], Awaitable[Response]]
 
@@ -50,10 +58,15 @@ class DurableDoor:
         app: ASGIApp,
         services: Callable[[], Services],
         layered: Callable[[ASGIApp], ASGIApp],
+        settings: Settings,
     ) -> None:
         self.app = app  # the framework's app: ``request.app`` of the handlers (its state)
         self.services = services
         self._layered = layered(self._answer)  # the app's layers, around these routes
+        self.max_header_bytes = settings.max_header_bytes
+        self.max_body_bytes = settings.max_body_bytes
+        self.compression = settings.compression == "on"
+        self.cors = bool(cors_origins(settings.cors_origins))
 
     @staticmethod
     def path(scope: Scope) -> str | None:
@@ -71,7 +84,31 @@ class DurableDoor:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self.app  # as the framework sets it: the handlers find their services
-        await self._layered(scope, receive, send)
+        if not self._alone(scope):
+            await self._layered(scope, receive, send)
+            return
+        path = self.path(scope)
+        assert path is not None  # (the front door sent only these)
+        response = await answer(self.services(), Request(scope, receive), path)
+        response.raw_headers = with_headers(response.raw_headers, headers_for(scope["path"]))
+        if self.compression:  # the one layer that may change the answer: as the app runs it
+            await Compression(response)(scope, receive, send)
+        else:
+            await response(scope, receive, send)
+
+    def _alone(self, scope: Scope) -> bool:
+        """Whether the request needs none of the layers but compression: CORS is off, the
+        headers are under their limit, and there is no body, or one whose declared length is
+        within the limit (the server reads no more than it declares)."""
+        if self.cors or header_bytes(scope) > self.max_header_bytes:
+            return False  # (the CORS layer adds Vary: Origin to every answer; the layers' 431)
+        declared: int | None = 0 if scope["method"] in ("GET", "HEAD") else None
+        for name, value in scope["headers"]:
+            if name == b"content-length" and declared is None:
+                declared = int(value) if value.isdigit() else None
+                if declared is None:
+                    return False  # the layers' 400
+        return declared is not None and declared <= self.max_body_bytes
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = self.path(scope)
