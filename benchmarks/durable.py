@@ -5,9 +5,10 @@ reference server (``@durable-streams/server``, pinned in ``benchmarks/durable-re
 ``npm ci`` there, or ``scripts/npm-ci``; it keeps streams in memory) on free ports, and drives
 both with the same client, one server at a time:
 
-* **append**: ``--writers`` clients, each on its own connection and stream, POST ``--appends``
-  bodies of ``--bytes`` bytes one after another (each waits for its answer): appends per second
-  in total, and the latency of one append (p50, p99);
+* **append**: ``--writers`` clients, each on its own connection and stream (with ``--shared``,
+  all on one stream: concurrent writers of one stream), POST ``--appends`` bodies of
+  ``--bytes`` bytes one after another (each waits for its answer): appends per second in
+  total, and the latency of one append (p50, p99);
 * **read**: the same clients each read their stream from the start (catch-up) ``--reads``
   times: appends and MiB delivered per second;
 * the server's CPU seconds per 1,000 appends, and the client's own CPU (if it nears one core,
@@ -157,6 +158,8 @@ async def _one_run(server: Server, args: argparse.Namespace) -> Run:
     run = Run()
     base = urllib.parse.urlsplit(server.base)
     paths = [f"{base.path}/bench-{uuid.uuid4().hex[:12]}-{i}" for i in range(args.writers)]
+    if args.shared:  # every writer appends to one stream (they share its script calls)
+        paths = [paths[0]] * args.writers
     connections = [await _Connection.open(server.base) for _ in paths]
     try:
         cpu0, client0, wall0 = cpu_seconds(server.pid), time.process_time(), time.perf_counter()
@@ -171,13 +174,13 @@ async def _one_run(server: Server, args: argparse.Namespace) -> Run:
         run.append_p99_ms = _percentile(latencies, 0.99) * 1000
         run.server_cpu_ms_per_1000 = (cpu_seconds(server.pid) - cpu0) * 1000 / appends * 1000
         client_write = time.process_time() - client0
-        expect = args.appends * args.bytes
+        expect = args.appends * args.bytes * (args.writers if args.shared else 1)
         client1, wall1 = time.process_time(), time.perf_counter()
         delivered = await asyncio.gather(
             *(_reader(c, p, args.reads, expect) for c, p in zip(connections, paths, strict=True))
         )
         read_wall = time.perf_counter() - wall1
-        run.reads_per_s = args.writers * args.reads * args.appends / read_wall
+        run.reads_per_s = sum(delivered) / args.bytes / read_wall
         run.read_mib_per_s = sum(delivered) / read_wall / 2**20
         client_cpu = client_write + time.process_time() - client1
         run.client_cpu_share = client_cpu / (wall + read_wall)
@@ -298,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bytes", type=int, default=64, help="bytes per append")
     parser.add_argument("--reads", type=int, default=5, help="catch-up reads per writer")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--shared", action="store_true", help="every writer appends to one stream, not its own"
+    )
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument(
         "--profile",
@@ -330,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                 if profiler is not None:
                     print(summary(profiler.stop()))
         print(
-            f"{args.writers} writers x {args.appends} appends of {args.bytes} bytes, then "
+            f"{args.writers} writers x {args.appends} appends of {args.bytes} bytes"
+            f"{' to one stream' if args.shared else ''}, then "
             f"{args.reads} catch-up reads each; median [range] of {args.repeat} runs"
         )
         _print(servers)

@@ -54,6 +54,7 @@ from broker.connection import (
 from broker.deps import Deps, scripts_for
 from broker.dialects.aisdk import router as aisdk_router
 from broker.dialects.durable import router as durable_router
+from broker.dialects.durable.door import DurableDoor
 from broker.dialects.durable.wire import DS_REQUEST_HEADERS, DS_RESPONSE_HEADERS
 from broker.dialects.openai import router as openai_router
 from broker.durable_store import DurableStore, Subscriptions, WakeLoop
@@ -383,8 +384,8 @@ def create_app(
 ) -> FrontDoor:
     """The ASGI app; its lifespan starts (unless given one) and stops the runtime.
 
-    Its front door sends the SSE stream reads to their own plain ASGI app and everything else
-    to FastAPI (:mod:`broker.api.stream_reads`)."""
+    Its front door (:mod:`broker.api.stream_reads`) sends the SSE stream reads and the Durable
+    Streams routes (:mod:`broker.dialects.durable.door`) to their own ASGI apps, the rest on."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -425,14 +426,17 @@ def create_app(
             read = layer(read, **options)
         return read
 
+    def found() -> Services:
+        return cast(Services, app.state.services)
+
     reads = StreamReads(
-        lambda: cast(Services, app.state.services),
+        found,
         max_header_bytes=settings.max_header_bytes,
         compression=settings.compression == "on",
         cors=bool(cors_origins(settings.cors_origins)),
         layered=layered,
     )
-    return FrontDoor(app, reads)
+    return FrontDoor(app, reads, [DurableDoor(app, found, layered, settings)])
 
 
 def parser_header_limit(settings: Settings) -> int:

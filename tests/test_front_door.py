@@ -9,6 +9,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from broker.api.stream_reads import FrontDoor, StreamReads
+from broker.dialects.durable.door import DurableDoor
 
 
 def scope(method: str, path: str, query: bytes = b"", root: str = "") -> dict[str, Any]:
@@ -68,3 +69,70 @@ async def test_the_front_door_sends_sse_reads_to_their_own_app_and_the_rest_on(
 
     await FrontDoor(app, reads)(request_scope, receive, send)
     assert seen == [door]
+
+
+class Claims:
+    """A door that claims the Durable Streams routes, as ``DurableDoor.path`` reads them."""
+
+    def __init__(self, seen: list[str]) -> None:
+        self.seen = seen
+
+    def claims(self, scope: Scope) -> bool:
+        return DurableDoor.path(scope) is not None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.seen.append("durable")
+
+
+@pytest.mark.parametrize(
+    ("request_scope", "door", "path"),
+    [
+        (scope("POST", "/ds/v1/stream/a/b"), "durable", "a/b"),
+        (scope("PUT", "/ds/v1/stream/a"), "durable", "a"),
+        (scope("GET", "/ds/v1/stream/a", b"offset=-1&live=sse"), "durable", "a"),
+        (scope("HEAD", "/ds/v1/stream/a"), "durable", "a"),
+        (scope("DELETE", "/ds/v1/stream/a"), "durable", "a"),
+        (scope("GET", "/ds/v1/stream/"), "durable", ""),  # (its 404 is the route's)
+        (scope("OPTIONS", "/ds/v1/stream/a"), "app", None),  # a preflight: the CORS layer's
+        (scope("PATCH", "/ds/v1/stream/a"), "app", None),  # the framework's 405
+        (scope("GET", "/ds/v1/stream"), "app", None),
+        (scope("GET", "/ds/v1/streams/a"), "app", None),
+        # The reserved paths are the subscription routes', in the framework.
+        (scope("PUT", "/ds/v1/stream/__ds/subscriptions/s1"), "app", None),
+        (scope("GET", "/ds/v1/stream/__ds/jwks.json"), "app", None),
+        (scope("GET", "/ds/v1/stream/__ds"), "app", None),
+        (scope("GET", "/ds/v1/stream/__dsx"), "durable", "__dsx"),
+        (scope("POST", "/broker/ds/v1/stream/a", root="/broker"), "durable", "a"),
+        (scope("GET", "/v1/streams/st_1"), "reads", None),  # the SSE reads' door comes first
+        ({"type": "lifespan"}, "app", None),
+    ],
+)
+async def test_the_front_door_sends_the_durable_streams_routes_to_their_door(
+    request_scope: dict[str, Any], door: str, path: str | None
+) -> None:
+    seen: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append("app")
+
+    class Reads(StreamReads):
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            seen.append("reads")
+
+    reads = Reads(
+        lambda: None,  # type: ignore[arg-type,return-value]
+        max_header_bytes=16_384,
+        compression=False,
+        cors=False,
+        layered=lambda read: read,
+    )
+
+    async def nothing() -> Any:
+        raise AssertionError("nothing is read")
+
+    async def send(message: Any) -> None:
+        raise AssertionError("nothing is sent")
+
+    await FrontDoor(app, reads, [Claims(seen)])(request_scope, nothing, send)
+    assert seen == [door]
+    assert (DurableDoor.path(request_scope) if request_scope["type"] == "http" else None) == path

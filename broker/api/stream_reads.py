@@ -21,8 +21,8 @@ thousand quiet readers (``benchmarks/RESULTS.md``).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Final, Protocol
 
 from starlette.datastructures import Headers, QueryParams
 from starlette.responses import Response
@@ -97,18 +97,33 @@ class StreamReads:
         return not self.cors or all(name != b"origin" for name, _ in scope["headers"])
 
 
-class FrontDoor:
-    """The app uvicorn runs: SSE stream reads to ``reads``, everything else to ``app``."""
+class Door(Protocol):
+    """A door of its own ahead of the framework: the requests it claims are its."""
 
-    def __init__(self, app: ASGIApp, reads: StreamReads | None) -> None:
+    def claims(self, scope: Scope) -> bool: ...
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
+
+
+class FrontDoor:
+    """The app uvicorn runs: SSE stream reads to ``reads``, a request another door claims
+    (``doors``: the Durable Streams routes') to it, everything else to ``app``."""
+
+    def __init__(self, app: ASGIApp, reads: StreamReads | None, doors: Sequence[Door] = ()) -> None:
         self.app = app
         self.reads = reads
+        self.doors = tuple(doors)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        reads = self.reads
-        if reads is not None and scope["type"] == "http" and reads.stream_id(scope) is not None:
-            await reads(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            reads = self.reads
+            if reads is not None and reads.stream_id(scope) is not None:
+                await reads(scope, receive, send)
+                return
+            for door in self.doors:
+                if door.claims(scope):
+                    await door(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 

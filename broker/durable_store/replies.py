@@ -293,6 +293,11 @@ def decode_append(reply: Sequence[Any]) -> AppendReply:
     return refused
 
 
+def decode_appends(reply: Sequence[Any]) -> list[AppendReply]:
+    """``ds_append``'s reply: one reply per append of its group, in their order."""
+    return [decode_append(one) for one in reply]
+
+
 def decode_delete(reply: Sequence[Any]) -> DeleteReply:
     word, values = _words(reply)
     answers: dict[str, DeleteReply] = {"missing": Missing(), "gone": Gone(), "soft": SoftDeleted()}

@@ -10,6 +10,7 @@ start, sends EVALSHA, and waits for replicas when asked), and returns its reply 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from broker.durable_store.keys import StreamKeys
 from broker.durable_store.replies import (
@@ -17,11 +18,12 @@ from broker.durable_store.replies import (
     CreateReply,
     DeleteReply,
     ForkRefReply,
-    decode_append,
+    decode_appends,
     decode_create,
     decode_delete,
     decode_fork_ref,
 )
+from broker.errors import BrokerError
 from broker.scripts import Scripts
 
 
@@ -57,6 +59,31 @@ class Fork:
 
 
 NO_FORK = Fork()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OneAppend:
+    """One append of a ``ds_append`` group: its content type ("" for a close alone), body,
+    close flag, producer (id, epoch, seq) and Stream-Seq ("" for none)."""
+
+    content_type: str
+    body: bytes
+    close: bool
+    producer: tuple[str, int, int] | None
+    stream_seq: str
+
+    @property
+    def args(self) -> tuple[str, bytes, str, str, int, int, str]:
+        ident, epoch, seq = self.producer if self.producer is not None else ("", 0, 0)
+        return (
+            self.content_type,
+            self.body,
+            "1" if self.close else "",
+            ident,
+            epoch,
+            seq,
+            self.stream_seq,
+        )
 
 
 class StreamScripts:
@@ -109,24 +136,17 @@ class StreamScripts:
         return decode_create(reply)
 
     async def append(
-        self,
-        keys: StreamKeys,
-        *,
-        content_type: str,
-        body: bytes,
-        close: bool,
-        producer: tuple[str, int, int] | None,
-        stream_seq: str,
-        max_entries: int,
-        quota: Quota,
-    ) -> AppendReply:
-        ident, epoch, seq = producer if producer is not None else ("", 0, 0)
-        args = [content_type, body, "1" if close else "", ident, epoch, seq, stream_seq]
-        more = [max_entries, keys.member, *quota.args[1:], keys.path]
-        reply = await self._scripts(
-            "ds_append", [*keys.all, *keys.accounts, *keys.subs], [*args, *more]
-        )
-        return decode_append(reply)
+        self, keys: StreamKeys, appends: Sequence[OneAppend], *, max_entries: int, quota: Quota
+    ) -> list[AppendReply]:
+        """A group of appends to one stream, in one call: one reply per append, in order."""
+        args: list[str | bytes | int] = [max_entries, keys.member, *quota.args[1:], keys.path]
+        for one in appends:
+            args.extend(one.args)
+        reply = await self._scripts("ds_append", [*keys.all, *keys.accounts, *keys.subs], args)
+        replies = decode_appends(reply)
+        if len(replies) != len(appends):
+            raise BrokerError(f"ds_append answered {len(replies)} of {len(appends)} appends")
+        return replies
 
     async def delete(self, keys: StreamKeys) -> DeleteReply:
         reply = await self._scripts("ds_delete", [*keys.with_forks, *keys.accounts], [keys.member])

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 from redis.asyncio import Redis
@@ -40,6 +40,7 @@ from redis.asyncio import Redis
 from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.durable_store import errors, protocol
+from broker.durable_store.groups import AppendGroups
 from broker.durable_store.keys import KeySpace, StreamKeys
 from broker.durable_store.records import (
     CLOSE,
@@ -53,6 +54,7 @@ from broker.durable_store.records import (
 from broker.durable_store.replies import (
     AppendDone,
     Appended,
+    AppendReply,
     Closed,
     ClosedAgain,
     ConfigConflict,
@@ -74,7 +76,7 @@ from broker.durable_store.replies import (
     TooDeep,
     TypeMismatch,
 )
-from broker.durable_store.scripts import NO_FORK, Fork, Quota, StreamScripts
+from broker.durable_store.scripts import NO_FORK, Fork, OneAppend, Quota, StreamScripts
 from broker.errors import BadRequest, BrokerError, Conflict
 from broker.fanout import Hub, HubClosed
 from broker.frames import Cursor
@@ -135,6 +137,7 @@ class DurableStore:
         # Told of each append and creation (whose scripts marked the subscriptions they concern):
         # the process's wake loop looks at once when the tenant has subscriptions.
         self.on_write: Callable[[str | None], None] | None = None
+        self._groups = AppendGroups(self._append_group)
 
     def _keys(self, tenant: str | None, path: str) -> StreamKeys:
         return self._space.of(tenant, path)
@@ -255,21 +258,23 @@ class DurableStore:
                 except BadRequest:
                     await self._refusal_before_json(keys)
                     raise
-        reply = await self._scripts.append(
-            keys,
-            content_type=content_type,
-            body=body,
-            close=request.close,
-            producer=request.producer,
-            stream_seq=request.stream_seq or "",
-            max_entries=self._settings.ds_max_appends,
-            quota=self.quota,
+        one = OneAppend(
+            content_type, body, request.close, request.producer, request.stream_seq or ""
         )
+        reply = await self._groups.append(keys, one)
         if isinstance(reply, Appended) and self.on_write is not None:
             self.on_write(tenant)
         if isinstance(reply, Appended | Duplicate | ClosedAgain):
             return reply
         raise self._append_refusal(reply)
+
+    async def _append_group(
+        self, keys: StreamKeys, appends: Sequence[OneAppend]
+    ) -> list[AppendReply]:
+        """One ``ds_append`` call for a group of appends (:mod:`broker.durable_store.groups`)."""
+        return await self._scripts.append(
+            keys, appends, max_entries=self._settings.ds_max_appends, quota=self.quota
+        )
 
     def _append_refusal(
         self,

@@ -1,15 +1,18 @@
--- ds_append: append to a Durable Streams stream, close it, or both, atomically, with the
--- idempotent producer's check (a retried batch is answered, not written twice; a stale epoch
--- is fenced) and the Stream-Seq check.
+-- ds_append: a group of appends to one Durable Streams stream, in order, each an append, a
+-- close, or both, atomically, with the idempotent producer's check (a retried batch is answered,
+-- not written twice; a stale epoch is fenced) and the Stream-Seq check. The appends of a group
+-- are those that arrived together (broker.durable_store.groups): each is checked and answered
+-- as if it were called alone, after the ones before it, so a refused one leaves the others be.
 --
 -- The order of the checks is the protocol's: a closed stream first (unless this is the very
 -- request that closed it, retried), then the content type, then the producer, then Stream-Seq.
--- Closing writes a last "close" entry after the data, so that live readers wake up.
+-- Closing writes a last "close" entry after the data, so that live readers wake up (and an
+-- append after the close in the same group is refused as closed).
 --
--- The tenant's quota: every call takes a token of the tenant's append rate (before anything
--- else: a refused call does nothing), and an append needs room for its bytes; streams whose
--- expiry passed (by more than two seconds: their keys are surely gone) give their share back
--- first. A sliding TTL moves the stream's expiry in the tenant's accounting too.
+-- The tenant's quota: every append takes a token of the tenant's append rate (before anything
+-- else: a refused append does nothing), and needs room for its bytes; streams whose expiry
+-- passed (by more than two seconds: their keys are surely gone) give their share back first.
+-- A sliding TTL moves the stream's expiry in the tenant's accounting too.
 --
 -- KEYS[1]  metadata      <space>:s:<digest>:meta
 -- KEYS[2]  data          <space>:s:<digest>:data
@@ -20,22 +23,24 @@
 -- KEYS[7..10]           the tenant's subscriptions: <space>:subs, :subs:links, :subs:due,
 --                        :subs:marks (see _ds_sub_mark.lua: an append marks those it concerns)
 --          (<space> is the tenant's {ds:t:<tenant>}, or {ds:open}: one slot for all)
--- ARGV[1]  content type  the request's, normalized; "" for a close without a body
--- ARGV[2]  body          the entry's payload (its bytes, kept as they are: field b); "" to
+-- ARGV[1]  max entries   the most appends a stream may hold (BROKER_DS_MAX_APPENDS)
+-- ARGV[2]  member        the stream's digest (its name in the tenant's accounting)
+-- ARGV[3]  max bytes     the tenant's most bytes (BROKER_DS_TENANT_MAX_BYTES); 0: no limit
+-- ARGV[4]  rate          the tenant's appends per second (BROKER_DS_TENANT_APPENDS_PER_S); 0: none
+-- ARGV[5]  burst         the rate's bucket (BROKER_DS_TENANT_APPEND_BURST)
+-- ARGV[6]  path          the stream's path (for the subscriptions' patterns)
+-- ARGV[7..] the appends, 7 values each, in order (ARGV[a] .. ARGV[a + 6] for each a):
+--   a      content type  the request's, normalized; "" for a close without a body
+--   a + 1  body          the entry's payload (its bytes, kept as they are: field b); "" to
 --                        close without appending
--- ARGV[3]  close         "1" to close the stream after the append, else ""
--- ARGV[4]  producer id   "" when the request has no producer headers
--- ARGV[5]  epoch         the producer's epoch (a whole number), when ARGV[4] is set
--- ARGV[6]  seq           the producer's sequence number, when ARGV[4] is set
--- ARGV[7]  stream seq    the Stream-Seq header, or "" for none
--- ARGV[8]  max entries   the most appends a stream may hold (BROKER_DS_MAX_APPENDS)
--- ARGV[9]  member        the stream's digest (its name in the tenant's accounting)
--- ARGV[10] max bytes     the tenant's most bytes (BROKER_DS_TENANT_MAX_BYTES); 0: no limit
--- ARGV[11] rate          the tenant's appends per second (BROKER_DS_TENANT_APPENDS_PER_S); 0: none
--- ARGV[12] burst         the rate's bucket (BROKER_DS_TENANT_APPEND_BURST)
--- ARGV[13] path          the stream's path (for the subscriptions' patterns)
+--   a + 2  close         "1" to close the stream after the append, else ""
+--   a + 3  producer id   "" when the request has no producer headers
+--   a + 4  epoch         the producer's epoch (a whole number), when a + 3 is set
+--   a + 5  seq           the producer's sequence number, when a + 3 is set
+--   a + 6  stream seq    the Stream-Seq header, or "" for none
 --
--- Returns  {"ok", tail, closed}             appended (and/or closed); tail: the last entry id
+-- Returns  one reply per append, in their order, each one of:
+--          {"ok", tail, closed}             appended (and/or closed); tail: the last entry id
 --          {"missing"}                      no such stream
 --          {"gone"}                         the stream is deleted (forks of it live)
 --          {"closed", tail}                 the stream is closed: this append is refused
@@ -57,13 +62,12 @@
 --! include _ds_quota
 --! include _ds_sub_mark
 local meta, data, producers = KEYS[1], KEYS[2], KEYS[3]
-local streams, sizes, usage, member = KEYS[4], KEYS[5], KEYS[6], ARGV[9]
-local now_ms = clock_ms()
+local streams, sizes, usage, member = KEYS[4], KEYS[5], KEYS[6], ARGV[2]
+local max_entries, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[3])
+local rate, burst = tonumber(ARGV[4]), tonumber(ARGV[5])
 
--- Expired streams give their share back, then a token of the rate.
-prune(streams, sizes, usage, now_ms)
-local wait_ms = take_token(usage, tonumber(ARGV[11]), tonumber(ARGV[12]), now_ms)
-if wait_ms then return {'rate', wait_ms} end
+-- Expired streams give their share back, once for the group.
+prune(streams, sizes, usage, clock_ms())
 
 -- Whether a sorts at or before b, byte by byte (Lua's own comparison follows the locale).
 local function at_or_before(a, b)
@@ -75,74 +79,91 @@ local function at_or_before(a, b)
   return #a <= #b
 end
 
-local v = redis.call('HMGET', meta, 'ct', 'closed', 'tail', 'cp', 'sseq', 'ttl', 'deleted', 'pin')
-if not v[1] then return {'missing'} end
-if v[7] == '1' then return {'gone'} end
+-- One append: its values are ARGV[a] .. ARGV[a + 6]; its reply as listed above.
+local function append(a)
+  local ctype, body, close = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local producer, epoch_arg, seq_arg, sseq = ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+  local wait_ms = take_token(usage, rate, burst, clock_ms())
+  if wait_ms then return {'rate', wait_ms} end
 
--- A sliding TTL starts again with every request that reaches the stream, refused or not; an
--- absolute expiry is copied onto keys made since (the data, the producers). A stream that forks
--- read (pinned, see _ds_quota) keeps its data and its score: its metadata alone expires.
-local function keep_alive()
-  local keep = v[6] and tonumber(v[6]) * 1000 or redis.call('PTTL', meta)
-  if keep > 0 then
-    redis.call('PEXPIRE', meta, int(keep))
-    if redis.call('EXISTS', producers) == 1 then redis.call('PEXPIRE', producers, int(keep)) end
-    if v[8] then return end
-    if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, int(keep)) end
-    if v[6] then redis.call('ZADD', streams, 'XX', int(clock_ms() + keep), member) end
-  end
-end
-if v[6] then keep_alive() end
-local tail = v[3] or '0-0'
-local producer, epoch, seq = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
-local tuple = producer ~= '' and (producer .. ' ' .. ARGV[5] .. ' ' .. ARGV[6]) or ''
-if v[2] == '1' then
-  if tuple ~= '' and v[4] == tuple then return {'duplicate', tail, ARGV[6], '1'} end
-  if ARGV[2] == '' and ARGV[3] == '1' and tuple == '' then return {'closed_again', tail} end
-  return {'closed', tail}
-end
-if ARGV[2] ~= '' and ARGV[1] ~= v[1] then return {'content_type', v[1]} end
-local state = nil
-if producer ~= '' then
-  local held = redis.call('HGET', producers, producer)
-  if not held then
-    if seq ~= 0 then return {'gap', '0', ARGV[6]} end
-  else
-    local sep = string.find(held, ' ', 1, true)
-    local held_epoch, last = tonumber(string.sub(held, 1, sep - 1)), tonumber(string.sub(held, sep + 1))
-    if epoch < held_epoch then return {'stale_epoch', string.sub(held, 1, sep - 1)} end
-    if epoch > held_epoch then
-      if seq ~= 0 then return {'epoch_seq'} end
-    elseif seq <= last then
-      return {'duplicate', tail, string.sub(held, sep + 1), ''}
-    elseif seq ~= last + 1 then
-      return {'gap', string.format('%d', last + 1), ARGV[6]}
+  local v = redis.call('HMGET', meta, 'ct', 'closed', 'tail', 'cp', 'sseq', 'ttl', 'deleted', 'pin')
+  if not v[1] then return {'missing'} end
+  if v[7] == '1' then return {'gone'} end
+
+  -- A sliding TTL starts again with every request that reaches the stream, refused or not; an
+  -- absolute expiry is copied onto keys made since (the data, the producers). A stream that
+  -- forks read (pinned, see _ds_quota) keeps its data and its score: its metadata alone expires.
+  local function keep_alive()
+    local keep = v[6] and tonumber(v[6]) * 1000 or redis.call('PTTL', meta)
+    if keep > 0 then
+      redis.call('PEXPIRE', meta, int(keep))
+      if redis.call('EXISTS', producers) == 1 then redis.call('PEXPIRE', producers, int(keep)) end
+      if v[8] then return end
+      if redis.call('EXISTS', data) == 1 then redis.call('PEXPIRE', data, int(keep)) end
+      if v[6] then redis.call('ZADD', streams, 'XX', int(clock_ms() + keep), member) end
     end
   end
-  state = ARGV[5] .. ' ' .. ARGV[6]
-end
-if ARGV[7] ~= '' then
-  if v[5] and at_or_before(ARGV[7], v[5]) then return {'stream_seq', v[5]} end
-end
-if ARGV[2] ~= '' then
-  if redis.call('XLEN', data) >= tonumber(ARGV[8]) then return {'full', ARGV[8]} end
-  local max_bytes = tonumber(ARGV[10])
-  if max_bytes > 0 and (tonumber(redis.call('HGET', usage, 'bytes')) or 0) + #ARGV[2] > max_bytes then
-    return {'quota', 'bytes', ARGV[10]}
+  if v[6] then keep_alive() end
+  local tail = v[3] or '0-0'
+  local epoch, seq = tonumber(epoch_arg), tonumber(seq_arg)
+  local tuple = producer ~= '' and (producer .. ' ' .. epoch_arg .. ' ' .. seq_arg) or ''
+  if v[2] == '1' then
+    if tuple ~= '' and v[4] == tuple then return {'duplicate', tail, seq_arg, '1'} end
+    if body == '' and close == '1' and tuple == '' then return {'closed_again', tail} end
+    return {'closed', tail}
   end
-  tail = redis.call('XADD', data, '*', 'e', 'm', 'b', ARGV[2])
-  redis.call('HSET', meta, 'tail', tail)
-  redis.call('HINCRBY', sizes, member, #ARGV[2])
-  redis.call('HINCRBY', usage, 'bytes', #ARGV[2])
+  if body ~= '' and ctype ~= v[1] then return {'content_type', v[1]} end
+  local state = nil
+  if producer ~= '' then
+    local held = redis.call('HGET', producers, producer)
+    if not held then
+      if seq ~= 0 then return {'gap', '0', seq_arg} end
+    else
+      local sep = string.find(held, ' ', 1, true)
+      local held_epoch, last = tonumber(string.sub(held, 1, sep - 1)), tonumber(string.sub(held, sep + 1))
+      if epoch < held_epoch then return {'stale_epoch', string.sub(held, 1, sep - 1)} end
+      if epoch > held_epoch then
+        if seq ~= 0 then return {'epoch_seq'} end
+      elseif seq <= last then
+        return {'duplicate', tail, string.sub(held, sep + 1), ''}
+      elseif seq ~= last + 1 then
+        return {'gap', string.format('%d', last + 1), seq_arg}
+      end
+    end
+    state = epoch_arg .. ' ' .. seq_arg
+  end
+  if sseq ~= '' then
+    if v[5] and at_or_before(sseq, v[5]) then return {'stream_seq', v[5]} end
+  end
+  if body ~= '' then
+    if redis.call('XLEN', data) >= max_entries then return {'full', ARGV[1]} end
+    if max_bytes > 0 and (tonumber(redis.call('HGET', usage, 'bytes')) or 0) + #body > max_bytes then
+      return {'quota', 'bytes', ARGV[3]}
+    end
+    tail = redis.call('XADD', data, '*', 'e', 'm', 'b', body)
+    redis.call('HSET', meta, 'tail', tail)
+    redis.call('HINCRBY', sizes, member, #body)
+    redis.call('HINCRBY', usage, 'bytes', #body)
+  end
+  if state then redis.call('HSET', producers, producer, state) end
+  if sseq ~= '' then redis.call('HSET', meta, 'sseq', sseq) end
+  local closed = ''
+  if close == '1' then
+    closed = '1'
+    redis.call('HSET', meta, 'closed', '1', 'cp', tuple)
+    redis.call('XADD', data, '*', 'e', 'close', 'b', '')
+  end
+  keep_alive()
+  return {'ok', tail, closed}
 end
-if state then redis.call('HSET', producers, producer, state) end
-if ARGV[7] ~= '' then redis.call('HSET', meta, 'sseq', ARGV[7]) end
-local closed = ''
-if ARGV[3] == '1' then
-  closed = '1'
-  redis.call('HSET', meta, 'closed', '1', 'cp', tuple)
-  redis.call('XADD', data, '*', 'e', 'close', 'b', '')
+
+local replies, wrote = {}, false
+for a = 7, #ARGV, 7 do
+  local reply = append(a)
+  replies[#replies + 1] = reply
+  if reply[1] == 'ok' then wrote = true end
 end
-keep_alive()
-sub_mark(KEYS[7], KEYS[8], KEYS[9], KEYS[10], ARGV[13], now_ms)
-return {'ok', tail, closed}
+-- The subscriptions this stream concerns are marked once for the group, if anything was
+-- written (a refused append marks nothing).
+if wrote then sub_mark(KEYS[7], KEYS[8], KEYS[9], KEYS[10], ARGV[6], clock_ms()) end
+return replies
