@@ -104,7 +104,7 @@ async def test_other_arguments_in_a_waiting_slot_are_a_mismatch(aredis: Redis) -
     assert setup.tool.keys == []
 
 
-@pytest.mark.parametrize("rounds", [50])
+@pytest.mark.parametrize("rounds", [100])
 async def test_concurrent_decisions_compare_and_set_one_winner(aredis: Redis, rounds: int) -> None:
     for _ in range(rounds):
         setup = Setup(aredis)

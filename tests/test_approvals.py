@@ -328,7 +328,7 @@ def test_approving_from_two_clients_at_once_decides_once_and_pays_once(
     approved_broker: RunningBroker, payments: ToolEndpoint
 ) -> None:
     broker = approved_broker
-    rounds = 50
+    rounds = 100  # as many as the issue asks: one decision and one payment in each
 
     async def race(i: int, client: httpx.AsyncClient) -> None:
         turn_id = f"race-{i}"
