@@ -50,7 +50,8 @@ def test_a_mixed_run_ends_every_turn_as_its_kind_intends(
     broker = broker_factory(retry_backoff_min_ms=1, retry_backoff_max_ms=5)
     before = counters(broker)
     capsys.readouterr()  # drop the broker's own start-up line
-    # Each turn lasts a second (20 deltas at 20/s); a cancelled one is stopped after 5 deltas.
+    # Each turn lasts a second (20 deltas at 20/s); a cancelled one (80 deltas, 4 s) is stopped
+    # after 5 deltas were read.
     args = parse(
         "--url",
         broker.base_url,

@@ -6,9 +6,11 @@ broker's command line runs it.
 Every turn uses the simulated provider's knobs, so a run needs no model and no keys. Kinds:
 ``normal`` (plain text), ``retried`` (the first upstream call fails before any delta and is
 retried silently), ``interrupted`` (the call breaks halfway), ``cancelled`` (the stop button is
-pressed a quarter of the way in) and ``tool`` (one scripted tool call halfway; with no tool of
-that name registered the model gets an ``unknown_tool`` result and finishes). Each turn is read to
-its ``end`` event over SSE, reattaching with ``Last-Event-ID`` if the connection is cut.
+pressed once a quarter of ``--tokens`` deltas were read, in a turn four times as long, so that
+the stop lands while it streams even when its reader is behind) and ``tool`` (one scripted tool
+call halfway; with no tool of that name registered the model gets an ``unknown_tool`` result and
+finishes). Each turn is read to its ``end`` event over SSE, reattaching with ``Last-Event-ID`` if
+the connection is cut.
 
 The run is bounded: ``--turns`` (or ``--rate`` x ``--duration``) turns are started at ``--rate``
 per second, at most ``--concurrency`` at once (a full pool delays the next start), and each turn
@@ -77,6 +79,10 @@ class Plan:
             knobs["fail_before_first"] = 1
         elif kind == "interrupted":
             knobs["fail_after_deltas"] = self.tokens // 2
+        elif kind == "cancelled":
+            # Stopped after a quarter of --tokens deltas were read: a turn four times as long
+            # is still streaming then, even when the machine holds its reader back a while.
+            knobs["tokens"] = self.tokens * 4
         elif kind == "tool":
             after = self.tokens // 2
             knobs["tool_calls"] = [{"name": self.tool_name, "args": {"n": index}, "after": after}]
