@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import BrokerFactory
+from tests.conftest import BrokerFactory, RunningBroker
 from tests.helpers import ToolEndpoint, missing_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,10 +28,26 @@ def _node() -> str:
     return node
 
 
+def run_node_tests(broker: RunningBroker, script: str, passes: int) -> None:
+    """Run one of tests/node/ai-sdk/test's files against ``broker``; every test passes."""
+    result = subprocess.run(
+        [_node(), "--test", "--test-timeout=60000", f"test/{script}"],
+        cwd=NODE_DIR,
+        env={**os.environ, "BROKER_URL": broker.base_url},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
+    assert "# fail 0" in result.stdout
+    assert f"# pass {passes}\n" in result.stdout  # every test ran
+
+
 def test_the_ai_sdk_transport_and_reader_against_a_live_broker(
     broker_factory: BrokerFactory, tmp_path: Path
 ) -> None:
-    node = _node()
+    _node()  # skipped before anything starts when Node or the packages are missing
     weather = ToolEndpoint("/weather", lambda n: {"sky": "clear", "call": n})
     tools = tmp_path / "tools.json"
     tools.write_text(
@@ -49,22 +65,10 @@ def test_the_ai_sdk_transport_and_reader_against_a_live_broker(
         )
     )
     broker = broker_factory(tools=str(tools))
-    env = {**os.environ, "BROKER_URL": broker.base_url}
     try:
-        result = subprocess.run(
-            [node, "--test", "--test-timeout=60000", "test/chat.test.mjs"],
-            cwd=NODE_DIR,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        run_node_tests(broker, "chat.test.mjs", 10)
     finally:
         weather.close()
-    assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
-    assert "# fail 0" in result.stdout
-    assert "# pass 10" in result.stdout  # every test ran
     assert weather.bodies == [{"name": "get_weather", "arguments": {"city": "Oslo"}}], (
         "the tool ran once, through the ledger"
     )
@@ -74,20 +78,7 @@ def test_client_tools_run_in_the_ai_sdk_chat_against_a_live_broker(
     broker_factory: BrokerFactory,
 ) -> None:
     """Two client tools run by the package's Chat, a cut mid-call resumed, a regenerate."""
-    node = _node()
-    broker = broker_factory()
-    result = subprocess.run(
-        [node, "--test", "--test-timeout=60000", "test/tools.test.mjs"],
-        cwd=NODE_DIR,
-        env={**os.environ, "BROKER_URL": broker.base_url},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
-    assert "# fail 0" in result.stdout
-    assert "# pass 7" in result.stdout  # every test ran
+    run_node_tests(broker_factory(), "tools.test.mjs", 7)
 
 
 def test_a_client_tool_named_as_a_server_tool_is_a_400_naming_it(
@@ -254,7 +245,7 @@ def test_tool_approvals_in_the_ai_sdk_chat_against_a_live_broker(
     broker_factory: BrokerFactory, tmp_path: Path
 ) -> None:
     """A server tool that waits for a person: approved, denied, and answered after a reload."""
-    node = _node()
+    _node()  # skipped before anything starts when Node or the packages are missing
     payments = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
     try:
         tools = tmp_path / "tools.json"
@@ -266,19 +257,7 @@ def test_tool_approvals_in_the_ai_sdk_chat_against_a_live_broker(
             "approval": "always",
         }
         tools.write_text(json.dumps({"tools": [tool]}))
-        broker = broker_factory(tools=str(tools))
-        result = subprocess.run(
-            [node, "--test", "--test-timeout=60000", "test/approvals.test.mjs"],
-            cwd=NODE_DIR,
-            env={**os.environ, "BROKER_URL": broker.base_url},
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert result.returncode == 0, f"node --test failed:\n{result.stdout}\n{result.stderr}"
-        assert "# fail 0" in result.stdout
-        assert "# pass 3" in result.stdout  # every test ran
+        run_node_tests(broker_factory(tools=str(tools)), "approvals.test.mjs", 3)
         assert len(payments.requests) == 2, "approved twice, denied once: two payments"
     finally:
         payments.close()

@@ -44,6 +44,12 @@ def scope(method: str, path: str, query: bytes = b"", root: str = "") -> dict[st
 async def test_the_front_door_sends_sse_reads_to_their_own_app_and_the_rest_on(
     request_scope: dict[str, Any], door: str
 ) -> None:
+    assert await dispatched(request_scope) == [door]
+
+
+async def dispatched(request_scope: dict[str, Any], *, durable: bool = False) -> list[str]:
+    """Which of the front door's apps took ``request_scope`` (``durable``: with a door that
+    claims the Durable Streams routes beside the SSE reads' one)."""
     seen: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -67,8 +73,9 @@ async def test_the_front_door_sends_sse_reads_to_their_own_app_and_the_rest_on(
     async def send(message: Any) -> None:
         raise AssertionError("nothing is sent")
 
-    await FrontDoor(app, reads)(request_scope, receive, send)
-    assert seen == [door]
+    doors = [Claims(seen)] if durable else []
+    await FrontDoor(app, reads, doors)(request_scope, receive, send)
+    return seen
 
 
 class Claims:
@@ -110,29 +117,5 @@ class Claims:
 async def test_the_front_door_sends_the_durable_streams_routes_to_their_door(
     request_scope: dict[str, Any], door: str, path: str | None
 ) -> None:
-    seen: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        seen.append("app")
-
-    class Reads(StreamReads):
-        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-            seen.append("reads")
-
-    reads = Reads(
-        lambda: None,  # type: ignore[arg-type,return-value]
-        max_header_bytes=16_384,
-        compression=False,
-        cors=False,
-        layered=lambda read: read,
-    )
-
-    async def nothing() -> Any:
-        raise AssertionError("nothing is read")
-
-    async def send(message: Any) -> None:
-        raise AssertionError("nothing is sent")
-
-    await FrontDoor(app, reads, [Claims(seen)])(request_scope, nothing, send)
-    assert seen == [door]
+    assert await dispatched(request_scope, durable=True) == [door]
     assert (DurableDoor.path(request_scope) if request_scope["type"] == "http" else None) == path
