@@ -55,6 +55,9 @@ KNOBS = {
     "cut_during_tool_args": "true: the first attempt's call breaks while a call's args arrive",
     "json": "true: emit a JSON document (the default for response_format json and json_schema), "
     "false: prose, any other JSON value: that value, as compact JSON over `tokens` deltas",
+    "stamp": "true: each delta starts with the wall-clock time it was emitted, in microseconds "
+    "since the epoch, and a space (to measure the live tail from the model's emit; the text is "
+    "then not deterministic, and a continued attempt starts its answer over)",
 }
 # The knobs that script what happens to a turn (failures, stalls, delays, tool calls with
 # arguments of the caller's choosing): a broker with credentials refuses them unless
@@ -188,8 +191,9 @@ class SimulatedProvider:
             raise BadRequest("params.simulate.error must be 'retryable' or 'fatal'")
         _validate_tool_script(knobs.get("tool_calls", []))
         _int_knob(knobs, "fail_after_tool_calls", 1, 16)
-        if not isinstance(knobs.get("cut_during_tool_args", False), bool):
-            raise BadRequest("params.simulate.cut_during_tool_args must be true or false")
+        for flag in ("cut_during_tool_args", "stamp"):
+            if not isinstance(knobs.get(flag, False), bool):
+                raise BadRequest(f"params.simulate.{flag} must be true or false")
 
     def pace(self, knobs: dict[str, Any]) -> float:
         """Deltas per second for a turn, 0 meaning no pause; the cap applies to both."""
@@ -228,6 +232,7 @@ class SimulatedProvider:
         messages = _script_messages(script, request.params.get("parallel_tool_calls", True))
         low, high, calls = _step_window(messages, step, start, len(pieces))
         pace = self.pace(knobs)
+        stamp = bool(knobs.get("stamp", False))
         began = time.monotonic()
         sent = 0
         done = False
@@ -243,7 +248,7 @@ class SimulatedProvider:
                         await asyncio.sleep(delay)
                 elif sent % 64 == 63:
                     await asyncio.sleep(0)  # let other turns run between bursts
-                yield TextDelta(pieces[index])
+                yield TextDelta(_stamped(pieces[index]) if stamp else pieces[index])
                 sent += 1
             if calls:
                 before = sum(len(message) for message in messages[:step])
@@ -258,6 +263,11 @@ class SimulatedProvider:
                 self.aborted_calls += 1
                 log.info("simulated call of turn %s aborted after %d deltas", request.turn_id, sent)
             raise
+
+
+def _stamped(piece: str) -> str:
+    """A delta that says when it was emitted (``params.simulate.stamp``)."""
+    return f"{time.time_ns() // 1000} {piece}"
 
 
 def _tool_echo(messages: list[dict[str, Any]], knobs: dict[str, Any]) -> list[str]:
