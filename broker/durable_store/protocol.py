@@ -51,6 +51,12 @@ def offset_of(cursor: Cursor) -> str:
     return f"{int(ms):016d}_{int(seq):016d}"
 
 
+def offset_of_id(entry_id: bytes) -> str:
+    """The protocol offset of the place right after an entry, from its id as Redis sent it."""
+    ms, _, seq = entry_id.partition(b"-")
+    return f"{int(ms):016d}_{int(seq):016d}"
+
+
 def cursor_of(offset: str) -> Cursor:
     """The place an offset of one of the protocol's own streams names; 400 when malformed."""
     match = OFFSET.fullmatch(offset)

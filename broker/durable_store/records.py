@@ -57,15 +57,30 @@ class Read:
     """What one read found past its cursor."""
 
     meta: Meta
-    items: list[tuple[Cursor, bytes]]  # each append's place (right after it) and bytes, in order
+    # Each append's bytes, in order, and its entry id as Redis sent it (the place right after
+    # it): kept apart and raw, so a catch-up read that needs only the bytes pays nothing per
+    # append for places it does not use.
+    payloads: list[bytes]
+    ids: list[bytes]
     after: Cursor  # where the next read starts: right after the last item here
     up_to_date: bool  # nothing is stored past ``after`` (yet)
     closed: bool  # the stream is closed and ``after`` is its end
 
     @property
+    def items(self) -> list[tuple[Cursor, bytes]]:
+        """Each append's place (right after it) and bytes, in order."""
+        places = [Cursor.after(entry_id.decode()) for entry_id in self.ids]
+        return list(zip(places, self.payloads, strict=True))
+
+    @property
+    def offsets(self) -> list[str]:
+        """Each append's protocol offset (the place right after it), in order."""
+        return [protocol.offset_of_id(entry_id) for entry_id in self.ids]
+
+    @property
     def waits(self) -> bool:
         """Whether a long poll waits for more: nothing new, and the stream still open."""
-        return not self.items and not self.closed
+        return not self.payloads and not self.closed
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -100,28 +100,41 @@ _MORE, _FULL, _ENDED = object(), object(), object()  # what taking a page came t
 
 
 class _Taken:
-    """What a read took so far: each append's place and bytes, their size, where it stands."""
+    """What a read took so far: each append's bytes and entry id, their size, where it stands."""
 
     def __init__(self, after: Cursor, limit: int) -> None:
-        self.items: list[tuple[Cursor, bytes]] = []
+        self.payloads: list[bytes] = []
+        self.ids: list[bytes] = []
         self.size = 0
         self.cursor = after
         self.limit = limit
 
     def take(self, page: rc.ByteEntries) -> object:
         """Take ``page``'s entries, from Redis's reply as it is (each ``[id, [b"e", kind,
-        field, payload]]``, see the ``ds_*`` scripts; no dict per entry): ``_MORE`` when all
-        were taken, ``_FULL`` at the byte limit, ``_ENDED`` at the stream's close entry."""
+        field, payload]]``, see the ``ds_*`` scripts; no dict, no place per entry): ``_MORE``
+        when all were taken, ``_FULL`` at the byte limit, ``_ENDED`` at the stream's close
+        entry. Only the last entry taken becomes a :class:`Cursor`."""
+        payloads, ids, size, limit = self.payloads, self.ids, self.size, self.limit
+        before = len(ids)
+        state = _MORE
         for entry_id, fields in page:
             if fields[1] == CLOSE:
-                return _ENDED
+                state = _ENDED
+                break
             data = fields[3] if fields[2] == b"b" else protocol.payload(fields[2], fields[3])
-            if self.items and self.size + len(data) > self.limit:
-                return _FULL
-            self.cursor = Cursor.after(entry_id.decode())
-            self.items.append((self.cursor, data))
-            self.size += len(data)
-        return _MORE
+            if payloads and size + len(data) > limit:
+                state = _FULL
+                break
+            ids.append(entry_id)
+            payloads.append(data)
+            size += len(data)
+        self.size = size
+        if len(ids) > before:
+            self.cursor = Cursor.after(ids[-1].decode())
+        return state
+
+    def read(self, meta: Meta, *, up_to_date: bool, closed: bool) -> Read:
+        return Read(meta, self.payloads, self.ids, self.cursor, up_to_date, closed)
 
 
 class DurableStore:
@@ -369,7 +382,7 @@ class DurableStore:
         """The payload of the first append past ``after`` (its own, or one it inherits), if any."""
         page = await rc.xrange_bytes(self._redis, keys.data, "(" + after.entry_id, "+", 2)
         read = await self._collect(keys, meta, after, page, limit=1)
-        return read.items[0][1] if read.items else None
+        return read.payloads[0] if read.payloads else None
 
     async def read(self, tenant: str | None, path: str, after: Cursor | None) -> Read:
         """The appends past ``after`` (None: the stream's tail), up to about
@@ -400,7 +413,7 @@ class DurableStore:
         if meta.ttl_s is not None:
             await self._scripts.touch(keys, meta.ttl_s)
         if after is None:  # from the tail: nothing to read, closed if it is
-            return Read(meta, [], meta.tail, True, meta.closed)
+            return Read(meta, [], [], meta.tail, True, meta.closed)
         return await self._collect(keys, meta, after, rc.flat_entries(replies[1]))
 
     async def _collect(
@@ -422,16 +435,16 @@ class DurableStore:
                 start = "(" + taken.cursor.entry_id
                 chunk = await rc.xrange_bytes(self._redis, data, start, bound, READ_COUNT)
                 if taken.take(chunk) is _FULL:
-                    return Read(meta, taken.items, taken.cursor, False, False)
+                    return taken.read(meta, up_to_date=False, closed=False)
                 if len(chunk) < READ_COUNT:
                     break
         while True:
             state = taken.take(page)
             if state is not _MORE:
                 ended = state is _ENDED  # the close entry: the end, and the tail
-                return Read(meta, taken.items, taken.cursor, ended, ended)
+                return taken.read(meta, up_to_date=ended, closed=ended)
             if len(page) < READ_COUNT:
-                return Read(meta, taken.items, taken.cursor, True, False)
+                return taken.read(meta, up_to_date=True, closed=False)
             start = "(" + taken.cursor.entry_id
             page = await rc.xrange_bytes(self._redis, keys.data, start, "+", READ_COUNT)
 

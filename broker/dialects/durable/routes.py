@@ -316,7 +316,7 @@ def _own_page(request: Request, read: Read, offset: str, *, live: bool) -> Respo
     content_type = read.meta.content_type
     return _page(
         request,
-        [payload for _, payload in read.items],
+        read.payloads,
         json=is_json(content_type),
         content_type=content_type,
         next_offset=offset_of(read.after),
@@ -478,8 +478,8 @@ class _OwnStreamPoller:
         self.after = read.after
         return _LookResult(
             [
-                (offset_of(place), wire.sse_data(payload, self.content_type))
-                for place, payload in read.items
+                (offset, wire.sse_data(payload, self.content_type))
+                for offset, payload in zip(read.offsets, read.payloads, strict=True)
             ],
             offset_of(read.after),
             read.up_to_date,
