@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,7 +37,7 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import orjson
 import redis
@@ -266,6 +267,35 @@ def _start_reference() -> tuple[subprocess.Popen[str], str] | None:
     return process, f"http://127.0.0.1:{port}/v1/stream"
 
 
+# The floors' modes and their columns' names.
+FLOORS: Final = {"memory": "floor: ASGI, memory", "redis": "floor: ASGI + XADD"}
+
+
+def _start_floor(mode: str, redis_url: str) -> tuple[subprocess.Popen[str], str]:
+    """One floor of :mod:`benchmarks.durable_floor`, serving once its port takes connections."""
+    port = free_port()
+    command = [sys.executable, "-m", "benchmarks.durable_floor", "--port", str(port)]
+    process = subprocess.Popen(
+        [*command, "--mode", mode, "--redis-url", redis_url],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the {mode} floor did not start: {process.stderr}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            time.sleep(0.05)
+            continue
+        return process, f"http://127.0.0.1:{port}/v1/stream"
+    process.kill()
+    raise RuntimeError(f"the {mode} floor did not listen within 20 s")
+
+
 def _summary(runs: list[Run]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in Run.__dataclass_fields__:
@@ -284,14 +314,14 @@ def _print(servers: list[Server]) -> None:
         ("server CPU ms per 1,000 appends", "server_cpu_ms_per_1000", "{:.0f}"),
         ("client CPU (cores)", "client_cpu_share", "{:.2f}"),
     ]
-    print(f"{'figure':34}" + "".join(f"{s.name:>30}" for s in servers))
+    print(f"{'figure':34}" + "".join(f"{s.name:>28}" for s in servers))
     for label, name, spec in rows:
         cells = []
         for server in servers:
             values = [getattr(run, name) for run in server.runs]
             median = spec.format(statistics.median(values))
             cells.append(f"{median} [{spec.format(min(values))}-{spec.format(max(values))}]")
-        print(f"{label:34}" + "".join(f"{c:>30}" for c in cells))
+        print(f"{label:34}" + "".join(f"{c:>28}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--shared", action="store_true", help="every writer appends to one stream, not its own"
+    )
+    parser.add_argument(
+        "--no-floors",
+        action="store_true",
+        help="leave out the bare ASGI app's columns (benchmarks/durable_floor.py)",
     )
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument(
@@ -325,9 +360,14 @@ def main(argv: list[str] | None = None) -> int:
         print("the reference server is not installed (npm ci in benchmarks/durable-reference)")
     else:
         servers.append(Server("reference (memory)", reference[1], reference[0].pid))
+    floors = [] if args.no_floors else [_start_floor(m, redis.url) for m in FLOORS]
+    for (process, base), mode in zip(floors, FLOORS, strict=False):
+        servers.append(Server(FLOORS[mode], base, process.pid))
     try:
-        for server in servers:
-            for index in range(args.repeat):
+        # Round by round, every server once per round: a change in the machine's load falls
+        # on every column alike.
+        for index in range(args.repeat):
+            for server in servers:
                 profiler = None
                 if args.profile is not None and index == 0 and server.pid == broker.pid:
                     args.profile.mkdir(parents=True, exist_ok=True)
@@ -354,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if reference is not None:
             reference[0].kill()
+        for process, _ in floors:
+            process.kill()
         broker.stop()
         redis.stop()
     return 0

@@ -286,8 +286,10 @@ def test_the_durable_streams_benchmark_runs_small() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("appends/s")]
     assert len(rows) == 1
-    servers = 2 if REFERENCE.is_dir() else 1
+    servers = (2 if REFERENCE.is_dir() else 1) + 2  # and the two floors
     assert rows[0].count("[") == servers  # one median [range] per server
+    assert "floor: ASGI, memory" in result.stdout
+    assert "floor: ASGI + XADD" in result.stdout
     assert "broker storage: Redis bytes per payload byte" in result.stdout
 
 
