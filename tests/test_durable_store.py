@@ -385,3 +385,32 @@ async def test_the_ds_scripts_load_with_their_parts_in_place(aredis: Redis) -> N
     scripts = Scripts(aredis)
     await scripts.load()
     assert await scripts.loaded()
+
+
+async def test_a_long_read_takes_growing_pages_and_misses_nothing(aredis: Redis) -> None:
+    """Past its first page a read asks for twice as many entries each time (512, 1024, ...),
+    up to a cap: every append comes back once, in order, and the read ends up to date; the
+    same through a fork, whose first part is its source's."""
+    store, hub = await _store(aredis, ds_tenant_appends_per_s=0)
+    try:
+        await _long_reads(store)
+    finally:
+        await hub.close()
+
+
+async def _long_reads(store: DurableStore) -> None:
+    await store.create("t", "long", TEXT)
+    bodies = [str(n).encode() for n in range(3_000)]
+    for start in range(0, len(bodies), 250):
+        batch = bodies[start : start + 250]
+        await asyncio.gather(*(store.append("t", "long", _append(body)) for body in batch))
+    read = await store.read("t", "long", ORIGIN)
+    assert sorted(read.payloads, key=int) == bodies
+    assert len(set(read.payloads)) == len(bodies)
+    assert read.up_to_date
+    assert read.after == read.items[-1][0]
+    await store.create("t", "long-fork", CreateRequest(fork=ForkRequest(source="long")))
+    await store.append("t", "long-fork", _append(b"own"))
+    forked = await store.read("t", "long-fork", ORIGIN)
+    assert forked.payloads == [*read.payloads, b"own"]
+    assert forked.up_to_date

@@ -81,7 +81,10 @@ from broker.errors import BadRequest, BrokerError, Conflict
 from broker.fanout import Hub, HubClosed
 from broker.frames import Cursor
 
-READ_COUNT: Final = 512  # entries per XRANGE of a read
+READ_COUNT: Final = 512  # entries of a read's first XRANGE
+# A read that goes on past a full page asks for twice as many each time, up to this: a long
+# catch-up costs few round trips, and no single XRANGE holds Redis for long.
+MAX_READ_COUNT: Final = 4096
 
 Body = bytes | Callable[[], Awaitable[bytes]]
 
@@ -431,22 +434,26 @@ class DurableStore:
         taken = _Taken(after, self._settings.ds_max_read_bytes if limit is None else limit)
         for member, bound in reversed(meta.chain):
             data = self._space.data_of(keys.tenant, member)
+            count = READ_COUNT
             while Cursor.after(bound).key > taken.cursor.key:
                 start = "(" + taken.cursor.entry_id
-                chunk = await rc.xrange_bytes(self._redis, data, start, bound, READ_COUNT)
+                chunk = await rc.xrange_bytes(self._redis, data, start, bound, count)
                 if taken.take(chunk) is _FULL:
                     return taken.read(meta, up_to_date=False, closed=False)
-                if len(chunk) < READ_COUNT:
+                if len(chunk) < count:
                     break
+                count = min(2 * count, MAX_READ_COUNT)
+        count = READ_COUNT  # (the first page's, read with the stream's metadata)
         while True:
             state = taken.take(page)
             if state is not _MORE:
                 ended = state is _ENDED  # the close entry: the end, and the tail
                 return taken.read(meta, up_to_date=ended, closed=ended)
-            if len(page) < READ_COUNT:
+            if len(page) < count:
                 return taken.read(meta, up_to_date=True, closed=False)
             start = "(" + taken.cursor.entry_id
-            page = await rc.xrange_bytes(self._redis, keys.data, start, "+", READ_COUNT)
+            count = min(2 * count, MAX_READ_COUNT)
+            page = await rc.xrange_bytes(self._redis, keys.data, start, "+", count)
 
     async def wait(self, tenant: str | None, path: str, after: Cursor, timeout_s: float) -> None:
         """Return once something may be stored past ``after`` (an append, a close), or after
