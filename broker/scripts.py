@@ -31,7 +31,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
 
 from broker.connection import as_cluster
-from broker.errors import FencedWrite, StopRequested, StreamFull
+from broker.errors import BrokerError, FencedWrite, StopRequested, StreamFull
 
 Event = tuple[str, str]  # (event type, JSON data) as a script appends it
 
@@ -168,6 +168,22 @@ def expand(text: str, part: Callable[[str], str]) -> str:
     return INCLUDE.sub(lambda found: part(found.group(1)).rstrip("\n"), text)
 
 
+_ERRORS: Final[tuple[tuple[str, type[BrokerError]], ...]] = (
+    ("FENCED", FencedWrite),
+    ("CANCELLED", StopRequested),
+    ("STREAM_FULL", StreamFull),
+)
+
+
+def broker_error(exc: ResponseError) -> Exception:
+    """The broker's exception for a script's error reply (see the module), else ``exc``."""
+    message = str(exc)
+    for word, kind in _ERRORS:
+        if word in message:
+            return kind(message.split(word, 1)[1].strip())
+    return exc
+
+
 def script_source(name: str) -> str:
     """The text of ``broker/lua/<name>.lua``, its included parts in place."""
     return expand(_lua_file(name), _lua_file)
@@ -220,14 +236,14 @@ class Scripts:
                 return await self._call_replicated(name, keys, args)
             return await self._scripts[name](keys=keys, args=args)
         except ResponseError as exc:
-            message = str(exc)
-            if "FENCED" in message:
-                raise FencedWrite(message.split("FENCED", 1)[1].strip()) from None
-            if "CANCELLED" in message:
-                raise StopRequested(message.split("CANCELLED", 1)[1].strip()) from None
-            if "STREAM_FULL" in message:
-                raise StreamFull(message.split("STREAM_FULL", 1)[1].strip()) from None
-            raise
+            mapped = broker_error(exc)
+            if mapped is exc:
+                raise
+            raise mapped from None
+
+    def registered(self, name: str) -> AsyncScript:
+        """Script ``name`` as registered (its source and SHA), for a caller that pipelines it."""
+        return self._scripts[name]
 
     async def _call_replicated(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """EVALSHA, then WAIT on the same connection (WAIT counts the replicas that have this

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
 from broker.deps import Deps
 from broker.durable_store import Appended, AppendRequest, CreateRequest, Duplicate, DurableStore
@@ -32,11 +33,18 @@ _prefixes = itertools.count()
 
 
 class CountedScripts(Scripts):
-    """The process's scripts, counting the appends of each ``ds_append`` call."""
+    """The process's scripts, counting the appends of each ``ds_append`` call sent alone, and
+    the pipelines of several streams' calls."""
 
     def __init__(self, redis: Redis) -> None:
         super().__init__(redis)
         self.groups: list[int] = []
+        self.pipelines = 0
+
+    def registered(self, name: str) -> AsyncScript:
+        if name == "ds_append":  # (asked once per pipeline of several streams' calls)
+            self.pipelines += 1
+        return super().registered(name)
 
     async def __call__(
         self, name: str, keys: list[str], args: list[Any], *, replicated: bool = True
@@ -86,8 +94,8 @@ async def test_concurrent_appenders_share_a_call_and_each_gets_its_own_offset_in
     assert tails == sorted(tails)
     assert len(set(tails)) == len(tails)
     assert await _texts(store) == [body.decode() for body in bodies]  # nothing lost or doubled
-    # The first went alone; the rest arrived while it was in flight and went together.
-    assert scripts.groups == [1, 59]
+    # They arrived in the same turn of the event loop: one call took them all.
+    assert scripts.groups == [60]
 
 
 async def test_a_producers_sequence_is_checked_per_append_inside_a_group(
@@ -98,7 +106,7 @@ async def test_a_producers_sequence_is_checked_per_append_inside_a_group(
     done = await _outcomes(
         store,
         [
-            _text(b"lead"),  # in flight while the others arrive
+            _text(b"lead"),
             _text(b"a", producer=("p", 0, 0)),
             _text(b"b", producer=("p", 0, 1)),
             _text(b"b", producer=("p", 0, 1)),  # sent twice: answered, not written
@@ -108,7 +116,7 @@ async def test_a_producers_sequence_is_checked_per_append_inside_a_group(
             _text(b"plain"),
         ],
     )
-    assert scripts.groups == [1, 7]
+    assert scripts.groups == [8]
     assert isinstance(done[1], Appended)
     assert isinstance(done[2], Appended)
     assert done[3] == Duplicate(done[2].tail, 1, False)
@@ -133,7 +141,7 @@ async def test_a_close_in_the_middle_of_a_group_refuses_only_what_follows_it(
             AppendRequest(close=True),  # a second close: idempotent
         ],
     )
-    assert scripts.groups == [1, 4]
+    assert scripts.groups == [5]
     assert [type(one).__name__ for one in done[:3]] == ["Appended"] * 3
     assert done[2].closed
     assert not done[1].closed
@@ -161,6 +169,31 @@ async def test_an_appender_that_leaves_takes_nothing_from_the_others(
     # The one that left before its group went out is not appended.
     assert await _texts(store) == ["lead", "stays"]
     assert scripts.groups == [1, 1]
+
+
+async def test_writers_of_different_streams_share_one_round_trip(
+    counted: tuple[DurableStore, CountedScripts], aredis: Redis
+) -> None:
+    """Appends to sixteen streams that arrive in the same turn go in one pipeline, a call per
+    stream, each answered as alone: a refusal (a stream that does not exist) stays its own."""
+    store, scripts = counted
+    paths = [f"w{n}" for n in range(16)]
+    for path in paths:
+        await store.create("t", path, TEXT)
+    await aredis.script_flush()  # the server lost its scripts: the pipeline loads and resends
+    calls = [store.append("t", path, _text(path.encode())) for path in [*paths, "missing"]]
+    done = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(one, Appended) for one in done[:16])
+    assert isinstance(done[16], BrokerError)
+    assert done[16].code == "not_found"
+    assert scripts.pipelines == 1
+    assert scripts.groups == []  # none went alone
+    for path in paths:
+        read = await store.read("t", path, ORIGIN)
+        assert read.payloads == [path.encode()]
+    # Once the stream's call is back, the next append of a stream goes at once, alone.
+    assert isinstance(await store.append("t", "w0", _text(b"again")), Appended)
+    assert scripts.groups == [1]
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,21 @@
-"""Appends to one stream that arrive together share one script call (a group commit).
+"""Appends that arrive together share one round trip (a group commit).
 
-An append to a stream with no call in flight is sent at once, alone. Those that arrive while a
-call for the same stream is in flight wait, in their order of arrival, and go together in the
-next call (``ds_append`` takes a group: one Lua call, one reply per append, in order), up to
-:data:`MAX_APPENDS` appends or :data:`MAX_BYTES` bytes a call. So a stream with many writers
-costs one round trip per group instead of one per append, and one writer alone pays nothing.
+Appends to one stream that arrive while a call for it is in flight wait, in their order of
+arrival, and go together in its next call (``ds_append`` takes a group: one Lua call, one reply
+per append, in order), up to :data:`MAX_APPENDS` appends or :data:`MAX_BYTES` bytes a call. And
+the calls of different streams that are ready in the same turn of the event loop (many writers,
+each on its own stream, whose requests arrived together) go in one pipeline: one write to Redis
+and one read of its replies, instead of one each (:meth:`StreamScripts.append_many`). A stream
+has at most one call in flight, so its appends stay in order; an append to an idle stream waits
+only for the end of the loop's turn, never for a timer.
 
 Every append is still checked and answered on its own (the script runs each as if alone, after
 the ones before it): an idempotent producer's sequence, ``Stream-Closed``, the quotas and the
 conflicts; a refused append leaves the others of its group be. A call that fails (Redis is
 unreachable) fails the appends it carried, each with that error, as it would have alone.
 
-The next group is sent by a task of this process, not by a request's own task: an appender that
-is cancelled (its client left) neither loses the others' appends nor relies on the cancellation
+Calls are sent by a task of this process, not by a request's own task: an appender that is
+cancelled (its client left) neither loses the others' appends nor relies on the cancellation
 reaching through the Redis client (which may swallow it). One that leaves while its append
 waits is taken out of the next group; once the group is sent, its append is made anyway (as a
 call cut off after it was sent would be).
@@ -31,68 +34,97 @@ from broker.durable_store.scripts import OneAppend
 MAX_APPENDS: Final = 128  # the most appends of one call
 MAX_BYTES: Final = 4 * 1024 * 1024  # and the most bytes of their bodies (the first goes anyway)
 
-Call = Callable[[StreamKeys, Sequence[OneAppend]], Awaitable[list[AppendReply]]]
+Group = tuple[StreamKeys, Sequence[OneAppend]]
+# Groups of appends to different streams, a call each, sent together: each group's replies or
+# the exception its call raised, in order.
+CallMany = Callable[[Sequence[Group]], Awaitable[list[list[AppendReply] | Exception]]]
 Waiting = tuple[OneAppend, "asyncio.Future[AppendReply]"]
 
 
 class AppendGroups:
-    """The appends waiting for each stream's call in flight (see the module's docstring)."""
+    """The appends waiting for each stream's next call (see the module's docstring)."""
 
-    def __init__(self, call: Call) -> None:
-        self._call = call
-        # A stream with a call in flight -> the appends that arrived since (its next group).
+    def __init__(self, call_many: CallMany) -> None:
+        self._call_many = call_many
+        # A stream with a call in flight or about to go -> the appends of its next call.
         self._waiting: dict[str, list[Waiting]] = {}
+        self._ready: dict[str, StreamKeys] = {}  # streams whose next call goes at the turn's end
+        self._flush_soon: asyncio.Handle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def in_flight(self) -> int:
-        """The streams with a call in flight."""
+        """The streams with a call in flight or about to go."""
         return len(self._waiting)
 
     async def append(self, keys: StreamKeys, one: OneAppend) -> AppendReply:
-        """``one``'s reply, from a call of its own or of the group it joins."""
+        """``one``'s reply, from the call of the group it joins."""
+        future: asyncio.Future[AppendReply] = asyncio.get_running_loop().create_future()
         waiting = self._waiting.get(keys.data)
-        if waiting is not None:  # a call is in flight: join the next one
-            future: asyncio.Future[AppendReply] = asyncio.get_running_loop().create_future()
-            waiting.append((one, future))
-            return await future
-        self._waiting[keys.data] = []
+        if waiting is None:  # an idle stream: its call goes at the end of this turn
+            self._waiting[keys.data] = waiting = []
+            self._make_ready(keys)
+        waiting.append((one, future))
+        return await future
+
+    def _make_ready(self, keys: StreamKeys) -> None:
+        self._ready[keys.data] = keys
+        if self._flush_soon is None:
+            self._flush_soon = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send the next group of every ready stream, all in one round trip."""
+        self._flush_soon = None
+        batch: list[tuple[StreamKeys, list[Waiting]]] = []
+        for data, keys in self._ready.items():
+            # An appender that left before its group went out takes its append with it.
+            waiting = [pending for pending in self._waiting[data] if not pending[1].done()]
+            if not waiting:
+                del self._waiting[data]
+                continue
+            group, self._waiting[data] = _cut(waiting)
+            batch.append((keys, group))
+        self._ready.clear()
+        if batch:
+            task = asyncio.create_task(self._send(batch), name="ds append groups")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[tuple[StreamKeys, list[Waiting]]]) -> None:
         try:
-            (reply,) = await self._call(keys, [one])
+            groups = [(keys, [one for one, _ in group]) for keys, group in batch]
+            try:
+                results = await self._call_many(groups)
+            except Exception as exc:
+                results = [exc] * len(batch)
+            except BaseException:  # cancelled (the loop closes): no reply will come
+                for _, group in batch:
+                    for _, future in group:
+                        future.cancel()
+                raise
+            for (_, group), result in zip(batch, results, strict=True):
+                _settle(group, result)
         finally:
-            self._next(keys)
-        return reply
+            for keys, _ in batch:
+                self._next(keys)
 
     def _next(self, keys: StreamKeys) -> None:
-        """Send the appends that waited for the call that just ended, or mark the stream idle."""
-        # An appender that left before its group went out takes its append with it.
-        waiting = [pending for pending in self._waiting[keys.data] if not pending[1].done()]
-        if not waiting:
-            del self._waiting[keys.data]
-            return
-        group, rest = _cut(waiting)
-        self._waiting[keys.data] = rest
-        task = asyncio.create_task(self._send(keys, group), name="ds append group")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, keys: StreamKeys, group: list[Waiting]) -> None:
-        try:
-            replies = await self._call(keys, [one for one, _ in group])
-        except Exception as exc:
-            for _, future in group:
-                if not future.done():
-                    future.set_exception(exc)
-        except BaseException:  # cancelled (the loop closes): no reply will come
-            for _, future in group:
-                future.cancel()
-            raise
+        """After a stream's call: its next group goes at the end of this turn, or it is idle."""
+        if any(not future.done() for _, future in self._waiting[keys.data]):
+            self._make_ready(keys)
         else:
-            for (_, future), reply in zip(group, replies, strict=True):
-                if not future.done():  # (its appender may have left: it is appended anyway)
-                    future.set_result(reply)
-        finally:
-            self._next(keys)
+            del self._waiting[keys.data]
+
+
+def _settle(group: list[Waiting], result: list[AppendReply] | Exception) -> None:
+    """Answer each append of ``group`` with its reply, or its call's exception."""
+    for index, (_, future) in enumerate(group):
+        if future.done():  # (its appender left: it was appended anyway)
+            continue
+        if isinstance(result, Exception):
+            future.set_exception(result)
+        else:
+            future.set_result(result[index])
 
 
 def _cut(waiting: list[Waiting]) -> tuple[list[Waiting], list[Waiting]]:

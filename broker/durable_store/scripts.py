@@ -9,8 +9,13 @@ start, sends EVALSHA, and waits for replicas when asked), and returns its reply 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, ResponseError
 
 from broker.durable_store.keys import StreamKeys
 from broker.durable_store.replies import (
@@ -24,7 +29,7 @@ from broker.durable_store.replies import (
     decode_fork_ref,
 )
 from broker.errors import BrokerError
-from broker.scripts import Scripts
+from broker.scripts import Scripts, broker_error
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,14 +144,26 @@ class StreamScripts:
         self, keys: StreamKeys, appends: Sequence[OneAppend], *, max_entries: int, quota: Quota
     ) -> list[AppendReply]:
         """A group of appends to one stream, in one call: one reply per append, in order."""
-        args: list[str | bytes | int] = [max_entries, keys.member, *quota.args[1:], keys.path]
-        for one in appends:
-            args.extend(one.args)
-        reply = await self._scripts("ds_append", [*keys.all, *keys.accounts, *keys.subs], args)
-        replies = decode_appends(reply)
-        if len(replies) != len(appends):
-            raise BrokerError(f"ds_append answered {len(replies)} of {len(appends)} appends")
-        return replies
+        call = _append_call(keys, appends, max_entries, quota)
+        return _append_replies(await self._scripts("ds_append", *call), len(appends))
+
+    async def append_many(
+        self, groups: Sequence[Group], *, max_entries: int, quota: Quota
+    ) -> list[list[AppendReply] | Exception]:
+        """Groups of appends to different streams, a ``ds_append`` call each, all in one round
+        trip (one pipeline; alone, a group goes as :meth:`append` sends it): each group's
+        replies, or the exception its call raised, in order. With replica acks each call goes
+        alone, with its own ``WAIT``."""
+        calls = [_append_call(keys, appends, max_entries, quota) for keys, appends in groups]
+        scripts = self._scripts
+        if len(calls) == 1 or scripts.replica_acks > 0:
+            sent = await asyncio.gather(*(_caught(scripts("ds_append", *call)) for call in calls))
+        else:
+            sent = await _pipelined(scripts, scripts.registered("ds_append"), calls)
+        return [
+            reply if isinstance(reply, Exception) else _caught_now(reply, len(appends))
+            for reply, (_, appends) in zip(sent, groups, strict=True)
+        ]
 
     async def delete(self, keys: StreamKeys) -> DeleteReply:
         reply = await self._scripts("ds_delete", [*keys.with_forks, *keys.accounts], [keys.member])
@@ -164,3 +181,56 @@ class StreamScripts:
             "ds_touch", [*keys.all, keys.streams], [ttl_s * 1000, keys.member]
         )
         return bool(reply)
+
+
+Group = tuple[StreamKeys, Sequence[OneAppend]]  # appends to one stream, in order
+Call = tuple[list[str], list[str | bytes | int]]  # a script call's KEYS and ARGV
+
+
+def _append_call(
+    keys: StreamKeys, appends: Sequence[OneAppend], max_entries: int, quota: Quota
+) -> Call:
+    args: list[str | bytes | int] = [max_entries, keys.member, *quota.args[1:], keys.path]
+    for one in appends:
+        args.extend(one.args)
+    return [*keys.all, *keys.accounts, *keys.subs], args
+
+
+def _append_replies(reply: Any, count: int) -> list[AppendReply]:
+    replies = decode_appends(reply)
+    if len(replies) != count:
+        raise BrokerError(f"ds_append answered {len(replies)} of {count} appends")
+    return replies
+
+
+def _caught_now(reply: Any, count: int) -> list[AppendReply] | Exception:
+    try:
+        return _append_replies(reply, count)
+    except Exception as exc:
+        return exc
+
+
+async def _caught(call: Awaitable[Any]) -> Any:
+    try:
+        return await call
+    except Exception as exc:
+        return exc
+
+
+async def _pipelined(scripts: Scripts, script: AsyncScript, calls: Sequence[Call]) -> list[Any]:
+    """Each call of ``script`` in one pipeline: its reply, or its error as the script's call
+    alone raises it; a server that lost its scripts has it loaded, and the calls sent again."""
+    replies: list[Any] = [NoScriptError()] * len(calls)
+    for attempt in (1, 2):
+        todo = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if not todo:
+            break
+        if attempt == 2:  # (a NOSCRIPT reply ran nothing: sending it again is safe)
+            script.sha = await scripts.redis.script_load(script.script)
+        async with scripts.redis.pipeline(transaction=False) as pipe:
+            for keys, args in (calls[n] for n in todo):
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            sent = await pipe.execute(raise_on_error=False)
+        for n, reply in zip(todo, sent, strict=True):
+            replies[n] = reply
+    return [broker_error(r) if isinstance(r, ResponseError) else r for r in replies]

@@ -153,7 +153,7 @@ class DurableStore:
         # Told of each append and creation (whose scripts marked the subscriptions they concern):
         # the process's wake loop looks at once when the tenant has subscriptions.
         self.on_write: Callable[[str | None], None] | None = None
-        self._groups = AppendGroups(self._append_group)
+        self._groups = AppendGroups(self._append_groups)
 
     def _keys(self, tenant: str | None, path: str) -> StreamKeys:
         return self._space.of(tenant, path)
@@ -284,12 +284,13 @@ class DurableStore:
             return reply
         raise self._append_refusal(reply)
 
-    async def _append_group(
-        self, keys: StreamKeys, appends: Sequence[OneAppend]
-    ) -> list[AppendReply]:
-        """One ``ds_append`` call for a group of appends (:mod:`broker.durable_store.groups`)."""
-        return await self._scripts.append(
-            keys, appends, max_entries=self._settings.ds_max_appends, quota=self.quota
+    async def _append_groups(
+        self, groups: Sequence[tuple[StreamKeys, Sequence[OneAppend]]]
+    ) -> list[list[AppendReply] | Exception]:
+        """A ``ds_append`` call for each group of appends, in one round trip
+        (:mod:`broker.durable_store.groups`)."""
+        return await self._scripts.append_many(
+            groups, max_entries=self._settings.ds_max_appends, quota=self.quota
         )
 
     def _append_refusal(
