@@ -42,7 +42,7 @@ NAMES = tuple(
     start_attempt cancel_turn take_retry_budget claim_tool renew_tool finish_tool
     request_approval decide_approval park_attempt admit_turn renew_viewer release_viewer
     release_lease take_webhook seek_sequence ds_create ds_append ds_delete ds_fork_ref
-    ds_touch ds_sub_put ds_sub_delete ds_sub_link ds_sub_mark ds_sub_claim ds_sub_ack
+    ds_touch ds_read ds_sub_put ds_sub_delete ds_sub_link ds_sub_mark ds_sub_claim ds_sub_ack
     """.split()  # noqa: SIM905
 )
 

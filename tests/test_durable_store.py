@@ -23,6 +23,7 @@ from broker.durable_store import (
     Duplicate,
     DurableStore,
     ForkRequest,
+    service,
 )
 from broker.durable_store.protocol import offset_of
 from broker.errors import BadRequest, BrokerError
@@ -414,3 +415,78 @@ async def _long_reads(store: DurableStore) -> None:
     forked = await store.read("t", "long-fork", ORIGIN)
     assert forked.payloads == [*read.payloads, b"own"]
     assert forked.up_to_date
+
+
+async def _both(store: DurableStore, path: str, after: Any = ORIGIN) -> tuple[Any, Any]:
+    """The same read with each append's place (entry by entry) and without (in Redis)."""
+    return (
+        await store.read("t", path, after, places=True),
+        await store.read("t", path, after, places=False),
+    )
+
+
+async def test_a_catch_up_read_in_redis_gives_what_a_read_entry_by_entry_gives(
+    store: DurableStore, aredis: Redis
+) -> None:
+    """``ds_read`` (a catch-up's read, no places) against the read entry by entry: the same
+    bytes, the same place after them, the same tail and close, for a plain stream, a JSON
+    one, a closed one, one read from its middle, a fork, and text kept by older releases."""
+    await store.create("t", "plain", TEXT, b"a")
+    for body in (b"bb", b"", b"ccc"):
+        if body:
+            await store.append("t", "plain", _append(body))
+    await store.create("t", "json", JSON, b"[1,2]")
+    await store.append("t", "json", _append(b'{"x": 3}', content_type="application/json"))
+    await store.create("t", "closed", TEXT, b"end")
+    await store.append("t", "closed", _append(b"!", close=True))
+    await store.create("t", "fork", CreateRequest(fork=ForkRequest(source="plain")))
+    await store.append("t", "fork", _append(b"own"))
+    octets = CreateRequest(content_type="application/octet-stream")
+    await store.create("t", "old", octets, b"new")
+    data = store._keys("t", "old").data
+    await aredis.xadd(data, {"e": "m", "d": BINARY.decode("latin-1")})
+    for path in ("plain", "json", "closed", "fork"):
+        placed, paged = await _both(store, path)
+        assert paged.payloads == placed.payloads, path
+        assert paged.payloads
+        assert (paged.after, paged.up_to_date, paged.closed) == (
+            placed.after,
+            placed.up_to_date,
+            placed.closed,
+        ), path
+        assert paged.ids == [] if path != "fork" else paged.ids == placed.ids
+    middle = (await store.read("t", "plain", ORIGIN)).items[0][0]
+    placed, paged = await _both(store, "plain", middle)
+    assert paged.payloads == placed.payloads == [b"bb", b"ccc"]
+    assert paged.after == placed.after
+    # Text kept by an older release stops the page before it; the client reads on from there,
+    # and that read goes entry by entry.
+    paged = await store.read("t", "old", ORIGIN, places=False)
+    assert (paged.payloads, paged.up_to_date) == ([b"new"], False)
+    rest = await store.read("t", "old", paged.after, places=False)
+    assert (rest.payloads, rest.up_to_date) == ([BINARY], True)
+
+
+async def test_a_catch_up_read_in_redis_stops_at_its_bytes_and_its_entries(
+    aredis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read stops before the append that would pass ``BROKER_DS_MAX_READ_BYTES`` (the first
+    is taken whatever its size), and after ``PAGE_ENTRIES`` appends; neither is the tail, and
+    reading on from where it stopped gives the rest."""
+    store, hub = await _store(aredis, ds_max_read_bytes=1_024, ds_tenant_appends_per_s=0)
+    monkeypatch.setattr(service, "PAGE_ENTRIES", 3)
+    try:
+        await store.create("t", "s", TEXT, b"x" * 2_000)
+        for body in (b"a" * 600, b"b" * 600, b"c", b"d", b"e", b"f"):
+            await store.append("t", "s", _append(body))
+        seen, after, reads = [], ORIGIN, 0
+        while True:
+            read = await store.read("t", "s", after, places=False)
+            seen.extend(read.payloads)
+            after, reads = read.after, reads + 1
+            if read.up_to_date:
+                break
+        assert seen == [b"x" * 2_000, b"a" * 600, b"b" * 600, b"c", b"d", b"e", b"f"]
+        assert reads == 4  # 2,000 alone; 600 alone; 600, c, d (3 appends); e, f at the tail
+    finally:
+        await hub.close()

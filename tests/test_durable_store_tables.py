@@ -23,6 +23,7 @@ from broker.durable_store.replies import (
     Gone,
     Kept,
     Missing,
+    Page,
     PastTail,
     QuotaRefused,
     RateRefused,
@@ -40,6 +41,7 @@ from broker.durable_store.replies import (
     decode_create,
     decode_delete,
     decode_fork_ref,
+    decode_read,
 )
 from broker.errors import BadRequest, BrokerError, NotFound
 from broker.frames import ORIGIN, Cursor
@@ -121,6 +123,29 @@ def test_ds_delete_replies_decode_to_their_types(reply: list[Any], decoded: obje
 )
 def test_ds_fork_ref_replies_decode_to_their_types(reply: list[Any], decoded: object) -> None:
     assert decode_fork_ref(reply) == decoded
+
+
+@pytest.mark.parametrize(
+    ("reply", "decoded"),
+    [
+        ([[], b"", [], b"tail"], Page(None, "", [], "tail")),
+        (
+            [[b"text/plain", b"1-0", None], b"1-0", [b"\xff", b""], b"full"],
+            Page(["text/plain", "1-0", None], "1-0", [b"\xff", b""], "full"),
+        ),
+        ([[None, None], b"", [], b"tail"], Page([None, None], "", [], "tail")),
+        ([[], b"9-1", [b"a"], b"more"], Page(None, "9-1", [b"a"], "more")),
+        ([[], b"9-1", [b"a"], b"ended"], Page(None, "9-1", [b"a"], "ended")),
+        ([[], b"", [], b"text"], Page(None, "", [], "text")),
+    ],
+)
+def test_ds_read_replies_decode_to_a_page(reply: list[Any], decoded: Page) -> None:
+    assert decode_read(reply) == decoded
+
+
+def test_a_ds_read_word_it_does_not_answer_is_a_broker_error() -> None:
+    with pytest.raises(BrokerError, match="unexpected reply 'later' of ds_read"):
+        decode_read([[], b"", [], b"later"])
 
 
 @pytest.mark.parametrize(

@@ -315,3 +315,28 @@ def decode_fork_ref(reply: Sequence[Any]) -> ForkRefReply:
     if word == "deleted":
         return Removed(_value(values, 0))
     raise _unexpected("ds_fork_ref", word)
+
+
+ReadState = Literal["tail", "full", "more", "ended", "text"]
+READ_STATES: frozenset[str] = frozenset({"tail", "full", "more", "ended", "text"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Page:
+    """``ds_read``: the stream's metadata (its ``HMGET`` values, decoded; None when not asked),
+    the id of the last entry taken ("" for none), the payloads taken, and why it stopped."""
+
+    meta: list[str | None] | None
+    last: str
+    payloads: list[bytes]
+    state: ReadState
+
+
+def decode_read(reply: Sequence[Any]) -> Page:
+    """``ds_read``'s reply, as Redis sent it (undecoded: the payloads are bytes)."""
+    meta, last, payloads, state = reply
+    word = state.decode()
+    if word not in READ_STATES:
+        raise _unexpected("ds_read", word)
+    fields = [None if value is None else value.decode() for value in meta] if meta else None
+    return Page(fields, last.decode(), payloads, word)

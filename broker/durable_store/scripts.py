@@ -17,16 +17,19 @@ from typing import Any
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
 
+from broker import redis_calls as rc
 from broker.durable_store.keys import StreamKeys
 from broker.durable_store.replies import (
     AppendReply,
     CreateReply,
     DeleteReply,
     ForkRefReply,
+    Page,
     decode_appends,
     decode_create,
     decode_delete,
     decode_fork_ref,
+    decode_read,
 )
 from broker.errors import BrokerError
 from broker.scripts import Scripts, broker_error
@@ -164,6 +167,26 @@ class StreamScripts:
             reply if isinstance(reply, Exception) else _caught_now(reply, len(appends))
             for reply, (_, appends) in zip(sent, groups, strict=True)
         ]
+
+    async def read(
+        self, keys: StreamKeys, after: str, *, max_bytes: int, max_entries: int, meta: bool
+    ) -> Page:
+        """A catch-up read's payloads past entry ``after`` (and the stream's metadata, with
+        ``meta``), their bytes as Redis sent them: one ``ds_read`` call."""
+        args = [after, max_bytes, max_entries, "1" if meta else ""]
+        script = self._scripts.registered("ds_read")
+        redis = self._scripts.redis
+        for attempt in (1, 2):  # the second for a server that lost its scripts
+            command = ("EVALSHA", script.sha, 2, keys.meta, keys.data, *args)
+            try:
+                reply = await redis.execute_command(*command, **rc.UNDECODED)  # type: ignore[no-untyped-call]  # untyped in redis-py
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                script.sha = await redis.script_load(script.script)
+                continue
+            return decode_read(reply)
+        raise AssertionError("unreachable")
 
     async def delete(self, keys: StreamKeys) -> DeleteReply:
         reply = await self._scripts("ds_delete", [*keys.with_forks, *keys.accounts], [keys.member])

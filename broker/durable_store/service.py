@@ -63,6 +63,7 @@ from broker.durable_store.replies import (
     Full,
     Gone,
     Missing,
+    Page,
     PastTail,
     QuotaRefused,
     RateRefused,
@@ -85,6 +86,9 @@ READ_COUNT: Final = 512  # entries of a read's first XRANGE
 # A read that goes on past a full page asks for twice as many each time, up to this: a long
 # catch-up costs few round trips, and no single XRANGE holds Redis for long.
 MAX_READ_COUNT: Final = 4096
+# The most appends one catch-up read takes in Redis (``ds_read``): a bound on the time it holds
+# the server; a read of more answers what it took, not at the tail, and the client reads on.
+PAGE_ENTRIES: Final = 16_384
 
 Body = bytes | Callable[[], Awaitable[bytes]]
 
@@ -138,6 +142,14 @@ class _Taken:
 
     def read(self, meta: Meta, *, up_to_date: bool, closed: bool) -> Read:
         return Read(meta, self.payloads, self.ids, self.cursor, up_to_date, closed)
+
+
+def _paged(meta: Meta, after: Cursor, page: Page) -> Read:
+    """A catch-up read from ``ds_read``'s page: its payloads, no places but the last."""
+    cursor = Cursor.after(page.last) if page.last else after
+    ended = page.state == "ended"
+    tail = ended or page.state == "tail"
+    return Read(meta, page.payloads, [], cursor, tail, ended)
 
 
 class DurableStore:
@@ -388,22 +400,44 @@ class DurableStore:
         read = await self._collect(keys, meta, after, page, limit=1)
         return read.payloads[0] if read.payloads else None
 
-    async def read(self, tenant: str | None, path: str, after: Cursor | None) -> Read:
+    async def read(
+        self, tenant: str | None, path: str, after: Cursor | None, *, places: bool = True
+    ) -> Read:
         """The appends past ``after`` (None: the stream's tail), up to about
         ``BROKER_DS_MAX_READ_BYTES``; 404 for no such stream, 410 for a deleted one. A read of a
-        stream with a TTL starts its countdown again."""
-        read = await self._read(self._keys(tenant, path), after)
+        stream with a TTL starts its countdown again. Without ``places`` the read keeps only
+        the bytes and the place after the last (a catch-up answer's), read in Redis
+        (``ds_read``), and may stop short of the tail (at most :data:`PAGE_ENTRIES` appends)."""
+        read = await self._read(self._keys(tenant, path), after, places)
         if read is None:
             raise errors.no_stream()
         if read.meta.deleted:
             raise errors.deleted()
         return read
 
-    async def read_on(self, tenant: str | None, path: str, after: Cursor) -> Read | None:
+    async def read_on(
+        self, tenant: str | None, path: str, after: Cursor, *, places: bool = True
+    ) -> Read | None:
         """The appends past ``after`` of a stream read before (None: it is gone since)."""
-        return await self._read(self._keys(tenant, path), after)
+        return await self._read(self._keys(tenant, path), after, places)
 
-    async def _read(self, keys: StreamKeys, after: Cursor | None) -> Read | None:
+    async def _read(self, keys: StreamKeys, after: Cursor | None, places: bool) -> Read | None:
+        if after is not None and not places:
+            page = await self._scripts.read(
+                keys,
+                after.entry_id,
+                max_bytes=self._settings.ds_max_read_bytes,
+                max_entries=PAGE_ENTRIES,
+                meta=True,
+            )
+            meta = Meta.of(page.meta or [None] * len(META_FIELDS))
+            if meta is None:
+                return None
+            # A fork's inherited part, or an older release's text, is read entry by entry.
+            if not meta.chain and (page.payloads or page.state != "text"):
+                if meta.ttl_s is not None:
+                    await self._scripts.touch(keys, meta.ttl_s)
+                return _paged(meta, after, page)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hmget(keys.meta, META_FIELDS)
             if after is not None:

@@ -294,7 +294,8 @@ async def read_stream(request: Request, path: str, principal: Caller) -> Respons
         return await _read_generation(rt, request, path, principal, offset, live)
     tenant = _writer(request, principal).tenant
     store = _store(rt)
-    read = await store.read(tenant, path, start_cursor(offset))
+    # An SSE read sends each append's offset; a catch-up or long poll only the last one.
+    read = await store.read(tenant, path, start_cursor(offset), places=live == "sse")
     content_type = read.meta.content_type
     if live == "sse":
         own = _OwnStreamPoller(store, tenant, path, read)
@@ -304,7 +305,7 @@ async def read_stream(request: Request, path: str, principal: Caller) -> Respons
             waiting = store.wait(tenant, path, read.after, rt.settings.ds_long_poll_s)
             if await until_gone(request, waiting) is Hangup.HUNG_UP:
                 return Response(status_code=204)  # the client hung up: no one reads this
-            waited = await store.read_on(tenant, path, read.after)
+            waited = await store.read_on(tenant, path, read.after, places=False)
             if waited is None:
                 raise NotFound("no such stream")
             read = waited
