@@ -124,15 +124,19 @@ def viewer_process(conn: Connection, base_url: str, connections: int) -> None:
         slots = asyncio.Semaphore(CONNECT_CONCURRENCY)
         readers: list[_Quiet] = []
         failed = 0
+        attach_ms: collections.Counter[int] = collections.Counter()  # 1 ms buckets
 
         async def attach(index: int) -> None:
             nonlocal failed
             async with slots:
+                began = time.monotonic()
                 try:
                     _, reader = await loop.create_connection(lambda: _Quiet(group), host, port)
                     readers.append(reader)
                     if not await asyncio.wait_for(reader.opened, 60):
                         failed += 1
+                    else:  # connect to response head, while the others attach too
+                        attach_ms[int((time.monotonic() - began) * 1000)] += 1
                 except (OSError, TimeoutError):
                     failed += 1
 
@@ -161,6 +165,7 @@ def viewer_process(conn: Connection, base_url: str, connections: int) -> None:
             "connections": len(readers) - failed,
             "failed": failed,
             "attach_s": round(attach_s, 2),
+            "attach_ms": dict(attach_ms),
             "silence_max_s": round(worst, 3),
             "pings": pings,
             "lost_while_quiet": lost,

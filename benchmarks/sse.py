@@ -17,10 +17,11 @@ import httpx
 
 from broker.offsets import to_entry_id
 
-# The frames the broker writes: `id:`, `event:` and one `data:` line. Comments, `retry:` and the
-# opening frame's bare `id:` carry no data and are skipped. One C call finds every event of a
-# read, so that a thousand readers in one process cost little per event.
-FRAME: Final = re.compile(rb"^(?:id: (.*)\n)?(?:event: (.*)\n)?data: (.*)\n\n", re.MULTILINE)
+# The frames the broker writes: `id:`, `event:` and one `data:` line (Durable Streams servers
+# write `data:` with no space, as SSE allows). Comments, `retry:` and the opening frame's bare
+# `id:` carry no data and are skipped. One C call finds every event of a read, so that a
+# thousand readers in one process cost little per event.
+FRAME: Final = re.compile(rb"^(?:id: (.*)\n)?(?:event: (.*)\n)?data: ?(.*)\n\n", re.MULTILINE)
 
 # ([(id, event, data), ...] of one read, received at) -> True to stop reading and close.
 EventsHandler = Callable[[list[tuple[bytes, bytes, bytes]], float], bool]
