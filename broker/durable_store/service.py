@@ -89,6 +89,7 @@ MAX_READ_COUNT: Final = 4096
 # The most appends one catch-up read takes in Redis (``ds_read``): a bound on the time it holds
 # the server; a read of more answers what it took, not at the tail, and the client reads on.
 PAGE_ENTRIES: Final = 16_384
+KEYS_KEPT: Final = 4_096  # streams whose keys are kept at once (see DurableStore._keys)
 
 Body = bytes | Callable[[], Awaitable[bytes]]
 
@@ -166,9 +167,17 @@ class DurableStore:
         # the process's wake loop looks at once when the tenant has subscriptions.
         self.on_write: Callable[[str | None], None] | None = None
         self._groups = AppendGroups(self._append_groups)
+        self._named: dict[tuple[str | None, str], StreamKeys] = {}
 
     def _keys(self, tenant: str | None, path: str) -> StreamKeys:
-        return self._space.of(tenant, path)
+        # A writer names its stream on every append: its keys (a digest and eleven names) are
+        # kept for the streams named lately, and all forgotten when there are too many.
+        keys = self._named.get((tenant, path))
+        if keys is None:
+            if len(self._named) >= KEYS_KEPT:
+                self._named.clear()
+            keys = self._named[(tenant, path)] = self._space.of(tenant, path)
+        return keys
 
     @property
     def quota(self) -> Quota:

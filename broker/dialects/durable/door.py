@@ -95,7 +95,9 @@ class DurableDoor:
         assert path is not None  # (the front door sent only these)
         response = await answer(self.services(), Request(scope, receive), path)
         response.raw_headers = with_headers(response.raw_headers, headers_for(scope["path"]))
-        if self.compression:  # the one layer that may change the answer: as the app runs it
+        # The one layer that may change the answer, as the app runs it (a 204, an append's
+        # answer, has no body: it would pass untouched).
+        if self.compression and response.status_code != 204:
             await Compression(response)(scope, receive, send)
         else:
             await response(scope, receive, send)
