@@ -532,11 +532,12 @@ def test_a_regenerate_after_a_stop_asks_again(
     assert len(payments.requests) == 1
 
 
-def test_a_responses_client_sees_the_wait_in_progress_and_the_answer_after_the_native_decision(
+def test_a_responses_client_sees_the_request_and_the_continuation_after_the_native_decision(
     approved_broker: RunningBroker, payments: ToolEndpoint
 ) -> None:
-    """The OpenAI Responses door shows no approval items: the response stays ``in_progress``
-    while a person decides through the native route (its id is the turn id)."""
+    """The OpenAI Responses door shows the pending approval as an ``mcp_approval_request``
+    item (see tests/test_openai_approvals.py); a decision made through the native route is
+    the same decision: the continuation ``<response id>:<approval id>`` holds the answer."""
     broker = approved_broker
     sdk = openai.OpenAI(base_url=f"{broker.base_url}/v1", api_key="unused", max_retries=0)
     script = [{"name": "send_payment", "args": BIG, "after": 3}]
@@ -548,10 +549,14 @@ def test_a_responses_client_sees_the_wait_in_progress_and_the_answer_after_the_n
         extra_body={"broker": {"params": {"simulate": simulate}}},
     )
     (pending,) = wait_awaiting(broker, response.id)["approvals"]
-    assert sdk.responses.retrieve(response.id).status == "in_progress"
+    shown = sdk.responses.retrieve(response.id)
+    assert shown.status == "completed"
+    assert [item.id for item in shown.output if item.type == "mcp_approval_request"] == [
+        pending["approval_id"]
+    ]
     assert decide(broker, response.id, pending["approval_id"], "approve").status_code == 200
-    done = wait_until(
-        lambda: (r := sdk.responses.retrieve(response.id)).status == "completed" and r
-    )
-    assert done.output_text == wait_final(broker.base_url, response.id)["canonical"]["text"]
+    final = wait_final(broker.base_url, response.id)
+    continued = sdk.responses.retrieve(f"{response.id}:{pending['approval_id']}")
+    assert continued.status == "completed"
+    assert shown.output_text + continued.output_text == final["canonical"]["text"]
     assert len(payments.requests) == 1
