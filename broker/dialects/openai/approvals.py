@@ -14,7 +14,8 @@ The responses of one turn are cut from its stream by one rule, which the rendere
 :func:`chain` share: a response ends at the first ``approval_decision`` that follows an
 ``approval_request`` it showed, and the next one starts right before that decision. Its id is
 the turn id, ``:`` and that decision's approval id (``<turn_id>:apr_<24 hex>``), so that it can
-be found again without any state of its own: :func:`continuation_of` reads it back. A turn id
+be found again without any state of its own: :func:`continuation_of` reads it back. A stop's
+decision cuts nothing: the response goes on to the turn's ``end`` (cancelled). A turn id
 longer than :data:`MAX_TURN_ID` leaves no room for one (a 400 says so). A client turn id that
 happens to have the same shape is found as the turn it names first.
 """
@@ -147,7 +148,7 @@ def chain(turn_id: str, events: Iterable[dict[str, Any]]) -> list[Span]:
         kind = event["event"]
         if kind == "approval_request":
             shown = True
-        elif kind == "approval_decision" and shown:
+        elif kind == "approval_decision" and shown and event["data"].get("by") != "stop":
             approval_id = str(event["data"].get("approval_id"))
             spans.append(
                 Span(continuation_id(turn_id, approval_id), previous, spans[-1].response_id)
