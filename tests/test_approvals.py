@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -559,4 +560,34 @@ def test_a_responses_client_sees_the_request_and_the_continuation_after_the_nati
     continued = sdk.responses.retrieve(f"{response.id}:{pending['approval_id']}")
     assert continued.status == "completed"
     assert shown.output_text + continued.output_text == final["canonical"]["text"]
+    assert len(payments.requests) == 1
+
+
+def test_a_resumed_approval_waits_for_a_stream_slot_of_its_tenant(
+    broker_factory: BrokerFactory, tmp_path: Path, payments: ToolEndpoint
+) -> None:
+    """Regression: a parked turn gives its tenant's stream slot back, and its resume was queued
+    without taking one again, so a tenant at BROKER_MAX_STREAMS_PER_TENANT ran one more."""
+    broker = broker_factory(tools=str(tools_file(tmp_path, payments.url)), max_streams_per_tenant=1)
+    runtime = broker.runtime
+    live = runtime.keys.live_streams(None)
+    pay_turn(broker, "parked")
+    (pending,) = wait_awaiting(broker, "parked")["approvals"]
+    # Its slot is free while it waits: another turn takes it, and the tenant is at its cap.
+    start_turn(broker.base_url, turn_id="busy", tokens=500, tokens_per_s=20, expect=201)
+    wait_until(lambda: get_turn(broker.base_url, "busy")["status"] == "streaming")
+    assert decide(broker, "parked", pending["approval_id"], "approve").status_code == 200
+    # The approved turn is not failed: it waits, queued, through a few reclaim passes (each
+    # would resume it without its slot), and the cap holds all along.
+    passes = 3 * runtime.settings.reclaim_every_s
+    deadline = time.monotonic() + passes
+    while time.monotonic() < deadline:
+        assert get_turn(broker.base_url, "parked")["status"] == "queued"
+        assert broker.call(runtime.redis.zcard(live)) <= 1
+        assert payments.requests == []
+    refused = start_turn(broker.base_url, turn_id="third", tokens=2, expect=429)
+    assert refused["error"]["code"] == "too_many_streams"
+    # A slot frees: the approved turn resumes, pays once and completes.
+    httpx.post(f"{broker.base_url}/v1/turns/busy/cancel", timeout=10)
+    assert wait_final(broker.base_url, "parked", timeout=20)["status"] == "complete"
     assert len(payments.requests) == 1
