@@ -4,8 +4,12 @@ input item, and the new response is the same turn's continuation."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,8 @@ from openai.types.responses.response_input_param import McpApprovalResponse
 from pydantic import TypeAdapter
 
 from broker.approval_rules import set_clock
-from tests.conftest import BrokerFactory, RunningBroker
+from tests.conftest import BrokerFactory, BrokerProcess, RunningBroker, _prefixes
+from tests.doc_pages import ROOT, snippets
 from tests.helpers import ToolEndpoint, get_turn, read_sse, wait_final
 from tests.openai_spec import event_errors, sdk_extras, spec_errors
 from tests.test_approvals import BIG, decide, tools_file, wait_awaiting
@@ -324,3 +329,57 @@ def test_bad_answers_are_400s_in_openai_s_shape_and_decide_nothing(
     for turn_id in ("bad-own", "bad-other"):
         assert get_turn(broker.base_url, turn_id)["status"] == "awaiting_approval"
     assert payments.requests == []
+
+
+@pytest.mark.server
+def test_the_openai_page_s_approval_example_pays_once(
+    broker_processes: Callable[[dict[str, str]], BrokerProcess],
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """The example of docs/openai.md's "Tool approvals", run verbatim against `broker serve`
+    with the payments example's tools file (its endpoint on a free port)."""
+    (code,) = snippets("openai.md", "Tool approvals", "python")
+    assert "http://127.0.0.1:8000/v1" in code
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples/payments/server.py"), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        match = re.fullmatch(
+            r"payments serving on (http://127\.0\.0\.1:\d+)\n", server.stdout.readline()
+        )
+        assert match is not None
+        tools = (ROOT / "examples/payments/tools.json").read_text()
+        assert "http://127.0.0.1:9000" in tools
+        path = tmp_path / "tools.json"
+        path.write_text(tools.replace("http://127.0.0.1:9000", match[1]))
+        broker = broker_processes(
+            {
+                "BROKER_REDIS_URL": redis_url,
+                "BROKER_KEY_PREFIX": f"docs-openai-approvals-{next(_prefixes)}",
+                "BROKER_TOOLS": str(path),
+            }
+        )
+        run = subprocess.run(
+            [sys.executable, "-c", code.replace("http://127.0.0.1:8000", broker.base_url)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=dict(os.environ),
+        )
+        assert run.returncode == 0, run.stderr
+        # (The continuation's text may span lines.)
+        asked, *rest, refused = run.stdout.strip().splitlines()
+        continued = "\n".join(rest)
+        assert asked == "completed send_payment {'amount': 500, 'to': 'bob'}"
+        assert continued.startswith("True ")
+        assert len(continued) > len("True ") + 10
+        assert refused == "409"
+        assert httpx.get(f"{match[1]}/payments", timeout=5).json()["count"] == 1
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
