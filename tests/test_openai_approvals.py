@@ -383,3 +383,67 @@ def test_the_openai_page_s_approval_example_pays_once(
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_two_requests_of_one_message_are_answered_together(
+    approved_broker: RunningBroker, payments: ToolEndpoint
+) -> None:
+    broker = approved_broker
+    sdk = sdk_of(broker)
+    script = [
+        {"name": "send_payment", "args": BIG, "after": 3},
+        {"name": "send_payment", "args": {"to": "carol", "amount": 700}, "after": 3},
+    ]
+    first = sdk.responses.create(
+        model="simulated",
+        input="pay bob and carol",
+        extra_headers={"Idempotency-Key": "pay-both"},
+        extra_body={"broker": {"params": {"simulate": {"tokens": 8, "tool_calls": script}}}},
+    )
+    bob, carol = request_items(first)
+    assert [orjson.loads(r.arguments)["to"] for r in (bob, carol)] == ["bob", "carol"]
+    # One answer alone would leave the continuation waiting for the other: refused, undecided.
+    with pytest.raises(openai.BadRequestError) as partial:
+        sdk.responses.create(
+            model="simulated", previous_response_id=first.id, input=[answer(bob.id, True)]
+        )
+    assert partial.value.code == "approval_requests_unanswered"
+    assert carol.id in partial.value.message
+    assert len(get_turn(broker.base_url, "pay-both")["approvals"]) == 2
+    done = sdk.responses.create(
+        model="simulated",
+        previous_response_id=first.id,
+        input=[answer(bob.id, True), answer(carol.id, False)],
+    )
+    assert done.status == "completed"
+    assert done.id in (f"pay-both:{bob.id}", f"pay-both:{carol.id}")
+    assert done.output_text
+    assert wait_final(broker.base_url, "pay-both")["status"] == "complete"
+    assert [r["body"]["arguments"]["to"] for r in payments.requests] == ["bob"]
+
+
+def test_stopping_a_continuation_stops_its_turn(
+    approved_broker: RunningBroker, payments: ToolEndpoint
+) -> None:
+    broker = approved_broker
+    sdk = sdk_of(broker)
+    script = [{"name": "send_payment", "args": BIG, "after": 3}]
+    simulate = {"tokens": 2000, "tokens_per_s": 20, "tool_calls": script}
+    first = sdk.responses.create(
+        model="simulated",
+        input="pay bob, then talk",
+        extra_headers={"Idempotency-Key": "pay-stop"},
+        extra_body={"broker": {"params": {"simulate": simulate}}},
+    )
+    (request,) = request_items(first)
+    running = sdk.responses.create(
+        model="simulated",
+        previous_response_id=first.id,
+        input=[answer(request.id, True)],
+        background=True,
+    )
+    assert running.id == f"pay-stop:{request.id}"
+    stopped = sdk.responses.cancel(running.id)
+    assert stopped.id == running.id
+    assert stopped.status == "cancelled"
+    assert wait_final(broker.base_url, "pay-stop")["status"] == "cancelled"

@@ -133,6 +133,7 @@ class ApprovalsRenderer:
         self.requests: list[dict[str, Any]] = []  # the approval requests shown
         self.finished = False
         self.ended: dict[str, Any] | None = None  # the response its terminal event held
+        self.last: str | None = None  # the wire offset of the last event read
 
     @property
     def waiting(self) -> bool:
@@ -150,6 +151,7 @@ class ApprovalsRenderer:
         for entry in entries:
             events = self.events(entry.kind, orjson.loads(entry.data), facts.get(entry.offset))
             frames += self._numbered(events)
+            self.last = entry.offset
         return b"".join(frames)
 
     def _numbered(self, events: list[dict[str, Any]]) -> list[bytes]:

@@ -249,6 +249,7 @@ async def answer_approvals(
             "previous_response_id",
             code="response_id_too_long",
         )
+    _check_all_answered(await rt.turns.get(turn_id, tenant), answers)
     standing: list[Decided] = []
     for item in answers:
         try:
@@ -275,6 +276,22 @@ async def answer_approvals(
             code="unknown_approval_request",
         )
     return await respond(rt, stored, chained[following[0] + 1], body, principal)
+
+
+def _check_all_answered(state: dict[str, Any], answers: list[ApprovalAnswer]) -> None:
+    """400 naming ``input`` when the answers leave requests of the same message waiting (the
+    response they continue would wait for those, with nothing to show): the client answers
+    every request it was shown, or none waits any more (another device decided them)."""
+    waiting = [a["approval_id"] for a in state.get("approvals") or ()]
+    answered = {item.approval_request_id for item in answers}
+    left = [approval_id for approval_id in waiting if approval_id not in answered]
+    if left and answered & set(waiting):
+        raise ParamError(
+            f"input: answer every approval request of the response at once; {', '.join(left)} "
+            "still waits",
+            "input",
+            code="approval_requests_unanswered",
+        )
 
 
 async def _answered(rt: Services, previous: str, tenant: str | None) -> StoredResponse:
@@ -461,6 +478,12 @@ async def cancel_response(
 
     async def work(principal: Principal) -> Response:
         rt = services(request)
+        continued = await find_continuation(rt, response_id, principal.tenant)
+        if continued is not None:  # a continuation's stop is its turn's
+            stored, span = continued
+            await rt.turns.cancel(stored.location.turn_id, principal.tenant)
+            await settle(rt, stored.location, CANCEL_WAIT_S)
+            return json_response(await span_object(rt, stored, span, wait=False))
         await rt.turns.cancel(response_id, principal.tenant)
         stored = await load(rt, response_id, principal.tenant)
         if stored.state["status"] == TurnStatus.STREAMING:

@@ -38,6 +38,7 @@ from broker.http import Services
 from broker.reader import FROM_START, Location, StartPoint
 from broker.relay import Read, render
 from broker.turn_records import StoredRequest
+from broker.turns import PARK_WAIT_S
 from broker.viewer import admit
 from broker.vocabulary import ACTIVE_STATUSES
 
@@ -213,11 +214,20 @@ def _renderer(stored: StoredResponse, span: Span, starting_after: int) -> Approv
     return ApprovalsRenderer(head, starting_after, continued=span.after != ORIGIN)
 
 
-async def _settled(rt: Services, location: Location, renderer: ApprovalsRenderer) -> bool:
-    """Whether the read of a response ends here: it ended, or it waits for a person."""
+async def _settled(
+    rt: Services, location: Location, renderer: ApprovalsRenderer, within_s: float = PARK_WAIT_S
+) -> bool:
+    """Whether the read of a response ends here: it ended, or it waits for a person and has
+    read every request of the message (the turn parks after the last one is stored: a read
+    that caught up between two requests goes on, and its reader delivers the rest)."""
     if renderer.finished:
         return True
-    return renderer.waiting and await rt.turns.parks(location.conversation_id, location.turn_id)
+    if not renderer.waiting or renderer.last is None:
+        return False
+    if not await rt.turns.parks(location.conversation_id, location.turn_id, within_s):
+        return False
+    page = await rt.streams.page(location, StartPoint.parse(renderer.last))
+    return not page["events"]
 
 
 async def stream_span(
@@ -251,6 +261,6 @@ async def span_object(
                     break
             elif not wait or await _settled(rt, location, renderer):
                 break
-    if renderer.waiting and await rt.turns.waiting(location.conversation_id, location.turn_id):
+    if renderer.waiting and await _settled(rt, location, renderer, within_s=0):
         renderer.closing()
     return renderer.snapshot()
