@@ -88,11 +88,9 @@ async def _stream(
 
 async def _parked(rt: Services, location: Location, renderer: UIMessageRenderer) -> bool:
     """Whether the read ends at the stream's tail: approvals it showed wait for a person and the
-    turn is ``awaiting_approval`` (nothing comes until someone decides; see
-    :meth:`broker.turns.Turns.parks`)."""
-    if not renderer.waiting:
-        return False
-    return await rt.turns.parks(location.conversation_id, location.turn_id)
+    turn is ``awaiting_approval``, and the read has every request of the message (nothing
+    comes until someone decides; see :meth:`broker.http.Services.parked`)."""
+    return renderer.waiting and await rt.parked(location, renderer.last)
 
 
 async def _final(rt: Services, location: Location, end: Entry) -> bool:

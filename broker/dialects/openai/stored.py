@@ -218,16 +218,10 @@ async def _settled(
     rt: Services, location: Location, renderer: ApprovalsRenderer, within_s: float = PARK_WAIT_S
 ) -> bool:
     """Whether the read of a response ends here: it ended, or it waits for a person and has
-    read every request of the message (the turn parks after the last one is stored: a read
-    that caught up between two requests goes on, and its reader delivers the rest)."""
+    read every request of the message (:meth:`Services.parked`)."""
     if renderer.finished:
         return True
-    if not renderer.waiting or renderer.last is None:
-        return False
-    if not await rt.turns.parks(location.conversation_id, location.turn_id, within_s):
-        return False
-    page = await rt.streams.page(location, StartPoint.parse(renderer.last))
-    return not page["events"]
+    return renderer.waiting and await rt.parked(location, renderer.last, within_s)
 
 
 async def stream_span(
