@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from broker.approval_rules import MAX_REASON_CHARS
 from broker.dialects.openai.requests import ParamError, describe
 from broker.frames import ORIGIN, Cursor
 from broker.vocabulary import ID_PATTERN
@@ -77,7 +78,7 @@ class ApprovalAnswer(BaseModel):
     type: Literal["mcp_approval_response"]
     approval_request_id: str = Field(min_length=1, max_length=128)
     approve: bool
-    reason: str | None = Field(default=None, max_length=1000)
+    reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS)
     id: str | None = Field(default=None, max_length=256)
 
     @property
