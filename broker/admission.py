@@ -4,7 +4,9 @@ Both live in one Lua script on the tenant's keys (``admit_turn``), so every API 
 them. Every generation is charged: a new turn, and each ``continue`` or ``regenerate`` attempt.
 A live stream is an attempt queued or generating; its slot is freed when the attempt ends, or
 when its deadline passes (a crashed process cannot hold a slot for ever; the worker running the
-attempt pushes the deadline forward).
+attempt pushes the deadline forward). A worker holds the slot of every queued attempt before it
+runs it (:meth:`Admission.hold`): a turn that waited for a person gave its slot back, and its
+resume waits, queued, for a free one.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from redis.exceptions import RedisError
 from broker import redis_calls as rc
 from broker.deps import Deps
 from broker.errors import TooManyRequests
-from broker.vocabulary import ACTIVE_STATUSES, encode_attempt_ref, unscoped
+from broker.vocabulary import ACTIVE_STATUSES, TurnStatus, encode_attempt_ref, unscoped
 
 log = logging.getLogger("broker.admission")
 
@@ -78,6 +80,30 @@ class Admission:
             retry_after_s=retry_after_s,
             code="too_many_streams",
         )
+
+    async def hold(self, conversation_id: str, turn_id: str, attempt: int) -> bool:
+        """Whether a worker may run a queued attempt: its live-stream slot is held (a turn or a
+        new attempt took it when it was admitted), or one is free and taken now (a turn that
+        waited for a person let its slot go, and its decision queued it again: it takes no rate
+        token, it was charged when it started). False: the tenant has none free, and the
+        attempt stays queued until one frees (the worker hands its job back)."""
+        if not self.counts_streams:
+            return True
+        turn = self._keys.turn(conversation_id, turn_id)
+        status, current = await rc.hmget(self._redis, turn, ["status", "attempt"])
+        if status != TurnStatus.QUEUED or current != str(attempt):
+            return True  # not waiting to start: the lease claim settles what it is
+        admitted = await self._scripts.admit_turn(
+            rate=self._keys.turn_rate(unscoped(conversation_id)[0]),
+            live=self._keys.live_streams(unscoped(conversation_id)[0]),
+            rate_per_s=self._settings.turn_rate_per_s,
+            burst=self._settings.turn_burst,
+            cost=0,
+            max_live=self._settings.max_streams_per_tenant,
+            member=encode_attempt_ref(conversation_id, turn_id, attempt),
+            slot_ttl_ms=QUEUED_SLOT_TTL_MS,
+        )
+        return admitted.admitted
 
     async def release(self, conversation_id: str, turn_id: str, attempt: int) -> None:
         """Free one attempt's slot (it ended, or it never started)."""

@@ -147,6 +147,7 @@ class Runtime:
             self.jobs,
             self.webhooks,
             server_tools=frozenset(tool.name for tool in tools),
+            asks_approval=any(tool.approval.mode != "never" for tool in tools),
         )
         self.tools = tools
         self.ledger = Ledger(self.deps)

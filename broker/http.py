@@ -28,12 +28,12 @@ from broker.auth import Authenticator, Principal, require_actor, require_approve
 from broker.errors import BadRequest, Forbidden, Unauthorized
 from broker.metrics import AUTH_FAILURES, Metrics
 from broker.providers import Providers
-from broker.reader import Streams
+from broker.reader import Location, StartPoint, Streams
 from broker.relay import Read, relay
 from broker.sequence_index import SequenceIndex
 from broker.settings import Settings
 from broker.sse import EventStreamResponse
-from broker.turns import Turns
+from broker.turns import PARK_WAIT_S, Turns
 from broker.webhook_config import WebhookConfig
 
 if TYPE_CHECKING:
@@ -69,6 +69,21 @@ class Services:
     async def ready(self) -> None:
         """Readiness: Redis answers and has every script (see ``Scripts.ready``)."""
         await self._deps.scripts.ready()
+
+    async def parked(
+        self, location: Location, last: str | None, within_s: float = PARK_WAIT_S
+    ) -> bool:
+        """Whether a read that showed approval requests, its last event at offset ``last``,
+        ends at the turn's park: the turn waits for a person (now, or within ``within_s``: see
+        :meth:`Turns.parks`) and nothing is stored past ``last`` (the attempt parks after the
+        last request of its message: a read that caught up between two goes on, and its reader
+        delivers the rest). Every door that ends a read there asks this."""
+        if last is None:
+            return False
+        if not await self.turns.parks(location.conversation_id, location.turn_id, within_s):
+            return False
+        page = await self.streams.page(location, StartPoint.parse(last))
+        return not page["events"]
 
     async def relay(self, principal: Principal, read: Read) -> EventStreamResponse:
         """``principal``'s streamed ``read`` of a generation, through the one relay (see

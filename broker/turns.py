@@ -53,6 +53,10 @@ RESCUE_INTERVAL_MS = 1_000
 # A stop waits this long for the running attempt to end before it answers, looking this often.
 CANCEL_WAIT_S = 5.0
 CANCEL_POLL_S = 0.02
+# How long a read that showed an approval request looks for its turn to park, and how often: the
+# attempt parks right after the model's message that asked (park_attempt.lua writes no event).
+PARK_WAIT_S: Final = 2.0
+PARK_LOOK_S: Final = 0.05
 # An attempt that ended with these is a whole answer in the history (not flagged partial).
 WHOLE_ANSWERS: Final = frozenset({AttemptStatus.COMPLETE, AttemptStatus.REQUIRES_ACTION})
 
@@ -68,8 +72,11 @@ class Turns:
         jobs: JobQueue,
         webhooks: Webhooks | None = None,
         server_tools: frozenset[str] = frozenset(),
+        asks_approval: bool = False,
     ) -> None:
         self._server_tools = server_tools  # names a client tool may not take
+        # Whether a tool of this broker may wait for a person (its turns may park).
+        self.asks_approval = asks_approval
         self._admission = admission
         self._jobs = jobs
         self._webhooks = webhooks
@@ -339,6 +346,20 @@ class Turns:
         """Whether the turn waits for a person (``awaiting_approval``: no worker holds it)."""
         key = self._keys.turn(conversation_id, turn_id)
         return await rc.hget(self._redis, key, "status") == TurnStatus.AWAITING_APPROVAL
+
+    async def parks(
+        self, conversation_id: str, turn_id: str, within_s: float = PARK_WAIT_S
+    ) -> bool:
+        """Whether the turn waits for a person now or within ``within_s``: a read that showed
+        an approval request asks, and ends there once the turn parked (nothing comes until
+        someone decides); False after ``within_s`` (the read asks again later)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + within_s
+        while not await self.waiting(conversation_id, turn_id):
+            if loop.time() >= until:
+                return False
+            await asyncio.sleep(PARK_LOOK_S)
+        return True
 
     async def latest(self, client_conversation_id: str, tenant: str | None) -> str | None:
         """The id of the caller's conversation's newest turn, if it has one (none for a

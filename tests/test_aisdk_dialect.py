@@ -261,3 +261,42 @@ def test_tool_approvals_in_the_ai_sdk_chat_against_a_live_broker(
         assert len(payments.requests) == 2, "approved twice, denied once: two payments"
     finally:
         payments.close()
+
+
+def test_a_message_with_two_approval_requests_shows_both_before_it_pauses(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
+    """Regression: a read that caught up between the two requests of one message ended at the
+    park with the first only (the attempt parks after the last request is stored)."""
+    payments = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
+    try:
+        tools = tmp_path / "tools.json"
+        tool = {
+            "name": "send_payment",
+            "class": "unkeyed_write",
+            "endpoint": payments.url,
+            "timeout_s": 5,
+            "approval": "always",
+        }
+        tools.write_text(json.dumps({"tools": [tool]}))
+        broker = broker_factory(tools=str(tools))
+        calls = [
+            {"name": "send_payment", "args": {"to": "bob", "amount": 1}, "after": 3},
+            {"name": "send_payment", "args": {"to": "carol", "amount": 2}, "after": 3},
+        ]
+        simulate = {"seed": 1, "tokens": 8, "tokens_per_s": 0, "tool_calls": calls}
+        body = _chat("two-asks", "m-two", params={"simulate": simulate})
+        with httpx.Client(base_url=broker.base_url, timeout=30) as http:
+            response = http.post("/v1/ui/chat", json=body)
+        assert response.status_code == 200
+        chunks = [
+            json.loads(line.removeprefix("data: "))
+            for line in response.text.splitlines()
+            if line.startswith("data: {")
+        ]
+        asked = [c for c in chunks if c["type"] == "tool-approval-request"]
+        assert len(asked) == 2
+        assert chunks[-1]["type"] == "finish"
+        assert payments.requests == []
+    finally:
+        payments.close()

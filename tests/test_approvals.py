@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -532,11 +533,12 @@ def test_a_regenerate_after_a_stop_asks_again(
     assert len(payments.requests) == 1
 
 
-def test_a_responses_client_sees_the_wait_in_progress_and_the_answer_after_the_native_decision(
+def test_a_responses_client_sees_the_request_and_the_continuation_after_the_native_decision(
     approved_broker: RunningBroker, payments: ToolEndpoint
 ) -> None:
-    """The OpenAI Responses door shows no approval items: the response stays ``in_progress``
-    while a person decides through the native route (its id is the turn id)."""
+    """The OpenAI Responses door shows the pending approval as an ``mcp_approval_request``
+    item (see tests/test_openai_approvals.py); a decision made through the native route is
+    the same decision: the continuation ``<response id>:<approval id>`` holds the answer."""
     broker = approved_broker
     sdk = openai.OpenAI(base_url=f"{broker.base_url}/v1", api_key="unused", max_retries=0)
     script = [{"name": "send_payment", "args": BIG, "after": 3}]
@@ -548,10 +550,44 @@ def test_a_responses_client_sees_the_wait_in_progress_and_the_answer_after_the_n
         extra_body={"broker": {"params": {"simulate": simulate}}},
     )
     (pending,) = wait_awaiting(broker, response.id)["approvals"]
-    assert sdk.responses.retrieve(response.id).status == "in_progress"
+    shown = sdk.responses.retrieve(response.id)
+    assert shown.status == "completed"
+    assert [item.id for item in shown.output if item.type == "mcp_approval_request"] == [
+        pending["approval_id"]
+    ]
     assert decide(broker, response.id, pending["approval_id"], "approve").status_code == 200
-    done = wait_until(
-        lambda: (r := sdk.responses.retrieve(response.id)).status == "completed" and r
-    )
-    assert done.output_text == wait_final(broker.base_url, response.id)["canonical"]["text"]
+    final = wait_final(broker.base_url, response.id)
+    continued = sdk.responses.retrieve(f"{response.id}:{pending['approval_id']}")
+    assert continued.status == "completed"
+    assert shown.output_text + continued.output_text == final["canonical"]["text"]
+    assert len(payments.requests) == 1
+
+
+def test_a_resumed_approval_waits_for_a_stream_slot_of_its_tenant(
+    broker_factory: BrokerFactory, tmp_path: Path, payments: ToolEndpoint
+) -> None:
+    """Regression: a parked turn gives its tenant's stream slot back, and its resume was queued
+    without taking one again, so a tenant at BROKER_MAX_STREAMS_PER_TENANT ran one more."""
+    broker = broker_factory(tools=str(tools_file(tmp_path, payments.url)), max_streams_per_tenant=1)
+    runtime = broker.runtime
+    live = runtime.keys.live_streams(None)
+    pay_turn(broker, "parked")
+    (pending,) = wait_awaiting(broker, "parked")["approvals"]
+    # Its slot is free while it waits: another turn takes it, and the tenant is at its cap.
+    start_turn(broker.base_url, turn_id="busy", tokens=500, tokens_per_s=20, expect=201)
+    wait_until(lambda: get_turn(broker.base_url, "busy")["status"] == "streaming")
+    assert decide(broker, "parked", pending["approval_id"], "approve").status_code == 200
+    # The approved turn is not failed: it waits, queued, through a few reclaim passes (each
+    # would resume it without its slot), and the cap holds all along.
+    passes = 3 * runtime.settings.reclaim_every_s
+    deadline = time.monotonic() + passes
+    while time.monotonic() < deadline:
+        assert get_turn(broker.base_url, "parked")["status"] == "queued"
+        assert broker.call(runtime.redis.zcard(live)) <= 1
+        assert payments.requests == []
+    refused = start_turn(broker.base_url, turn_id="third", tokens=2, expect=429)
+    assert refused["error"]["code"] == "too_many_streams"
+    # A slot frees: the approved turn resumes, pays once and completes.
+    httpx.post(f"{broker.base_url}/v1/turns/busy/cancel", timeout=10)
+    assert wait_final(broker.base_url, "parked", timeout=20)["status"] == "complete"
     assert len(payments.requests) == 1

@@ -162,6 +162,7 @@ RUN = {
     ("durable-streams.md", "Durable Streams"): "tests/test_readme.py",
     ("durable-streams.md", "Subscriptions"): "tests/test_durable_streams.py",
     ("openai.md", "OpenAI Responses and Chat Completions"): "tests/test_openai_readme.py",
+    ("openai.md", "Tool approvals"): "tests/test_openai_approvals.py",
 }
 COMMANDS = "the install, run and test commands: .ci/run runs the install and the tests as written"
 # Shown only: why no test can paste them as they are.

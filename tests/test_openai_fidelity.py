@@ -214,7 +214,8 @@ def test_item_references_resolve_to_the_brokers_own_items(broker: RunningBroker)
     assert "input.str" not in unknown.value.message
     assert unsupported.value.param == "input"
     assert "computer_call_output" in unsupported.value.message
-    assert approval.value.param == "input"
+    # An answer to approval requests needs the response that asked (tests/test_openai_approvals.py).
+    assert approval.value.param == "previous_response_id"
     assert "mcp_approval_response" in approval.value.message
     assert image.value.param == "input"
     assert "input_image" in image.value.message

@@ -37,6 +37,7 @@ class UIMessageRenderer:
     ) -> None:
         self.chunks = Renderer(turn_id, stream_id, prelude)
         self.emit_key = emit_after.key
+        self.last: str | None = None  # the wire offset of the last event read
 
     def opening(self) -> bytes:
         return b""
@@ -48,6 +49,7 @@ class UIMessageRenderer:
             chunks = self.chunks.render(entry, final=final)
             if chunks and entry.sort_key > self.emit_key:
                 out.append(encode(entry.offset, chunks))
+            self.last = entry.offset
         return b"".join(out)
 
     def caught_up(self) -> bytes:

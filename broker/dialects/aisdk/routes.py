@@ -6,7 +6,6 @@ conversation, a user message is a turn, regenerate and continue are attempts of 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Sequence
 from typing import Annotated, Any, Final
@@ -51,9 +50,6 @@ UI_STREAM_HEADERS: Final = [
     (b"cache-control", b"no-cache"),
     (b"x-vercel-ai-ui-message-stream", b"v1"),
 ]
-# How long a read that showed an approval request looks for its turn to park, and how often.
-PARK_WAIT_S: Final = 2.0
-PARK_LOOK_S: Final = 0.05
 # How many follow-up turns back a resume looks for an answer that runs again.
 MAX_FOLLOW_UPS: Final = 16
 UI_STREAM: Final[dict[int | str, dict[str, Any]]] = {
@@ -92,18 +88,9 @@ async def _stream(
 
 async def _parked(rt: Services, location: Location, renderer: UIMessageRenderer) -> bool:
     """Whether the read ends at the stream's tail: approvals it showed wait for a person and the
-    turn is ``awaiting_approval`` (nothing comes until someone decides). The attempt parks
-    right after the model's message that asked: a read that meets the request first looks a
-    few times, for at most :data:`PARK_WAIT_S` (then again at its next heartbeat)."""
-    if not renderer.waiting:
-        return False
-    loop = asyncio.get_running_loop()
-    until = loop.time() + PARK_WAIT_S
-    while not await rt.turns.waiting(location.conversation_id, location.turn_id):
-        if loop.time() >= until:
-            return False
-        await asyncio.sleep(PARK_LOOK_S)
-    return True
+    turn is ``awaiting_approval``, and the read has every request of the message (nothing
+    comes until someone decides; see :meth:`broker.http.Services.parked`)."""
+    return renderer.waiting and await rt.parked(location, renderer.last)
 
 
 async def _final(rt: Services, location: Location, end: Entry) -> bool:

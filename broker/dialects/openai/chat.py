@@ -29,15 +29,13 @@ from broker.dialects.openai.render import FINISH, ChatRenderer, usage_of
 from broker.dialects.openai.requests import ChatRequest, chat_messages, tool_params, turn_params
 from broker.dialects.openai.responses import (
     Credentials,
-    StoredResponse,
     answer,
     create_turn,
-    load,
     parse,
-    settle,
     to_turn,
     turn_id_of,
 )
+from broker.dialects.openai.stored import StoredResponse, load, settle
 from broker.dialects.openai.tools import chat_calls, chat_client_tools
 from broker.frames import ORIGIN, Cursor, Entry
 from broker.http import Services, json_response, services

@@ -23,6 +23,10 @@ the continuation only; the terminal response (like ``GET``) holds the whole answ
 plus the continuation. The terminal event is
 ``response.completed`` (complete), ``response.incomplete`` (interrupted, or cancelled with status
 ``cancelled``) or ``response.failed``.
+
+A turn that may wait for a person is read by the ``ApprovalsRenderer`` of
+:mod:`broker.dialects.openai.render` instead, numbered by what is read (see
+:mod:`broker.dialects.openai.approvals`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ WHOLE: Final = frozenset({"complete", "requires_action"})
 STATUS: Final = {
     TurnStatus.QUEUED: "queued",
     TurnStatus.STREAMING: "in_progress",
-    TurnStatus.AWAITING_APPROVAL: "in_progress",  # a person decides; the answer goes on after
+    # A person decides; the answer goes on after (a response with function tools: the others
+    # end at their approval requests, see broker/dialects/openai/approvals.py).
+    TurnStatus.AWAITING_APPROVAL: "in_progress",
     TurnStatus.COMPLETE: "completed",
     TurnStatus.INTERRUPTED: "incomplete",
     TurnStatus.CANCELLED: "cancelled",

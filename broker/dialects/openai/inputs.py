@@ -26,6 +26,7 @@ from broker.dialects.openai.requests import (
     as_message,
     input_items,
 )
+from broker.dialects.openai.stored import find_continuation
 from broker.dialects.openai.tools import add_call_item
 from broker.errors import BrokerError
 from broker.http import Services
@@ -90,20 +91,24 @@ class Prior:
 
 
 async def prior(rt: Services, response_id: str, tenant: str | None) -> Prior:
-    """The previous response; 400 naming ``previous_response_id`` when there is none to use."""
+    """The previous response; 400 naming ``previous_response_id`` when there is none to use. A
+    continuation (see :mod:`broker.dialects.openai.approvals`) is its turn's: its context is the
+    turn's input and whole answer."""
     not_found = ParamError(
         f"previous response with id {response_id[:128]!r} not found",
         "previous_response_id",
         code="previous_response_not_found",
     )
     try:
-        state = await rt.turns.get(response_id, tenant)
+        continued = await find_continuation(rt, response_id, tenant)
+        turn_id = continued[0].location.turn_id if continued is not None else response_id
+        state = await rt.turns.get(turn_id, tenant)
     except BrokerError as exc:
         if exc.status == 404:
             raise not_found from None
         raise ParamError(exc.message, "previous_response_id", code=exc.code) from None
-    conversation_id = await rt.turns.locate(response_id, tenant)
-    request = await rt.turns.request(conversation_id, response_id)
+    conversation_id = await rt.turns.locate(turn_id, tenant)
+    request = await rt.turns.request(conversation_id, turn_id)
     if request.echo.get("store") is False:
         raise not_found  # OpenAI: a response not stored cannot be continued
     return Prior(response_id, conversation_id, request, state)

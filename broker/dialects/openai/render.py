@@ -10,16 +10,20 @@ from typing import Any, ClassVar, Final
 
 import orjson
 
+from broker.dialects.openai.approvals import request_item
 from broker.dialects.openai.calls import Calls
 from broker.dialects.openai.events import (
     OPENING,
     REPLACED,
+    TERMINAL,
     AttemptEnd,
     Head,
     expand,
     expansion,
     failure_message,
     frame,
+    item_id,
+    message_item,
     opening,
 )
 from broker.frames import Entry
@@ -95,6 +99,174 @@ class ResponsesRenderer:
 
     def closing(self) -> bytes:
         return b""
+
+
+# The terminal events' types: the response object they hold is the response as it ended.
+_TERMINAL_TYPES: Final = frozenset(kind for kind, _ in TERMINAL.values())
+
+
+class ApprovalsRenderer:
+    """A response of a turn that may wait for a person, numbered by what is read from its
+    start (the turn's origin, or a continuation's: ``continued``), the events after sequence
+    number ``starting_after`` sent. See :mod:`broker.dialects.openai.approvals`.
+
+    Each ``approval_request`` is an ``mcp_approval_request`` item (``output_item.added`` and
+    ``.done``); the response ends, ``completed`` with the message so far and its requests, at
+    the first ``approval_decision`` (not a stop's) after a request it showed, or, when the turn
+    waits for that decision, at :meth:`closing` (the door ends the read once the turn parked).
+    A continuation's message is opened by its first event and holds its own text only. An
+    ``end``'s facts are its :class:`AttemptEnd`."""
+
+    dialect: ClassVar[str] = "responses"
+    raw: ClassVar[bool] = False
+    heartbeat: ClassVar[bytes] = PING
+    replaced: ClassVar[bytes] = REPLACED
+
+    def __init__(self, head: Head, starting_after: int, continued: bool = False) -> None:
+        self.head, self.starting_after, self.continued = head, starting_after, continued
+        self.sequence = OPENING
+        self.items = 0  # output items added so far
+        self.messages: dict[int, int] = {}  # attempt -> its message's output index
+        self.texts: dict[int, str] = {}  # attempt -> its text read here
+        self.attempt = 0
+        self.usage: dict[str, Any] | None = None
+        self.requests: list[dict[str, Any]] = []  # the approval requests shown
+        self.finished = False
+        self.ended: dict[str, Any] | None = None  # the response its terminal event held
+        self.last: str | None = None  # the wire offset of the last event read
+
+    @property
+    def waiting(self) -> bool:
+        """Whether it showed approval requests and waits for their decision."""
+        return bool(self.requests) and not self.finished
+
+    def opening(self) -> bytes:
+        if self.starting_after >= OPENING - 1:
+            return b""
+        opened = opening(self.head)
+        return b"".join(frame(e) for e in opened if e["sequence_number"] > self.starting_after)
+
+    def render(self, entries: Sequence[Entry], facts: Facts) -> bytes:
+        frames: list[bytes] = []
+        for entry in entries:
+            events = self.events(entry.kind, orjson.loads(entry.data), facts.get(entry.offset))
+            frames += self._numbered(events)
+            self.last = entry.offset
+        return b"".join(frames)
+
+    def _numbered(self, events: list[dict[str, Any]]) -> list[bytes]:
+        out = []
+        for event in events:
+            event["sequence_number"] = self.sequence
+            self.sequence += 1
+            if event["type"] in _TERMINAL_TYPES:
+                self.ended = event["response"]
+            if event["sequence_number"] > self.starting_after:
+                out.append(frame(event))
+        return out
+
+    def events(
+        self, kind: str, data: dict[str, Any], end: AttemptEnd | None
+    ) -> list[dict[str, Any]]:
+        """The Responses events of one stored event (unnumbered)."""
+        if self.finished:
+            return []
+        attempt = int(data.get("attempt") or self.attempt)
+        if kind == "attempt":
+            self.attempt, self.requests = attempt, []
+            self.messages[attempt], self.texts[attempt] = self.items, ""
+            self.items += 1
+            return expand(self.head, kind, data, 0, index=self.messages[attempt])
+        if kind == "usage":
+            self.usage = data
+            return []
+        if kind == "approval_decision":
+            if self.requests and data.get("by") != "stop":
+                return self.close()
+            return []
+        if kind not in ("delta", "approval_request", "end"):
+            return []
+        events = self._open(attempt)
+        if kind == "delta":
+            self.texts[attempt] += str(data.get("text", ""))
+            events += expand(self.head, kind, data, 0, index=self.messages[attempt])
+        elif kind == "approval_request":
+            events += self._request(data)
+        else:
+            events += self._end(data, end)
+        return events
+
+    def _open(self, attempt: int) -> list[dict[str, Any]]:
+        """The message of ``attempt``, opened by its first event read here (a continuation's)."""
+        self.attempt = attempt
+        if attempt in self.messages:
+            return []
+        self.messages[attempt], self.texts[attempt] = self.items, ""
+        self.items += 1
+        opened = expand(self.head, "attempt", {"attempt": attempt}, 0, index=self.messages[attempt])
+        return [e for e in opened if e["type"] != "response.in_progress"]
+
+    def _request(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        item = request_item(data)
+        index = self.items
+        self.items += 1
+        self.requests.append(item)
+        return [
+            {"type": "response.output_item.added", "output_index": index, "item": item},
+            {"type": "response.output_item.done", "output_index": index, "item": item},
+        ]
+
+    def _end(self, data: dict[str, Any], end: AttemptEnd | None) -> list[dict[str, Any]]:
+        attempt = self.attempt
+        stored = end or AttemptEnd("", "", self.usage, None)
+        if self.continued:  # a continuation's message holds what it read
+            text = self.texts[attempt]
+            stored = AttemptEnd(text, text, stored.usage, stored.reason, stored.error)
+        self.finished = True
+        index = self.messages[attempt]
+        return expand(self.head, "end", data, 0, stored, index=index, calls=self.requests)
+
+    def close(self) -> list[dict[str, Any]]:
+        """The end of a response at its approval requests: its message done, then
+        ``response.completed`` with the message and the requests."""
+        self.finished = True
+        attempt = self.attempt
+        text = self.texts.get(attempt, "")
+        index = self.messages.get(attempt, 0)
+        common = {"item_id": item_id(self.head.response_id, attempt), "output_index": index}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        message = message_item(self.head.response_id, attempt, text, "completed")
+        response = self.head.response("completed", [message, *self.requests], usage=self.usage)
+        return [
+            {
+                "type": "response.output_text.done",
+                **common,
+                "content_index": 0,
+                "text": text,
+                "logprobs": [],
+            },
+            {"type": "response.content_part.done", **common, "content_index": 0, "part": part},
+            {"type": "response.output_item.done", "output_index": index, "item": message},
+            {"type": "response.completed", "response": response},
+        ]
+
+    def caught_up(self) -> bytes:
+        return b""
+
+    def closing(self) -> bytes:
+        """The end at the approval requests, when the read ended while they wait."""
+        return b"".join(self._numbered(self.close())) if self.waiting else b""
+
+    def snapshot(self) -> dict[str, Any]:
+        """The response as it stands: as it ended, or in progress with its message so far."""
+        if self.ended is not None:
+            return self.ended
+        attempt = self.attempt
+        output = []
+        if attempt in self.messages:
+            text = self.texts[attempt]
+            output.append(message_item(self.head.response_id, attempt, text, "in_progress"))
+        return self.head.response("in_progress", [*output, *self.requests])
 
 
 # --- Chat Completions --------------------------------------------------------------------------

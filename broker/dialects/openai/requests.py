@@ -201,7 +201,10 @@ class ResponsesRequest(BaseModel):
     )
     # Items are checked one by one (:func:`input_items`), so a refusal names the item's type.
     input: str | list[dict[str, Any]] = Field(
-        description="a string, or items: messages (role, content) and item_reference"
+        description=(
+            "a string, or items: messages (role, content), item_reference, function_call, "
+            "function_call_output; or mcp_approval_response items alone"
+        )
     )
     instructions: str | None = None
     include: list[str] | None = Field(default=None, max_length=16)

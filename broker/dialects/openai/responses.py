@@ -6,17 +6,20 @@ continues that response's conversation, sending that response's context (its inp
 plus the new input (see :mod:`broker.dialects.openai.inputs`). The fields the response object
 echoes (``instructions``, ``metadata``, ``background``, ``store``, ``previous_response_id``) are
 stored with the turn's request as its ``echo``.
+
+A turn whose tool call waits for a person is more than one response: the turn's own ends at
+its ``mcp_approval_request`` items, and each answer (``mcp_approval_response`` items, with
+``previous_response_id``) is decided through the core and answered with the turn's
+continuation, whose id is ``<turn_id>:<approval_id>`` (the approval whose decision it starts
+at); see :mod:`broker.dialects.openai.approvals`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import re
 import secrets
-import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request, Security
@@ -26,22 +29,16 @@ from starlette.responses import Response
 
 from broker.api.schemas import ID_PARAMETER, json_schema, response_event
 from broker.auth import Principal
-from broker.dialects.openai.calls import Calls, function_tools, pending_items
-from broker.dialects.openai.errors import documented, error_response, from_broker_error
-from broker.dialects.openai.events import (
-    EXPANSION,
-    OPENING,
-    STATUS,
-    TEXT_FORMAT,
-    WHOLE,
-    AttemptEnd,
-    Head,
-    failure_message,
-    message_item,
+from broker.dialects.openai.approvals import (
+    MAX_TURN_ID,
+    ApprovalAnswer,
+    Span,
+    approval_answers,
+    stands,
 )
+from broker.dialects.openai.errors import documented, error_response, from_broker_error
 from broker.dialects.openai.formats import responses_format
 from broker.dialects.openai.inputs import Context, context
-from broker.dialects.openai.render import ResponsesRenderer
 from broker.dialects.openai.requests import (
     INCLUDE_NOTHING,
     ParamError,
@@ -54,17 +51,30 @@ from broker.dialects.openai.requests import (
     tool_params,
     turn_params,
 )
+from broker.dialects.openai.stored import (
+    StoredResponse,
+    find_continuation,
+    load,
+    load_for_reading,
+    response_object,
+    settle,
+    span_object,
+    spans,
+    stream_response,
+    stream_span,
+    with_approvals,
+)
 from broker.dialects.openai.tools import renamed, responses_client_tools
-from broker.errors import REDIS_UNAVAILABLE, BadRequest, BrokerError
-from broker.frames import ORIGIN, Entry
+from broker.errors import REDIS_UNAVAILABLE, BadRequest, BrokerError, Conflict, NotFound
+from broker.frames import ORIGIN
 from broker.http import Services, actor, bearer, caller, json_response, services
 from broker.numbers import whole_number
-from broker.reader import Location
-from broker.relay import Read
-from broker.turn_records import StoredRequest
 from broker.turns import TurnRequest
 from broker.viewer import admit
-from broker.vocabulary import ACTIVE_STATUSES, ID_PATTERN, TurnStatus
+from broker.vocabulary import ID_PATTERN, TurnStatus
+
+if TYPE_CHECKING:
+    from broker.approvals import Decided
 
 router = APIRouter(tags=["openai"])
 
@@ -196,134 +206,107 @@ def echoed_fields(body: ResponsesRequest, sent: Context) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-# --- reading a response back ------------------------------------------------------------------
+# --- approvals --------------------------------------------------------------------------------
 
 
-class StoredResponse:
-    """One response as stored: its turn's state, location and the request it was made with."""
+def turn_span(stored: StoredResponse) -> Span:
+    """The turn's own response, from its origin (its first span)."""
+    return Span(stored.location.turn_id, ORIGIN, None)
 
-    def __init__(self, state: dict[str, Any], location: Location, request: StoredRequest) -> None:
-        self.state = state
-        self.location = location
-        self.request = request
 
-    @property
-    def head(self) -> Head:
-        request = self.request
-        params = request.params
-        model = request.model or request.provider or "simulated"
-        if request.provider and request.provider != "simulated":
-            model = f"{request.provider}/{model}"
-        echo = request.echo
-        return Head(
-            response_id=self.state["turn_id"],
-            model=str(model),
-            created_at=int(self.state["created_ms"]) // 1000,
-            instructions=echo.get("instructions"),
-            temperature=params.get("temperature"),
-            top_p=params.get("top_p"),
-            max_output_tokens=params.get("max_tokens"),
-            previous_response_id=echo.get("previous_response_id"),
-            background=bool(echo.get("background", False)),
-            metadata=dict(echo.get("metadata") or {}),
-            text=echo.get("text") or TEXT_FORMAT,
-            tools=function_tools(request.client_tools),
-            tool_choice=echo.get("tool_choice") or "auto",
-            parallel_tool_calls=echo.get("parallel_tool_calls", True),
+async def respond(
+    rt: Services, stored: StoredResponse, span: Span, body: ResponsesRequest, principal: Principal
+) -> Response:
+    """A response of a turn that may wait for a person, as ``body`` asks for it: its events,
+    at once (``background``), or once it ended (at rest, or at approval requests)."""
+    if body.stream:
+        return await stream_span(rt, stored, span, -1, principal)
+    return json_response(await span_object(rt, stored, span, wait=not body.background))
+
+
+async def answer_approvals(
+    rt: Services, principal: Principal, body: ResponsesRequest, answers: list[ApprovalAnswer]
+) -> Response:
+    """``mcp_approval_response`` items: each decides its approval through the core (the first
+    decision wins, from any door; another decision that stands is a 409 naming it), and the
+    response is the turn's continuation after the response that asked."""
+    tenant = principal.tenant
+    previous = body.previous_response_id
+    if previous is None:
+        raise ParamError(
+            "mcp_approval_response items answer a previous response's approval requests: "
+            "previous_response_id is required",
+            "previous_response_id",
+            code="missing_previous_response",
+        )
+    stored = await _answered(rt, previous, tenant)
+    turn_id = stored.location.turn_id
+    if len(turn_id) > MAX_TURN_ID:
+        raise ParamError(
+            f"response {turn_id[:64]!r}... has an id longer than {MAX_TURN_ID} characters, too "
+            "long to name its continuations: decide with POST /v1/turns/{turn_id}/approvals/"
+            "{approval_id} and read the response again",
+            "previous_response_id",
+            code="response_id_too_long",
+        )
+    _check_all_answered(await rt.turns.get(turn_id, tenant), answers)
+    standing: list[Decided] = []
+    for item in answers:
+        try:
+            decided = await rt.turns.decide(
+                turn_id, item.approval_request_id, item.decision, item.reason, tenant
+            )
+        except NotFound:
+            raise ParamError(
+                f"input: {item.approval_request_id[:64]!r} is no approval request of response "
+                f"{previous!r}",
+                "input",
+                code="unknown_approval_request",
+            ) from None
+        if decided.decision != item.decision:
+            standing.append(decided)
+    if standing:
+        raise Conflict("; ".join(map(stands, standing)), code="approval_decided")
+    chained = await spans(rt, stored.location)
+    following = [n for n, span in enumerate(chained) if span.response_id == previous]
+    if not following or following[0] + 1 >= len(chained):
+        raise ParamError(
+            f"response {previous!r} shows no approval request that these items answer",
+            "input",
+            code="unknown_approval_request",
+        )
+    return await respond(rt, stored, chained[following[0] + 1], body, principal)
+
+
+def _check_all_answered(state: dict[str, Any], answers: list[ApprovalAnswer]) -> None:
+    """400 naming ``input`` when the answers leave requests of the same message waiting (the
+    response they continue would wait for those, with nothing to show): the client answers
+    every request it was shown, or none waits any more (another device decided them)."""
+    waiting = [a["approval_id"] for a in state.get("approvals") or ()]
+    answered = {item.approval_request_id for item in answers}
+    left = [approval_id for approval_id in waiting if approval_id not in answered]
+    if left and answered & set(waiting):
+        raise ParamError(
+            f"input: answer every approval request of the response at once; {', '.join(left)} "
+            "still waits",
+            "input",
+            code="approval_requests_unanswered",
         )
 
 
-async def load(rt: Services, response_id: str, tenant: str | None) -> StoredResponse:
-    state = await rt.turns.get(response_id, tenant)
-    location = await rt.streams.locate(state["stream_id"], tenant)
-    request = await rt.turns.request(location.conversation_id, location.turn_id)
-    return StoredResponse(state, location, request)
-
-
-async def load_for_reading(rt: Services, response_id: str, tenant: str | None) -> StoredResponse:
-    """What a read of the response's events needs, in two round trips (a resume waits for
-    them); the full :func:`load` answers the unknown and expired ones with their error."""
-    found = await rt.turns.find(response_id, tenant)
-    if found is None:
-        return await load(rt, response_id, tenant)
-    state = {"turn_id": response_id, "stream_id": found.stream_id, "created_ms": found.created_ms}
-    location = Location(found.stream_id, found.conversation_id, response_id)
-    return StoredResponse(state, location, found.request)
-
-
-async def attempt_end(rt: Services, location: Location, attempt: int) -> AttemptEnd:
-    """An attempt's own text, usage and reason, as stored when it ended (a continue's item
-    holds the rest of the partial it continues, and its response the whole answer)."""
-    ended = await rt.turns.attempt(location.conversation_id, location.turn_id, attempt)
-    record = ended.record
-    usage = record.usage if record is not None else None
-    reason = record.reason if record is not None else None
-    error = record.error if record is not None else None
-    return AttemptEnd(ended.own_text, ended.text, usage, reason, error)
-
-
-async def response_object(rt: Services, stored: StoredResponse) -> dict[str, Any]:
-    """The response as ``GET /v1/responses/{id}`` shows it: the answer so far, usage once known."""
-    state, head = stored.state, stored.head
-    status = STATUS.get(state["status"], "failed")
-    current = int(state["attempt"])
-    records = {a["n"]: a for a in state["attempts"]}
-    output: list[dict[str, Any]] = []
-    usage = None
-    error = None
-    reason = None
-    if state["status"] in ACTIVE_STATUSES:
-        location = stored.location
-        text = await rt.turns.text_so_far(location.conversation_id, location.turn_id, current)
-        output.append(message_item(head.response_id, current, text, "in_progress"))
-    else:
-        canonical = state["canonical"]
-        n = canonical["attempt"] if canonical else current
-        record = records.get(n, {})
-        text = canonical["text"] if canonical else ""
-        item_status = "completed" if record.get("status") in WHOLE else "incomplete"
-        output.append(message_item(head.response_id, n, text, item_status))
-        output += pending_items(n, state.get("tool_calls") or ())
-        usage = record.get("usage")
-        if state["status"] == "failed":
-            message = failure_message(record.get("reason"), record.get("error"))
-            error = {"code": "server_error", "message": message}
-        reason = record.get("reason")
-    return head.response(status, output, usage=usage, error=error, reason=reason)
-
-
-async def stream_response(
-    rt: Services, stored: StoredResponse, starting_after: int, principal: Principal
-) -> Response:
-    """The response's events after sequence number ``starting_after`` (-1: all), live, to the
-    turn's final ``end``, read by ``principal`` through the relay (see :mod:`broker.relay`)."""
-    location = stored.location
-    # The token's rules before the seek, which looks at the stream (the relay checks them too).
-    admit(rt.metrics, principal, location.stream_id, sse=True)
-    calls = Calls() if stored.request.client_tools else None
-    if starting_after < OPENING - 1 or calls is not None:
-        after, base = ORIGIN, OPENING  # with calls: numbered by what is read (see calls.py)
-    else:
-        seek = await rt.sequences.seek(location, starting_after, first=OPENING, expansion=EXPANSION)
-        after, base = seek.after, seek.base
-    renderer = ResponsesRenderer(stored.head, starting_after, base, calls)
-    facts = functools.partial(_attempt_end_of, rt, location)
-    return await rt.relay(principal, Read(location, after, renderer, facts))
-
-
-async def _attempt_end_of(rt: Services, location: Location, end: Entry) -> AttemptEnd:
-    """The facts of an ``end``: its attempt's stored text, usage and reason."""
-    return await attempt_end(rt, location, end.attempt())
-
-
-async def settle(rt: Services, location: Location, within_s: float | None = None) -> None:
-    """Wait until the turn is at rest (the stream's final ``end``), or ``within_s`` passed (seen
-    at the next event or heartbeat: no cancellation is relied on)."""
-    deadline = None if within_s is None else time.monotonic() + within_s
-    async with contextlib.aclosing(rt.streams.follow_chunks(location, ORIGIN)) as items:
-        async for _ in items:
-            if deadline is not None and time.monotonic() > deadline:
-                return
+async def _answered(rt: Services, previous: str, tenant: str | None) -> StoredResponse:
+    """The turn of the response whose approval requests are answered; 400 when unknown."""
+    try:
+        continued = await find_continuation(rt, previous, tenant)
+        return continued[0] if continued is not None else await load(rt, previous, tenant)
+    except BrokerError as exc:
+        if exc.status != 404:
+            raise
+        raise ParamError(
+            f"previous response with id {previous[:128]!r} not found",
+            "previous_response_id",
+            code="previous_response_not_found",
+        ) from None
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -355,6 +338,9 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
     async def work(principal: Principal) -> Response:
         rt = services(request)
         body, _ = await parse(request, ResponsesRequest)
+        answers = approval_answers(body.input)
+        if answers is not None:
+            return await answer_approvals(rt, principal, body, answers)
         tools = responses_client_tools(check_supported(body), body.tool_choice)
         response_format, text_echo = responses_format(body.text)
         turn_id = turn_id_of(request, body.metadata, "resp_")
@@ -376,6 +362,8 @@ async def create_response(request: Request, _credentials: Credentials) -> Respon
         )
         await create_turn(rt, turn, principal.tenant, "input")
         stored = await load(rt, turn_id, principal.tenant)
+        if with_approvals(rt, stored):
+            return await respond(rt, stored, turn_span(stored), body, principal)
         if body.stream:
             return await stream_response(rt, stored, -1, principal)
         if not body.background:
@@ -453,14 +441,27 @@ async def retrieve_response(
         after = _int_param(starting_after, "starting_after")
         query = request.query_params  # the SDKs send a list as include[]=...
         check_include([*query.getlist("include[]"), *query.getlist("include")])
-        if streaming:
-            stored = await load_for_reading(rt, response_id, principal.tenant)
-            return await stream_response(rt, stored, -1 if after is None else after, principal)
-        if after is not None:
+        if not streaming and after is not None:
             raise BadRequest("starting_after needs stream=true", code="bad_request")
-        stored = await load(rt, response_id, principal.tenant)
+        continued = await find_continuation(rt, response_id, principal.tenant)
+        span: Span | None
+        if continued is not None:
+            stored, span = continued
+        elif streaming:
+            stored = await load_for_reading(rt, response_id, principal.tenant)
+            span = turn_span(stored) if with_approvals(rt, stored) else None
+        else:
+            stored = await load(rt, response_id, principal.tenant)
+            span = turn_span(stored) if with_approvals(rt, stored) else None
+        if streaming:
+            since = -1 if after is None else after
+            if span is not None:
+                return await stream_span(rt, stored, span, since, principal)
+            return await stream_response(rt, stored, since, principal)
         # An attach token reads its own response only; a one-viewer token over SSE only.
         admit(rt.metrics, principal, stored.location.stream_id, sse=False)
+        if span is not None:
+            return json_response(await span_object(rt, stored, span, wait=False))
         return json_response(await response_object(rt, stored))
 
     return await answer(request, work, reading=True)
@@ -477,6 +478,12 @@ async def cancel_response(
 
     async def work(principal: Principal) -> Response:
         rt = services(request)
+        continued = await find_continuation(rt, response_id, principal.tenant)
+        if continued is not None:  # a continuation's stop is its turn's
+            stored, span = continued
+            await rt.turns.cancel(stored.location.turn_id, principal.tenant)
+            await settle(rt, stored.location, CANCEL_WAIT_S)
+            return json_response(await span_object(rt, stored, span, wait=False))
         await rt.turns.cancel(response_id, principal.tenant)
         stored = await load(rt, response_id, principal.tenant)
         if stored.state["status"] == TurnStatus.STREAMING:
