@@ -4,8 +4,8 @@ Both live in one Lua script on the tenant's keys (``admit_turn``), so every API 
 them. Every generation is charged: a new turn, and each ``continue`` or ``regenerate`` attempt.
 A live stream is an attempt queued or generating; its slot is freed when the attempt ends, or
 when its deadline passes (a crashed process cannot hold a slot for ever; the worker running the
-attempt pushes the deadline forward). A worker holds the slot of every queued attempt before it
-runs it (:meth:`Admission.hold`): a turn that waited for a person gave its slot back, and its
+attempt pushes the deadline forward). A turn that waited for a person gave its slot back: the
+worker holds a slot for its resumed attempt before it runs it (:meth:`Admission.hold`), and the
 resume waits, queued, for a free one.
 """
 

@@ -67,7 +67,9 @@ SUBSCRIPTION_ERRORS = (RedisError, RedisClusterException, OSError)
 class Job:
     """One generation job: run ``attempt`` of a turn. ``conversation_id`` is the scoped id;
     ``stream`` the partition the job was read from, where it is refreshed and settled. A
-    notification job of an approval request (``broker.webhooks``) names its ``approval_id``."""
+    notification job of an approval request (``broker.webhooks``) names its ``approval_id``;
+    ``resumed``: the attempt of a turn that waited for a person, queued again by a decision (it
+    let its tenant's stream slot go while it waited, and takes one again before it runs)."""
 
     stream: str
     job_id: str
@@ -75,6 +77,7 @@ class Job:
     turn_id: str
     attempt: int
     approval_id: str | None = None
+    resumed: bool = False
 
     @classmethod
     def parse(cls, stream: str, job_id: str, fields: rc.Fields | None) -> Job | None:
@@ -90,6 +93,7 @@ class Job:
                 values["turn_id"],
                 int(values["attempt"]),
                 values.get("approval"),
+                values.get("resumed") == "1",
             )
         except (KeyError, ValueError):
             return None
@@ -152,15 +156,23 @@ class JobQueue:
         return self.streams[job_partition(conversation_id, self._partitions)]
 
     async def enqueue(
-        self, conversation_id: str, turn_id: str, attempt: int, approval_id: str | None = None
+        self,
+        conversation_id: str,
+        turn_id: str,
+        attempt: int,
+        approval_id: str | None = None,
+        *,
+        resumed: bool = False,
     ) -> str:
         """Put a job for one attempt of a turn (or one of its approval requests) on its
-        conversation's partition; its job id."""
+        conversation's partition; its job id. ``resumed``: see :class:`Job`."""
         partition = job_partition(conversation_id, self._partitions)
         stream = self.streams[partition]
         job = {"conversation_id": conversation_id, "turn_id": turn_id, "attempt": str(attempt)}
         if approval_id is not None:
             job["approval"] = approval_id
+        if resumed:
+            job["resumed"] = "1"
         if not self._cluster or not self._ring:
             return str(await self._redis.xadd(stream, job))  # type: ignore[arg-type]
         # The doorbell shares the partition's slot: one round trip. A lost doorbell only delays

@@ -86,7 +86,7 @@ class Turns:
         self._settings = deps.settings
         self._providers = providers
         self._metrics = deps.metrics
-        self.approvals = Approvals(deps, self._enqueue)
+        self.approvals = Approvals(deps, self._resume)
 
     def _check_limits(self, request: TurnRequest) -> None:
         limit = self._settings.max_messages
@@ -237,12 +237,18 @@ class Turns:
             raise NotAllowed("this broker sends no completion webhooks", code="notify_not_allowed")
         self._webhooks.check(request.notify.url)
 
-    async def _enqueue(self, conversation_id: str, turn_id: str, attempt: int) -> None:
+    async def _enqueue(
+        self, conversation_id: str, turn_id: str, attempt: int, *, resumed: bool = False
+    ) -> None:
         if self._webhooks is not None:
             # Before the job: the notification is in Redis before the attempt can end.
             await self._webhooks.watch(conversation_id, turn_id, attempt)
-        await self._jobs.enqueue(conversation_id, turn_id, attempt)
+        await self._jobs.enqueue(conversation_id, turn_id, attempt, resumed=resumed)
         await self._redis.hset(self._keys.turn(conversation_id, turn_id), "enqueued", "1")
+
+    async def _resume(self, conversation_id: str, turn_id: str, attempt: int) -> None:
+        """Queue the attempt of a turn a decision on its approvals resumed."""
+        await self._enqueue(conversation_id, turn_id, attempt, resumed=True)
 
     async def _rescue(self, conversation_id: str, turn_id: str, attempt: int) -> None:
         """Queue a turn that was created but never queued (a crash or a Redis blip between

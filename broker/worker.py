@@ -225,7 +225,7 @@ class Worker:
 
     async def _claim_and_run(self, job: Job) -> bool:
         job_id, conversation_id, turn_id = job.job_id, job.conversation_id, job.turn_id
-        if not await self._admission.hold(conversation_id, turn_id, job.attempt):
+        if job.resumed and not await self._admission.hold(conversation_id, turn_id, job.attempt):
             # Its tenant runs as many streams as it may (a resumed approval gave its slot
             # back while it waited): the job goes back, and a reclaim pass tries again.
             log.info("turn %s attempt %d waits for a stream slot", turn_id, job.attempt)

@@ -116,6 +116,15 @@ async def test_a_read_takes_jobs_from_every_partition(queue: JobQueue) -> None:
         assert job.stream == queue.stream_of(job.conversation_id)
 
 
+async def test_a_resumed_attempts_job_says_so_and_others_do_not(queue: JobQueue) -> None:
+    """A decision on a turn's approvals queues its attempt as resumed: the worker takes a
+    stream slot for it before it runs (it gave its own back while it waited); no other job."""
+    await queue.enqueue(conversation_in(0), "fresh", 1)
+    await queue.enqueue(conversation_in(0), "waited", 1, resumed=True)
+    jobs = {job.turn_id: job for job in await read_all(queue, "w1", 2)}
+    assert (jobs["fresh"].resumed, jobs["waited"].resumed) == (False, True)
+
+
 async def test_a_read_hands_out_no_more_than_asked_and_keeps_the_rest(queue: JobQueue) -> None:
     # Each partition answers up to its own COUNT: the surplus is held for the next read.
     for partition in range(PARTITIONS):
