@@ -1,12 +1,15 @@
 """What one attempt puts on its turn's stream, in order, through its :class:`TurnWriter`.
 
 Deltas are grouped: those that arrive while an append is in flight go together in the next one
-(a group commit), so a fast model costs fewer round trips than it sends deltas. A model slower
-than Redis would still cost an append per delta, so an append waits up to a linger
-(``BROKER_APPEND_LINGER_MS``) for the deltas that follow its first; the attempt's first output
-and everything that must follow the deltas (tool events, usage, the end) do not wait. Readers see
-the same events either way; each is in Redis before any reader can see it, and the attempt's
-text only counts what was appended.
+(a group commit), so a fast model costs fewer round trips than it sends deltas. An append waits
+for more only in a burst (:class:`Linger`): when deltas come so close together that several
+would share it; then the appends of the burst go at most a window apart (up to
+``BROKER_APPEND_LINGER_MS``), and a delta after a quiet gap goes at once. What it costs to hand
+an append to many readers is the fan-out's to save (:mod:`broker.fanout` rests a feed after a
+large hand-over), where the readers are counted. The attempt's first output and everything that
+must follow the deltas (tool events, usage, the end) never wait. Readers see the same events
+either way; each is in Redis before any reader can see it, and the attempt's text only counts
+what was appended.
 
 The order on the stream is kept here:
 
@@ -22,12 +25,57 @@ The order on the stream is kept here:
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import math
+from typing import Any, Final
 
 from broker.lease import Event, TurnWriter
 
 # Deltas queued behind an append in flight before the model has to wait for Redis.
 MAX_QUEUED_DELTAS = 512
+# In a burst, an append waits for about this many deltas to share it; deltas further apart than
+# the linger over this are no burst, and go at once.
+BURST_SHARE: Final = 8
+GAP_WEIGHT: Final = 0.5  # the newest gap's weight in the estimate of the time between deltas
+
+
+class Linger:
+    """When an attempt's next append goes: at once, unless the deltas come in a burst.
+
+    It keeps an estimate of the time between deltas (a moving average of the gaps, each counted
+    as the cap at most, so one long pause does not hide the burst after it). While that is at
+    most ``cap_s / BURST_SHARE``, the appends go ``BURST_SHARE`` gaps apart (at most ``cap_s``),
+    counted from the last append's start; otherwise, and for the first delta after a quiet gap,
+    an append goes as soon as the one in flight is done. Pure: the caller says what time it is.
+    """
+
+    __slots__ = ("_last_append", "_last_delta", "cap_s", "gap_s")
+
+    def __init__(self, cap_s: float) -> None:
+        self.cap_s = max(0.0, cap_s)
+        self.gap_s = self.cap_s  # a stream starts quiet
+        self._last_delta: float | None = None
+        self._last_append = -math.inf
+
+    def delta(self, now: float) -> None:
+        """A delta was queued at ``now``."""
+        if self._last_delta is not None:
+            gap = min(max(0.0, now - self._last_delta), self.cap_s)
+            self.gap_s += GAP_WEIGHT * (gap - self.gap_s)
+        self._last_delta = now
+
+    def appending(self, now: float) -> None:
+        """An append started at ``now``."""
+        self._last_append = now
+
+    @property
+    def window_s(self) -> float:
+        """How far apart the appends go: ``BURST_SHARE`` gaps in a burst, else 0."""
+        window = self.gap_s * BURST_SHARE
+        return window if 0 < window <= self.cap_s else 0.0
+
+    def wait_s(self, now: float) -> float:
+        """How long the next append waits, from ``now`` (0: it goes at once)."""
+        return max(0.0, self._last_append + self.window_s - now)
 
 
 class AttemptOutput:
@@ -37,10 +85,9 @@ class AttemptOutput:
     def __init__(self, writer: TurnWriter, attempt: int, *, linger_s: float = 0.0) -> None:
         self._writer = writer
         self._n = attempt
-        self._linger_s = linger_s
+        self._linger = Linger(linger_s)
         self._hurry: asyncio.Future[None] | None = None  # ends the linger under way
         self._hurried = False  # someone waits for the queued deltas: no more lingering
-        self._first_queued = 0.0  # loop time the oldest queued delta was queued
         self.strategy: Any = None  # the attempt record's strategy, for its `attempt` event
         self.has_attempt_event = False
         self.tool_output = False  # tool events of this attempt are on the stream
@@ -93,8 +140,7 @@ class AttemptOutput:
     async def _queue(self, event: Event, text: str) -> None:
         if self._flush_error is not None:
             await self.drain()  # raises it
-        if not self._queued:
-            self._first_queued = asyncio.get_running_loop().time()
+        self._linger.delta(asyncio.get_running_loop().time())
         self._queued.append(event)
         self._queued_text.append(text)
         if not self._flushing:
@@ -105,23 +151,24 @@ class AttemptOutput:
     async def _flush(self) -> None:
         try:
             while self._queued:
-                await self._linger()
+                await self._wait()
                 events, texts = self._queued, self._queued_text
                 self._queued, self._queued_text = [], []
+                self._linger.appending(asyncio.get_running_loop().time())
                 await self._write(events)
                 self._parts.extend(texts)
         except Exception as exc:  # handed to the generation at its next step
             self._flush_error = exc
             self._queued, self._queued_text = [], []
 
-    async def _linger(self) -> None:
-        """Give the deltas after the first queued up to the linger, from when it was queued, to
-        share its append (time spent waiting for the last append counts); not the attempt's
-        first output (its time to first token is the model's alone), nor once someone waits."""
-        if self._linger_s <= 0 or not self.has_attempt_event or self._hurried:
+    async def _wait(self) -> None:
+        """In a burst, give the deltas that follow the time :class:`Linger` says to share the
+        append; not the attempt's first output (its time to first token is the model's alone),
+        nor once someone waits."""
+        if not self.has_attempt_event or self._hurried:
             return
         loop = asyncio.get_running_loop()
-        delay = self._first_queued + self._linger_s - loop.time()
+        delay = self._linger.wait_s(loop.time())
         if delay <= 0:
             return
         hurry = self._hurry = loop.create_future()
