@@ -2,14 +2,13 @@
 
 Deltas are grouped: those that arrive while an append is in flight go together in the next one
 (a group commit), so a fast model costs fewer round trips than it sends deltas. An append waits
-for more only in a burst (:class:`Linger`): when deltas come so close together that several
-would share it; then the appends of the burst go at most a window apart (up to
-``BROKER_APPEND_LINGER_MS``), and a delta after a quiet gap goes at once. What it costs to hand
-an append to many readers is the fan-out's to save (:mod:`broker.fanout` rests a feed after a
-large hand-over), where the readers are counted. The attempt's first output and everything that
-must follow the deltas (tool events, usage, the end) never wait. Readers see the same events
-either way; each is in Redis before any reader can see it, and the attempt's text only counts
-what was appended.
+for more only in a burst (:class:`Linger`: the last 8 deltas came within
+``BROKER_APPEND_LINGER_MS``); then the appends of the burst go as far apart as those took, and
+a delta after a quiet gap goes at once. What it costs to hand an append to many readers is the
+fan-out's to save (:mod:`broker.fanout` rests a feed after a large hand-over), where the readers
+are counted. The attempt's first output and everything that must follow the deltas (tool
+events, usage, the end) never wait. Readers see the same events either way; each is in Redis
+before any reader can see it, and the attempt's text only counts what was appended.
 
 The order on the stream is kept here:
 
@@ -25,6 +24,7 @@ The order on the stream is kept here:
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 from typing import Any, Final
 
@@ -32,36 +32,32 @@ from broker.lease import Event, TurnWriter
 
 # Deltas queued behind an append in flight before the model has to wait for Redis.
 MAX_QUEUED_DELTAS = 512
-# In a burst, an append waits for about this many deltas to share it; deltas further apart than
-# the linger over this are no burst, and go at once.
+# A burst: the last this many deltas came within the linger. Its appends then go as far apart
+# as those deltas took, so about this many share each.
 BURST_SHARE: Final = 8
-GAP_WEIGHT: Final = 0.5  # the newest gap's weight in the estimate of the time between deltas
 
 
 class Linger:
     """When an attempt's next append goes: at once, unless the deltas come in a burst.
 
-    It keeps an estimate of the time between deltas (a moving average of the gaps, each counted
-    as the cap at most, so one long pause does not hide the burst after it). While that is at
-    most ``cap_s / BURST_SHARE``, the appends go ``BURST_SHARE`` gaps apart (at most ``cap_s``),
-    counted from the last append's start; otherwise, and for the first delta after a quiet gap,
-    an append goes as soon as the one in flight is done. Pure: the caller says what time it is.
+    It keeps the times of the last ``BURST_SHARE`` deltas. While they all came within
+    ``cap_s``, the appends go as far apart as they took (so about that many share each),
+    counted from the last append's start; otherwise (a paced model, a pause, the first deltas
+    after one) an append goes as soon as the one in flight is done. A few deltas bunched by a
+    late wake-up are no burst: it takes ``BURST_SHARE`` of them. Pure: the caller says what
+    time it is.
     """
 
-    __slots__ = ("_last_append", "_last_delta", "cap_s", "gap_s")
+    __slots__ = ("_arrivals", "_last_append", "cap_s")
 
     def __init__(self, cap_s: float) -> None:
         self.cap_s = max(0.0, cap_s)
-        self.gap_s = self.cap_s  # a stream starts quiet
-        self._last_delta: float | None = None
+        self._arrivals: collections.deque[float] = collections.deque(maxlen=BURST_SHARE)
         self._last_append = -math.inf
 
     def delta(self, now: float) -> None:
         """A delta was queued at ``now``."""
-        if self._last_delta is not None:
-            gap = min(max(0.0, now - self._last_delta), self.cap_s)
-            self.gap_s += GAP_WEIGHT * (gap - self.gap_s)
-        self._last_delta = now
+        self._arrivals.append(now)
 
     def appending(self, now: float) -> None:
         """An append started at ``now``."""
@@ -69,9 +65,13 @@ class Linger:
 
     @property
     def window_s(self) -> float:
-        """How far apart the appends go: ``BURST_SHARE`` gaps in a burst, else 0."""
-        window = self.gap_s * BURST_SHARE
-        return window if 0 < window <= self.cap_s else 0.0
+        """How far apart the appends go: what the last ``BURST_SHARE`` deltas took, in a
+        burst; else 0."""
+        arrivals = self._arrivals
+        if len(arrivals) < BURST_SHARE:
+            return 0.0
+        span = max(0.0, arrivals[-1] - arrivals[0])
+        return span if span <= self.cap_s and self.cap_s > 0 else 0.0
 
     def wait_s(self, now: float) -> float:
         """How long the next append waits, from ``now`` (0: it goes at once)."""

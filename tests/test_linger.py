@@ -31,10 +31,10 @@ def test_a_first_delta_goes_at_once() -> None:
     [
         (0.100, False),  # 10 deltas/s: each alone, at once
         (0.010, False),  # 100 deltas/s: 4 would share 40 ms, not a burst
-        (0.006, False),  # just over CAP / BURST_SHARE
+        (0.006, False),  # 8 deltas take just over CAP
         (0.004, True),  # 250 deltas/s: a burst
         (0.001, True),  # 1,000 deltas/s
-        (0.0, True),  # a network chunk of many at once
+        (0.0, False),  # a network chunk of many at once: queued together, one append already
     ],
 )
 def test_only_a_burst_makes_an_append_wait(gap_s: float, waits: bool) -> None:
@@ -45,9 +45,7 @@ def test_only_a_burst_makes_an_append_wait(gap_s: float, waits: bool) -> None:
     if waits:
         # At most the cap, about BURST_SHARE gaps, from the last append's start.
         assert linger.wait_s(now) <= CAP
-        assert linger.wait_s(now) == pytest.approx(
-            min(CAP, BURST_SHARE * max(gap_s, 0.0)), abs=0.002
-        )
+        assert linger.wait_s(now) == pytest.approx((BURST_SHARE - 1) * gap_s)
 
 
 def test_a_burst_appends_a_window_apart_counted_from_the_last_append() -> None:
@@ -58,6 +56,19 @@ def test_a_burst_appends_a_window_apart_counted_from_the_last_append() -> None:
     assert 0 < window <= CAP
     assert linger.wait_s(now + window / 2) == pytest.approx(window / 2)
     assert linger.wait_s(now + window) == 0.0  # the window is over: at once
+
+
+def test_a_few_deltas_bunched_by_a_late_wake_up_are_no_burst() -> None:
+    # A model paced at 100 deltas/s whose process woke late: three deltas at once, then the
+    # pace again. Its appends must not start waiting.
+    linger = Linger(CAP)
+    now = _paced(linger, 0.010, 20)
+    for _ in range(3):
+        linger.delta(now + 0.030)
+    now = _paced(linger, 0.010, 5, start=now + 0.040)
+    linger.appending(now)
+    assert linger.window_s == 0.0
+    assert linger.wait_s(now) == 0.0
 
 
 def test_a_quiet_gap_ends_the_burst_and_its_first_delta_goes_at_once() -> None:
