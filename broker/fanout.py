@@ -42,17 +42,17 @@ TICK_MIN_S: Final = 0.01
 TRIM_EVERY: Final = 64  # batches between two looks for what every reader has taken
 FEED_BLOCK_MS: Final = 5_000
 FEED_MAX_FAILURES: Final = 3
-# After a hand-over, a feed rests this many times as long as it took, so a stream's hand-overs
-# use at most about a fifth of the process's time; but its reads start at most the linger
-# apart (the hand-over's time counts), and a rest shorter than PAUSE_MIN_S (a few readers) is
-# not worth its timer.
+# After a hand-over, a feed rests this many times its CPU time (a stream's hand-overs use about
+# a fifth of a core at most), its reads at most the linger apart, and never for less than
+# PAUSE_MIN_S (a few readers: not worth a timer).
 PAUSE_PER_HANDOVER: Final = 4.0
 PAUSE_MIN_S: Final = 0.001
 
 
-def pause_after(spent_s: float, cap_s: float) -> float:
-    """How long a feed rests before its next read after a hand-over that took ``spent_s``."""
-    pause = min(cap_s - spent_s, PAUSE_PER_HANDOVER * spent_s)
+def pause_after(cpu_s: float, wall_s: float, cap_s: float) -> float:
+    """How long a feed rests before its next read after a hand-over that took ``cpu_s`` of
+    CPU (a busy machine's delays are not its cost) and ``wall_s`` in all."""
+    pause = min(cap_s - wall_s, PAUSE_PER_HANDOVER * cpu_s)
     return pause if pause >= PAUSE_MIN_S else 0.0
 
 
@@ -397,13 +397,12 @@ class _Feed:
                 observe = self.hub.metrics.delivery_lag_seconds.observe
                 for entry in entries:
                     observe(max(0.0, now_ms - entry.sort_key[0]) / 1000)
-                began = time.thread_time()  # its CPU: a busy machine's delays are not its cost
+                cpu, wall = time.thread_time(), time.perf_counter()
                 self.publish(batch)
-                pause = pause_after(time.thread_time() - began, self.hub.linger_s)
+                cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+                pause = pause_after(cpu, wall, self.hub.linger_s)
                 if pause:
-                    # A plain sleep: its cancellation (the last reader leaving) does not pass
-                    # through Redis.
-                    await asyncio.sleep(pause)
+                    await asyncio.sleep(pause)  # (its cancellation does not pass through Redis)
         except Exception:
             log.exception("stream feed %s failed", self.key)
         finally:

@@ -96,20 +96,21 @@ def test_no_linger_never_waits(cap: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("spent_s", "cap_s", "pause_s"),
+    ("cpu_s", "wall_s", "cap_s", "pause_s"),
     [
-        (0.0, CAP, 0.0),  # nothing written
-        (0.00002, CAP, 0.0),  # one reader: never a timer
-        (PAUSE_MIN_S / 4 - 1e-6, CAP, 0.0),  # a few readers: not worth one
-        (0.001, CAP, 0.004),  # some tens of readers: a short rest
-        (0.005, CAP, 0.020),
-        (0.010, CAP, 0.030),  # many readers: reads the linger apart, the hand-over's time in
-        (0.020, CAP, 0.020),
-        (0.050, CAP, 0.0),  # a hand-over longer than the linger: read again at once
-        (0.020, 0.0, 0.0),  # no linger: no rest
+        (0.0, 0.0, CAP, 0.0),  # nothing written
+        (0.00002, 0.00002, CAP, 0.0),  # one reader: never a timer
+        (PAUSE_MIN_S / 4 - 1e-6, 0.0002, CAP, 0.0),  # a few readers: not worth one
+        (0.001, 0.001, CAP, 0.004),  # some tens of readers: a short rest
+        (0.005, 0.005, CAP, 0.020),
+        (0.010, 0.010, CAP, 0.030),  # many readers: reads the linger apart, the hand-over in
+        (0.010, 0.025, CAP, 0.015),  # ... its wall time, preempted or not
+        (0.002, 0.030, CAP, 0.008),  # a busy machine's delays are not the hand-over's cost
+        (0.050, 0.050, CAP, 0.0),  # a hand-over longer than the linger: read again at once
+        (0.020, 0.020, 0.0, 0.0),  # no linger: no rest
     ],
 )
 def test_a_feed_rests_in_proportion_to_its_last_handover(
-    spent_s: float, cap_s: float, pause_s: float
+    cpu_s: float, wall_s: float, cap_s: float, pause_s: float
 ) -> None:
-    assert pause_after(spent_s, cap_s) == pytest.approx(pause_s)
+    assert pause_after(cpu_s, wall_s, cap_s) == pytest.approx(pause_s)
