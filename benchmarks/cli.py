@@ -41,6 +41,7 @@ from benchmarks.servers import (
     RedisServers,
     ServerError,
 )
+from benchmarks.tail import LiveTail
 from benchmarks.workloads import LateReader, ManyStreams, Memory, OneStream
 from broker.embedded_redis import EmbeddedRedisError
 
@@ -107,6 +108,22 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="an environment variable for the broker processes only (repeatable), e.g. "
         "PYTHONMALLOC=malloc to compare allocators",
+    )
+    parser.add_argument(
+        "--tail-viewers",
+        metavar="N,N,...",
+        help="the tail workload's viewer counts (default: the sizes' own, 1,10,100,1000)",
+    )
+    parser.add_argument(
+        "--tail-rates",
+        metavar="R,R,...",
+        help="the tail workload's paces in deltas/s (default: the sizes' own, 10,100,1000)",
+    )
+    parser.add_argument(
+        "--tail-seconds",
+        type=float,
+        metavar="S",
+        help="how long each tail cell's turn runs (default: 3 full, 2 quick, 1 smoke)",
     )
     parser.add_argument(
         "--profile",
@@ -280,6 +297,28 @@ def _broker_env(pairs: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _tail_sizes(sizes: Sizes, args: argparse.Namespace) -> Sizes:
+    """``sizes`` with the tail matrix the options chose; ValueError for a bad list."""
+    changes: dict[str, Any] = {}
+    try:
+        if args.tail_viewers:
+            changes["tail_viewers"] = tuple(int(v) for v in args.tail_viewers.split(","))
+        if args.tail_rates:
+            changes["tail_rates"] = tuple(float(r) for r in args.tail_rates.split(","))
+    except ValueError:
+        raise ValueError("--tail-viewers and --tail-rates want comma-separated numbers") from None
+    if args.tail_seconds is not None:
+        changes["tail_seconds"] = args.tail_seconds
+    chosen = dataclasses.replace(sizes, **changes)
+    if (
+        min(chosen.tail_viewers) < 1
+        or min(chosen.tail_rates) <= 0
+        or not 0.5 <= chosen.tail_seconds <= 60
+    ):
+        raise ValueError("the tail wants viewers >= 1, rates > 0 and 0.5 to 60 seconds a cell")
+    return chosen
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
@@ -296,7 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"benchmarks: {exc}", file=sys.stderr)
         return 2
     profile = "smoke" if args.smoke else "quick" if args.quick else "full"
-    sizes = PROFILES[profile]
+    try:
+        sizes = _tail_sizes(PROFILES[profile], args)
+    except ValueError as exc:
+        print(f"benchmarks: {exc}", file=sys.stderr)
+        return 2
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     started_at, began = _now(), time.monotonic()
@@ -325,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ManyStreams(),
             FanOut(),
             JoinLive(),
+            LiveTail(),
             Replay(),
             LateReader(),
             Memory(),

@@ -62,6 +62,21 @@ SLOW_MS = 500.0  # a live delta this late makes its viewer a slow one (reported 
 LOOP_TICK_S = 0.01  # a viewer process's loop watch sleeps this long at a time
 
 
+def emitted_ms(data: bytes, otherwise: float) -> float:
+    """When the model emitted a stamped delta (``params.simulate.stamp``: its text starts with
+    the emit time in microseconds since the epoch and a space), in ms; ``otherwise`` when the
+    frame's data holds no stamp."""
+    start = data.find(b'"text":"')
+    if start < 0:
+        return otherwise
+    start += 8
+    end = data.find(b" ", start)
+    try:
+        return int(data[start:end]) / 1000
+    except ValueError:
+        return otherwise
+
+
 class _Viewer:
     __slots__ = ("attached_ms", "deltas", "ended", "group", "last_id", "slow_after_s", "worst_ms")
 
@@ -87,17 +102,20 @@ class _Viewer:
         group = self.group
         last_id = self.last_id
         now_ms = now * 1000
-        for event_id, event, _ in events:
+        stamped = group.stamped
+        for event_id, event, data in events:
             if event_id <= last_id:
                 group.out_of_order += 1
                 continue
             last_id = event_id
             if event == b"delta":
-                sent_ms = entry_ms(event_id)
+                sent_ms: float = entry_ms(event_id)
+                if stamped:  # the lag counts from the model's emit, not from the append
+                    sent_ms = emitted_ms(data, sent_ms)
                 if sent_ms >= self.attached_ms:
                     lag = now_ms - sent_ms
                     group.index.append(self.deltas)
-                    group.sent_ms.append(sent_ms)
+                    group.sent_ms.append(int(sent_ms))
                     group.lag_ms.append(lag)
                     if lag > self.worst_ms:
                         self.worst_ms = lag
@@ -121,6 +139,7 @@ class _Group:
         self.sent_ms: array.array[int] = array.array("q")
         self.lag_ms: array.array[float] = array.array("d")
         self.out_of_order = 0
+        self.stamped = False  # the turn's deltas start with their emit time (simulate.stamp)
         self.failed = 0
         self.reattaches = 0
         self.errors: collections.Counter[str] = collections.Counter()
@@ -198,9 +217,10 @@ async def _view(
 def viewer_process(conn: Connection, base_url: str, viewers: int, timeout_s: float) -> None:
     """The body of one viewer process (``multiprocessing`` target)."""
     conn.send(("ready",))
-    stream_id, pace, *rest = conn.recv()  # (stream_id, pace[, join_over_s])
+    stream_id, pace, *rest = conn.recv()  # (stream_id, pace[, join_over_s[, stamped]])
     join_over_s = float(rest[0]) if rest else 0.0
     group = _Group(conn, viewers)
+    group.stamped = bool(rest[1]) if len(rest) > 1 else False
     watchers = [_Viewer(group) for _ in range(viewers)]
 
     # How late this process's event loop wakes from a short sleep (ms buckets): when it is

@@ -40,6 +40,9 @@ class Sizes:
     idle_pool_trim_s: float  # its BROKER_POOL_TRIM_S (the default, 30, but in smoke runs)
     replay_viewers: int  # readers that replay one finished turn at once
     replay_tokens: int  # that turn's deltas
+    tail_viewers: tuple[int, ...]  # the live tail's matrix: viewers of one turn...
+    tail_rates: tuple[float, ...]  # ... x its pace in deltas/s
+    tail_seconds: float  # how long each cell's turn runs
 
 
 PROFILES: Final = {
@@ -62,6 +65,9 @@ PROFILES: Final = {
         idle_pool_trim_s=30.0,
         replay_viewers=1_000,
         replay_tokens=2_000,
+        tail_viewers=(1, 10, 100, 1_000),
+        tail_rates=(10.0, 100.0, 1_000.0),
+        tail_seconds=3.0,
     ),
     "quick": Sizes(
         ceiling_s=0.75,
@@ -82,6 +88,9 @@ PROFILES: Final = {
         idle_pool_trim_s=30.0,
         replay_viewers=1_000,
         replay_tokens=2_000,
+        tail_viewers=(1, 10, 100, 1_000),
+        tail_rates=(10.0, 100.0, 1_000.0),
+        tail_seconds=2.0,
     ),
     "smoke": Sizes(
         ceiling_s=0.2,
@@ -102,6 +111,9 @@ PROFILES: Final = {
         idle_pool_trim_s=1.0,
         replay_viewers=20,
         replay_tokens=100,
+        tail_viewers=(1, 10),
+        tail_rates=(10.0, 100.0),
+        tail_seconds=1.0,
     ),
 }
 

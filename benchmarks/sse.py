@@ -192,12 +192,22 @@ async def open_sse(
 
 
 def turn_body(
-    conversation_id: str, turn_id: str, *, tokens: int, tokens_per_s: float, seed: int = 0
+    conversation_id: str,
+    turn_id: str,
+    *,
+    tokens: int,
+    tokens_per_s: float,
+    seed: int = 0,
+    stamp: bool = False,
 ) -> dict[str, object]:
-    """A ``POST /v1/turns`` body for the simulated provider."""
+    """A ``POST /v1/turns`` body for the simulated provider; with ``stamp``, each delta starts
+    with the time the model emitted it (see :func:`benchmarks.fanout.emitted_ms`)."""
+    simulate: dict[str, object] = {"tokens": tokens, "tokens_per_s": tokens_per_s, "seed": seed}
+    if stamp:
+        simulate["stamp"] = True
     return {
         "conversation_id": conversation_id,
         "turn_id": turn_id,
         "messages": [{"role": "user", "content": "benchmark"}],
-        "params": {"simulate": {"tokens": tokens, "tokens_per_s": tokens_per_s, "seed": seed}},
+        "params": {"simulate": simulate},
     }

@@ -120,10 +120,11 @@ class Runtime:
         self.deps = Deps(redis, self.scripts, self.keys, settings, metrics)
         self.jobs = JobQueue(redis, self.keys, settings.job_partitions)
         self.providers = providers if providers is not None else Providers(settings)
+        linger_s = settings.append_linger_ms / 1000
         if replica_reads is None:
-            self.hub = Hub(blocking_redis, metrics, redis)
+            self.hub = Hub(blocking_redis, metrics, redis, linger_s=linger_s)
         else:
-            self.hub = Hub(replica_reads, metrics)
+            self.hub = Hub(replica_reads, metrics, linger_s=linger_s)
         self.streams = Streams(self.deps, self.hub, replica_reads)
         # Durable Streams of the protocol's own read the primary: a client reads its writes.
         self.durable = DurableStore(self.deps, self.hub)

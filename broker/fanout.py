@@ -7,6 +7,12 @@ follows its own place, overlaps it, or leaves a gap to fill from Redis (see
 :mod:`broker.reader`). The feed keeps its batches on a *tape*, on which each reader holds its
 place; a reader too slow to keep up loses its place and catches up from Redis, which holds
 everything anyway: a slow client holds a feed's memory only up to ``QUEUE_LIMIT`` batches.
+
+A hand-over costs a write per reader, whatever the batch holds. After one that took long (many
+readers), the feed rests before its next read (:func:`pause_after`, at most the linger,
+``BROKER_APPEND_LINGER_MS``): that read takes every entry appended meanwhile, one write per
+reader for all of them. A feed of a few readers never rests, and a delta after a quiet gap is
+handed over at once: its read was waiting for it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,18 @@ TICK_MIN_S: Final = 0.01
 TRIM_EVERY: Final = 64  # batches between two looks for what every reader has taken
 FEED_BLOCK_MS: Final = 5_000
 FEED_MAX_FAILURES: Final = 3
+# After a hand-over, a feed rests this many times its CPU time (a stream's hand-overs use about
+# a fifth of a core at most), its reads at most the linger apart, and never for less than
+# PAUSE_MIN_S (a few readers: not worth a timer).
+PAUSE_PER_HANDOVER: Final = 4.0
+PAUSE_MIN_S: Final = 0.001
+
+
+def pause_after(cpu_s: float, wall_s: float, cap_s: float) -> float:
+    """How long a feed rests before its next read after a hand-over that took ``cpu_s`` of
+    CPU (a busy machine's delays are not its cost) and ``wall_s`` in all."""
+    pause = min(cap_s - wall_s, PAUSE_PER_HANDOVER * cpu_s)
+    return pause if pause >= PAUSE_MIN_S else 0.0
 
 
 class Batch:
@@ -379,7 +397,12 @@ class _Feed:
                 observe = self.hub.metrics.delivery_lag_seconds.observe
                 for entry in entries:
                     observe(max(0.0, now_ms - entry.sort_key[0]) / 1000)
+                cpu, wall = time.thread_time(), time.perf_counter()
                 self.publish(batch)
+                cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+                pause = pause_after(cpu, wall, self.hub.linger_s)
+                if pause:
+                    await asyncio.sleep(pause)  # (its cancellation does not pass through Redis)
         except Exception:
             log.exception("stream feed %s failed", self.key)
         finally:
@@ -410,10 +433,18 @@ def _write_heartbeat(subscription: Subscription) -> bool:
 class Hub:
     """All feeds of one process."""
 
-    def __init__(self, blocking_redis: Redis, metrics: Metrics, redis: Redis | None = None) -> None:
+    def __init__(
+        self,
+        blocking_redis: Redis,
+        metrics: Metrics,
+        redis: Redis | None = None,
+        *,
+        linger_s: float = 0.0,
+    ) -> None:
         self.blocking_redis = blocking_redis
         self.redis = redis if redis is not None else blocking_redis  # for short calls
         self.metrics = metrics
+        self.linger_s = linger_s  # the longest a feed rests after a hand-over (see pause_after)
         self._feeds: dict[str, _Feed] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # including cancelled ones still unwinding
         self.closed = False

@@ -1,12 +1,14 @@
 """What one attempt puts on its turn's stream, in order, through its :class:`TurnWriter`.
 
 Deltas are grouped: those that arrive while an append is in flight go together in the next one
-(a group commit), so a fast model costs fewer round trips than it sends deltas. A model slower
-than Redis would still cost an append per delta, so an append waits up to a linger
-(``BROKER_APPEND_LINGER_MS``) for the deltas that follow its first; the attempt's first output
-and everything that must follow the deltas (tool events, usage, the end) do not wait. Readers see
-the same events either way; each is in Redis before any reader can see it, and the attempt's
-text only counts what was appended.
+(a group commit), so a fast model costs fewer round trips than it sends deltas. An append waits
+for more only in a burst (:class:`Linger`: the last 8 deltas came within
+``BROKER_APPEND_LINGER_MS``); then the appends of the burst go as far apart as those took, and
+a delta after a quiet gap goes at once. What it costs to hand an append to many readers is the
+fan-out's to save (:mod:`broker.fanout` rests a feed after a large hand-over), where the readers
+are counted. The attempt's first output and everything that must follow the deltas (tool
+events, usage, the end) never wait. Readers see the same events either way; each is in Redis
+before any reader can see it, and the attempt's text only counts what was appended.
 
 The order on the stream is kept here:
 
@@ -22,12 +24,58 @@ The order on the stream is kept here:
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import collections
+import math
+from typing import Any, Final
 
 from broker.lease import Event, TurnWriter
 
 # Deltas queued behind an append in flight before the model has to wait for Redis.
 MAX_QUEUED_DELTAS = 512
+# A burst: the last this many deltas came within the linger. Its appends then go as far apart
+# as those deltas took, so about this many share each.
+BURST_SHARE: Final = 8
+
+
+class Linger:
+    """When an attempt's next append goes: at once, unless the deltas come in a burst.
+
+    It keeps the times of the last ``BURST_SHARE`` deltas. While they all came within
+    ``cap_s``, the appends go as far apart as they took (so about that many share each),
+    counted from the last append's start; otherwise (a paced model, a pause, the first deltas
+    after one) an append goes as soon as the one in flight is done. A few deltas bunched by a
+    late wake-up are no burst: it takes ``BURST_SHARE`` of them. Pure: the caller says what
+    time it is.
+    """
+
+    __slots__ = ("_arrivals", "_last_append", "cap_s")
+
+    def __init__(self, cap_s: float) -> None:
+        self.cap_s = max(0.0, cap_s)
+        self._arrivals: collections.deque[float] = collections.deque(maxlen=BURST_SHARE)
+        self._last_append = -math.inf
+
+    def delta(self, now: float) -> None:
+        """A delta was queued at ``now``."""
+        self._arrivals.append(now)
+
+    def appending(self, now: float) -> None:
+        """An append started at ``now``."""
+        self._last_append = now
+
+    @property
+    def window_s(self) -> float:
+        """How far apart the appends go: what the last ``BURST_SHARE`` deltas took, in a
+        burst; else 0."""
+        arrivals = self._arrivals
+        if len(arrivals) < BURST_SHARE:
+            return 0.0
+        span = max(0.0, arrivals[-1] - arrivals[0])
+        return span if span <= self.cap_s and self.cap_s > 0 else 0.0
+
+    def wait_s(self, now: float) -> float:
+        """How long the next append waits, from ``now`` (0: it goes at once)."""
+        return max(0.0, self._last_append + self.window_s - now)
 
 
 class AttemptOutput:
@@ -37,10 +85,9 @@ class AttemptOutput:
     def __init__(self, writer: TurnWriter, attempt: int, *, linger_s: float = 0.0) -> None:
         self._writer = writer
         self._n = attempt
-        self._linger_s = linger_s
+        self._linger = Linger(linger_s)
         self._hurry: asyncio.Future[None] | None = None  # ends the linger under way
         self._hurried = False  # someone waits for the queued deltas: no more lingering
-        self._first_queued = 0.0  # loop time the oldest queued delta was queued
         self.strategy: Any = None  # the attempt record's strategy, for its `attempt` event
         self.has_attempt_event = False
         self.tool_output = False  # tool events of this attempt are on the stream
@@ -93,8 +140,7 @@ class AttemptOutput:
     async def _queue(self, event: Event, text: str) -> None:
         if self._flush_error is not None:
             await self.drain()  # raises it
-        if not self._queued:
-            self._first_queued = asyncio.get_running_loop().time()
+        self._linger.delta(asyncio.get_running_loop().time())
         self._queued.append(event)
         self._queued_text.append(text)
         if not self._flushing:
@@ -105,23 +151,24 @@ class AttemptOutput:
     async def _flush(self) -> None:
         try:
             while self._queued:
-                await self._linger()
+                await self._wait()
                 events, texts = self._queued, self._queued_text
                 self._queued, self._queued_text = [], []
+                self._linger.appending(asyncio.get_running_loop().time())
                 await self._write(events)
                 self._parts.extend(texts)
         except Exception as exc:  # handed to the generation at its next step
             self._flush_error = exc
             self._queued, self._queued_text = [], []
 
-    async def _linger(self) -> None:
-        """Give the deltas after the first queued up to the linger, from when it was queued, to
-        share its append (time spent waiting for the last append counts); not the attempt's
-        first output (its time to first token is the model's alone), nor once someone waits."""
-        if self._linger_s <= 0 or not self.has_attempt_event or self._hurried:
+    async def _wait(self) -> None:
+        """In a burst, give the deltas that follow the time :class:`Linger` says to share the
+        append; not the attempt's first output (its time to first token is the model's alone),
+        nor once someone waits."""
+        if not self.has_attempt_event or self._hurried:
             return
         loop = asyncio.get_running_loop()
-        delay = self._first_queued + self._linger_s - loop.time()
+        delay = self._linger.wait_s(loop.time())
         if delay <= 0:
             return
         hurry = self._hurry = loop.create_future()

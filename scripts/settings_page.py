@@ -189,12 +189,16 @@ GROUPS = (
             Row(
                 ("append_linger_ms",),
                 (
-                    "how long an append waits for the deltas after its first to share it (0 to "
-                    "1000; 0: only the deltas that came while the last append was in flight). At "
-                    "100 deltas/s (the `fanout` benchmark, `--quick`) a delta then costs 1.7 Redis "
-                    "commands, the scripts' own calls included, against 3.2 with no linger, for at "
-                    "most this much more delay per delta; an attempt's first output, tool calls, "
-                    "usage and the end never wait"
+                    "the longest a delta waits to share a round trip with the deltas after it (0 "
+                    "to 1000; 0: never; deltas that come while an append is in flight always go "
+                    "together in the next). An append waits only in a burst (the last 8 deltas "
+                    "came within this), and the burst's appends go as far apart as those 8 "
+                    "took. Handing a batch to many readers costs a write each, so a stream's "
+                    "feed in each process rests after a hand-over (four times the CPU time it "
+                    "took; its reads at most this far apart), and its next "
+                    "read takes every delta appended meanwhile: a stream with a few readers "
+                    "never waits. A delta after a quiet gap, an attempt's first output, tool "
+                    "calls, usage and the end never wait"
                 ),
             ),
         ),

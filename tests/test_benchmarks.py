@@ -77,3 +77,17 @@ def test_a_smoke_run_reports_a_number_for_every_figure(tmp_path: Path, workload:
     # The table names every figure too.
     for name in (figure.name for figure in figures):
         assert name in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b'{"attempt":1,"text":"1765130000123456 the stream"}', 1765130000123.456),
+        (b'{"attempt":1,"text":"the stream"}', -1.0),  # no stamp: the append's time
+        (b'{"attempt":1}', -1.0),
+    ],
+)
+def test_a_stamped_delta_says_when_the_model_emitted_it(data: bytes, expected: float) -> None:
+    from benchmarks.fanout import emitted_ms
+
+    assert emitted_ms(data, -1.0) == pytest.approx(expected)
