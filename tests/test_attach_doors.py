@@ -296,7 +296,7 @@ def test_every_door_that_streams_reads_through_the_relay() -> None:
     # Native, OpenAI Responses and Chat Completions, AI SDK, Durable Streams.
     assert {
         "api/native.py",
-        "dialects/openai/responses.py",
+        "dialects/openai/stored.py",
         "dialects/openai/chat.py",
         "dialects/aisdk/routes.py",
         "dialects/durable/routes.py",

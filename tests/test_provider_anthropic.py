@@ -304,7 +304,7 @@ def test_a_429_is_retried_silently(claude: RunningBroker, fake: FakeAnthropic) -
     fake.text("After", " the", " wait.")
     began = time.monotonic()
     events = run_turn(claude, "limited")
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < 20  # not the 30 s the upstream asked (a loaded machine)
     assert kinds(events).count("attempt") == 1
     assert "error" not in kinds(events)
     assert events[-1].data == {"attempt": 1, "status": "complete", "reason": None}

@@ -234,7 +234,7 @@ def test_each_scripting_knob_is_refused_when_scripting_is_off(knob: str, value: 
 
 def test_every_knob_but_the_text_shaping_ones_is_scripting() -> None:
     # A knob added later is harmless only by being put on this list on purpose.
-    assert set(KNOBS) - SCRIPTING_KNOBS == {"seed", "tokens", "tokens_per_s", "json"}
+    assert set(KNOBS) - SCRIPTING_KNOBS == {"seed", "tokens", "tokens_per_s", "json", "stamp"}
     harmless = {"seed": "s", "tokens": 4, "tokens_per_s": 0, "json": True}
     SimulatedProvider(scripting=False).validate_params({"simulate": harmless, "temperature": 1})
 

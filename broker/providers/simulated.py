@@ -171,7 +171,7 @@ class SimulatedProvider:
                 f"params.simulate.{scripted[0]} scripts the simulator's faults or tool calls, "
                 "which this broker does not take from callers (BROKER_SIMULATE_SCRIPTING is "
                 "off on a broker with credentials); harmless knobs: seed, tokens, "
-                "tokens_per_s, json",
+                "tokens_per_s, json, stamp",
                 code="simulate_scripting_off",
             )
         seed = knobs.get("seed")
