@@ -185,6 +185,7 @@ class _Feed:
         turn_key: str | None,
         seen: bool = False,
         bare: bool = False,
+        running: str | None = None,
     ) -> None:
         self.hub = hub
         self.key = key
@@ -197,6 +198,10 @@ class _Feed:
         # The newest entry this feed read from Redis (None: none yet): every entry up to it is
         # stored for good, whatever a reader's resume point said.
         self.seen: Cursor | None = start if seen else None
+        # The status of a turn not at rest, as its first reader saw it before this feed began
+        # reading; None once the feed read an ``end`` or a look found the turn at rest (or
+        # never known). See Hub.running_at.
+        self.running = running
         # The readers' shared look at whether the turn is at rest, after a heartbeat (see
         # shared_look), and when it began.
         self.rest_look: asyncio.Future[bool] | None = None
@@ -322,6 +327,7 @@ class _Feed:
             if not future.done():  # cancelled, the hub closing: its readers end and resume
                 future.set_exception(HubClosed())
         if future.exception() is not None or future.result():
+            self.running = None
             parked, self.parked = self.parked, []
             self.in_order = True
             for subscription in parked:
@@ -369,6 +375,8 @@ class _Feed:
                     entries = [Entry.from_redis(i, f) for i, f in reply]
                 batch = Batch(after, entries)
                 after = self.read_after = self.seen = entries[-1].cursor
+                if batch.ends:
+                    self.running = None  # the attempt ended: whether the turn rests is asked
                 if self.turn_key is not None and batch.ends:
                     status, attempt = await rc.hmget(
                         self.hub.redis, self.turn_key, ["status", "attempt"]
@@ -503,6 +511,7 @@ class Hub:
         *,
         seen: bool = False,
         bare: bool = False,
+        running: str | None = None,
     ) -> Subscription:
         """Join (or start, reading after ``start``; by default the stream's tail) the feed of one
         stream.
@@ -511,11 +520,13 @@ class Hub:
         ``end`` event, for all its readers at once. With ``seen``, ``start`` is an entry the
         subscriber read from the stream (not only a place a client asked for): a feed started
         there has seen it (see :meth:`seen`). With ``bare``, the feed's entries are their places
-        only (no kind, data or frame): for a stream whose payloads are bytes, not text.
+        only (no kind, data or frame): for a stream whose payloads are bytes, not text. With
+        ``running`` (a status not at rest the subscriber read before the events it read up to
+        ``start``), a feed started here vouches for the turn (see :meth:`running_at`).
         """
         feed = self._feeds.get(key)
         if feed is None or feed.task is None or feed.task.done():
-            feed = _Feed(self, key, start, turn_key, seen and start is not None, bare)
+            feed = _Feed(self, key, start, turn_key, seen and start is not None, bare, running)
             self._feeds[key] = feed
             self.metrics.live_streams.set(len(self._feeds))
         subscription = Subscription(feed)
@@ -529,10 +540,32 @@ class Hub:
     def seen(self, key: str) -> Cursor | None:
         """The newest entry of stream ``key`` that its running feed in this process has read
         (None: no feed, or none read yet): the stream up to it will never change."""
+        feed = self._live(key)
+        return None if feed is None else feed.seen
+
+    def covers(self, key: str, cursor: Cursor) -> bool:
+        """Whether a running feed of stream ``key`` has read nothing past ``cursor``: a reader
+        that joins it now gets every entry past ``cursor`` from it, and needs no replay."""
+        feed = self._live(key)
+        read_after = None if feed is None else feed.read_after
+        return read_after is not None and read_after.key <= cursor.key
+
+    def running_at(self, key: str, cursor: Cursor) -> str | None:
+        """The status (not at rest) of the turn of stream ``key`` if its running feed stands at
+        ``cursor`` and vouches for the turn (else None): its first reader saw that status
+        before it began reading, and it read no ``end`` since, nor did a look find the turn at
+        rest. A turn comes to rest only with an ``end`` as its stream's last event (its keys
+        expire only after that), so a reader at ``cursor`` meets that rest through the feed."""
+        feed = self._live(key)
+        if feed is None or feed.running is None or feed.read_after is None:
+            return None
+        return feed.running if feed.read_after.key == cursor.key else None
+
+    def _live(self, key: str) -> _Feed | None:
         feed = self._feeds.get(key)
         if feed is None or feed.task is None or feed.task.done():
             return None
-        return feed.seen
+        return feed
 
     @property
     def readers(self) -> int:

@@ -241,11 +241,18 @@ class Streams:
         """What a read from ``cursor`` starts with, in one round trip at most (see
         :class:`Opening`)."""
         events_key, turn_key = self.events_key(location), self.turn_key(location)
-        if self.pages.kept(events_key, cursor):
-            # Its first page is kept (see broker.pages): events are stored past the cursor, which is
-            # all the read needs to know (see Opening.open). No round trip: a crowd that joins a
-            # live answer opens on the pages its first viewers read.
+        seen = self._hub.seen(events_key)
+        if (seen is not None and seen.key > cursor.key) or self.pages.kept(events_key, cursor):
+            # The stream's feed here read events past the cursor, or its first page is kept
+            # (see broker.pages): events are stored past the cursor, which is all the read needs
+            # to know (see Opening.open). No round trip: a crowd that joins a live answer opens
+            # on what its first viewers read.
             return Opening(cursor, None, True)
+        running = self._hub.running_at(events_key, cursor)
+        if running is not None:
+            # The feed stands at the cursor and vouches that the turn is not at rest (see
+            # Hub.running_at): a crowd of a quiet turn opens on what its first viewer read.
+            return Opening(cursor, running, False)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hget(turn_key, "status")
             pipe.xrange(events_key, min="(" + cursor.entry_id, max="+", count=1)
@@ -294,7 +301,7 @@ class Streams:
         heartbeat_s = heartbeat_s or self._settings.sse_heartbeat_s
         subscription: Subscription | None = None
         try:
-            async for chunk in read.stored():  # the replay
+            async for chunk in read.stored(replay=True):
                 yield chunk
             if read.ended:
                 return
@@ -302,11 +309,7 @@ class Streams:
             # more what arrived in between: whatever the feed has already passed is in Redis by
             # now, so no event waits for a later one to surface. A feed that has read nothing
             # past this reader yet will bring all of it: no read then.
-            # A cursor the replay moved stands on an entry it read (a feed started there has
-            # seen it); one it did not is only where the client asked to start.
-            subscription = self._hub.subscribe(
-                read.key, read.cursor, read.turn_key, seen=read.cursor is not cursor
-            )
+            subscription = self._join(read, cursor, opening)
             subscription.sink = sink
             catch_up, first_look = not subscription.covers(read.cursor), True
             look, at_rest = _looks_first(opening, read.dry), False
@@ -346,6 +349,17 @@ class Streams:
         finally:
             if subscription is not None:
                 self._hub.unsubscribe(subscription)
+
+    def _join(self, read: Follow, start: Cursor, opening: Opening | None) -> Subscription:
+        """``read``'s place on its stream's feed, from where it stands (it started at ``start``).
+
+        A cursor the replay moved stands on an entry it read (a feed started there has seen
+        it); one it did not is only where the client asked to start. A feed started by a read
+        whose opening saw the turn running vouches for the turn (see Hub.running_at)."""
+        running = opening.status if opening is not None and opening.running else None
+        return self._hub.subscribe(
+            read.key, read.cursor, read.turn_key, seen=read.cursor is not start, running=running
+        )
 
     def _start(
         self, location: Location, after: Cursor | str, sink: Sink | None, direct: bool
