@@ -16,6 +16,7 @@ never the events' objects, and never a catch-up of everything it missed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any, Final, Literal
@@ -150,6 +151,9 @@ class Streams:
         # poll, a reattach) skips its read. Whether the stream's data still exists is looked
         # up every time.
         self._located: dict[str, str] = {}
+        # Openings asking Redis now, by stream and cursor: a crowd's first readers, which all
+        # arrive before the stream has a feed here, share one round trip (see opening).
+        self._opening: dict[tuple[str, str], asyncio.Future[Opening]] = {}
         # Pages bounded by what the feed read (see StoredPages.page) need the feed and the
         # pages to read the same server: not so when reads go to a cluster's replicas.
         self.pages = StoredPages(
@@ -253,11 +257,28 @@ class Streams:
             # The feed stands at the cursor and vouches that the turn is not at rest (see
             # Hub.running_at): a crowd of a quiet turn opens on what its first viewer read.
             return Opening(cursor, running, False)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hget(turn_key, "status")
-            pipe.xrange(events_key, min="(" + cursor.entry_id, max="+", count=1)
-            status, page = await pipe.execute()
-        return Opening(cursor, status, bool(page))
+        asked = (events_key, cursor.entry_id)
+        pending = self._opening.get(asked)
+        if pending is not None:
+            await asyncio.wait((pending,))  # (raises only this reader's own cancellation)
+            if not pending.cancelled():
+                return pending.result()
+        future: asyncio.Future[Opening] = asyncio.get_running_loop().create_future()
+        self._opening.setdefault(asked, future)
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hget(turn_key, "status")
+                pipe.xrange(events_key, min="(" + cursor.entry_id, max="+", count=1)
+                status, page = await pipe.execute()
+        except BaseException:
+            future.cancel()  # the readers waiting on it ask for themselves
+            raise
+        finally:
+            if self._opening.get(asked) is future:
+                del self._opening[asked]
+        opening = Opening(cursor, status, bool(page))
+        future.set_result(opening)
+        return opening
 
     async def follow(
         self, location: Location, after: Cursor | str, sink: Sink | None = None

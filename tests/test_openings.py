@@ -297,3 +297,16 @@ async def test_a_feed_that_read_an_end_no_longer_vouches_for_its_turn(
     assert (late.status, late.finished) == ("cancelled", True)
     reader.cancel()
     await asyncio.gather(reader, return_exceptions=True)
+
+
+async def test_the_first_readers_of_a_stream_share_their_opening_round_trip(
+    aredis: Redis, raw_redis: redis.Redis
+) -> None:
+    """A crowd's first readers all arrive before the stream has a feed here: their openings
+    at the same place share one round trip (not a Redis connection each)."""
+    streams, _, location = await _setup(aredis)
+    before = command_calls(raw_redis, "hget")
+    openings = await asyncio.gather(*(streams.opening(location, ORIGIN) for _ in range(10)))
+    assert command_calls(raw_redis, "hget") - before == 1
+    assert all(o == openings[0] and o.running for o in openings)
+    assert streams._opening == {}  # nothing left behind
