@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator
-from typing import Any, Final, Literal
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, Final, Literal, TypeVar
 
 import orjson
 from redis.asyncio import Redis
@@ -36,6 +36,8 @@ from broker.sse import Sink
 from broker.vocabulary import FINAL_STATUSES, STREAM_ID_PATTERN, decode_turn_ref, unscoped
 
 LOCATED_CACHE: Final = 8_192  # streams whose index lookup a process remembers
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -154,6 +156,7 @@ class Streams:
         # Openings asking Redis now, by stream and cursor: a crowd's first readers, which all
         # arrive before the stream has a feed here, share one round trip (see opening).
         self._opening: dict[tuple[str, str], asyncio.Future[Opening]] = {}
+        self._locating: dict[str, asyncio.Future[str | None]] = {}  # the same, for locate
         # Pages bounded by what the feed read (see StoredPages.page) need the feed and the
         # pages to read the same server: not so when reads go to a cluster's replicas.
         self.pages = StoredPages(
@@ -208,7 +211,8 @@ class Streams:
             raise NotFound(f"unknown stream {stream_id[:80]!r}")
         value = self._located.get(stream_id)
         if value is None:
-            value = await rc.get(self._redis, self._keys.stream_index(stream_id))
+            index = self._keys.stream_index(stream_id)
+            value = await _once(self._locating, index, lambda: rc.get(self._redis, index))
             if value is None:
                 raise NotFound(f"unknown stream {stream_id!r}")
             if len(self._located) >= LOCATED_CACHE:
@@ -257,28 +261,15 @@ class Streams:
             # The feed stands at the cursor and vouches that the turn is not at rest (see
             # Hub.running_at): a crowd of a quiet turn opens on what its first viewer read.
             return Opening(cursor, running, False)
-        asked = (events_key, cursor.entry_id)
-        pending = self._opening.get(asked)
-        if pending is not None:
-            await asyncio.wait((pending,))  # (raises only this reader's own cancellation)
-            if not pending.cancelled():
-                return pending.result()
-        future: asyncio.Future[Opening] = asyncio.get_running_loop().create_future()
-        self._opening.setdefault(asked, future)
-        try:
+
+        async def ask() -> Opening:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hget(turn_key, "status")
                 pipe.xrange(events_key, min="(" + cursor.entry_id, max="+", count=1)
                 status, page = await pipe.execute()
-        except BaseException:
-            future.cancel()  # the readers waiting on it ask for themselves
-            raise
-        finally:
-            if self._opening.get(asked) is future:
-                del self._opening[asked]
-        opening = Opening(cursor, status, bool(page))
-        future.set_result(opening)
-        return opening
+            return Opening(cursor, status, bool(page))
+
+        return await _once(self._opening, (events_key, cursor.entry_id), ask)
 
     async def follow(
         self, location: Location, after: Cursor | str, sink: Sink | None = None
@@ -469,6 +460,29 @@ class Streams:
             "up_to_date": up_to_date,
             "closed": at_rest and up_to_date,
         }
+
+
+async def _once(pending: dict[K, asyncio.Future[V]], key: K, call: Callable[[], Awaitable[V]]) -> V:
+    """``call()``'s result, one call for every caller asking for ``key`` while it runs (in
+    ``pending``). A caller whose shared call failed (or was cancelled) calls for itself:
+    nothing here waits on a cancellation reaching a Redis call."""
+    shared = pending.get(key)
+    if shared is not None:
+        await asyncio.wait((shared,))  # (raises only this caller's own cancellation)
+        if not shared.cancelled():
+            return shared.result()
+    future: asyncio.Future[V] = asyncio.get_running_loop().create_future()
+    pending.setdefault(key, future)
+    try:
+        value = await call()
+    except BaseException:
+        future.cancel()  # the callers waiting on it call for themselves
+        raise
+    finally:
+        if pending.get(key) is future:
+            del pending[key]
+    future.set_result(value)
+    return value
 
 
 def _page_event(entry: Entry) -> dict[str, Any]:

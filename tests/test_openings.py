@@ -27,6 +27,7 @@ from broker.pages import Page, StoredPages
 from broker.reader import Location, Streams
 from broker.scripts import Scripts
 from broker.settings import Settings
+from broker.vocabulary import encode_turn_ref
 from tests.conftest import command_calls
 
 _n = itertools.count()
@@ -304,9 +305,18 @@ async def test_the_first_readers_of_a_stream_share_their_opening_round_trip(
 ) -> None:
     """A crowd's first readers all arrive before the stream has a feed here: their openings
     at the same place share one round trip (not a Redis connection each)."""
-    streams, _, location = await _setup(aredis)
+    streams, keys, location = await _setup(aredis)
     before = command_calls(raw_redis, "hget")
     openings = await asyncio.gather(*(streams.opening(location, ORIGIN) for _ in range(10)))
     assert command_calls(raw_redis, "hget") - before == 1
     assert all(o == openings[0] and o.running for o in openings)
     assert streams._opening == {}  # nothing left behind
+    # And so do their look-ups of the stream's turn, before the process remembers it.
+    await aredis.set(keys.stream_index(location.stream_id), encode_turn_ref("c", "t"))
+    before = command_calls(raw_redis, "get")
+    found = await asyncio.gather(
+        *(streams.locate(location.stream_id, None, check=False) for _ in range(10))
+    )
+    assert command_calls(raw_redis, "get") - before == 1
+    assert found == [location] * 10
+    assert streams._locating == {}
