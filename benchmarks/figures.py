@@ -349,6 +349,28 @@ FIGURES: Final = (
         target=1.25,
     ),
     Figure(
+        "idle.open_cpu_ms_per_connection",
+        "ms",
+        "broker and Redis CPU while the connections open (first connect to last response "
+        "head), per connection",
+        "lower",
+        target=0.24,
+    ),
+    Figure(
+        "idle.attach_p99_ms",
+        "ms",
+        "each connection's connect to its response head's first bytes during the open storm, p99",
+        "lower",
+        target=110,
+    ),
+    Figure(
+        "idle.fds_after_over_before",
+        "x",
+        "broker open files once every client left and two pool trims ran, over before",
+        "lower",
+        target=1.05,
+    ),
+    Figure(
         "idle.fds_after_minus_before",
         "fds",
         "broker open files once every client left, less before (back to baseline)",
@@ -375,6 +397,12 @@ FIGURES: Final = (
         "lower",
     ),
     Figure(
+        "floor.attach_p99_ms",
+        "ms",
+        "same bare app: each connection's connect to response head while they attach, p99",
+        "lower",
+    ),
+    Figure(
         "floor.rss_after_over_before",
         "x",
         "same bare app: RSS once every client left and it gave memory back as the broker "
@@ -393,6 +421,13 @@ FIGURES: Final = (
         "floor.granian_attach_cpu_ms_per_connection",
         "ms",
         "the candidate server: CPU per connection while they attach (when installed)",
+        "lower",
+        optional=True,
+    ),
+    Figure(
+        "floor.granian_attach_p99_ms",
+        "ms",
+        "the candidate server: attach p99 in the same storm (when installed)",
         "lower",
         optional=True,
     ),

@@ -8,7 +8,9 @@ connection each and stay. Measured on the server process:
 * its RSS per open connection (RSS with every connection open, less before): the part of the
   idle workload's per-connection figure that no change to the broker can take away;
 * its CPU per connection while they attach: the part of an attach's cost (the join workload's)
-  that is the HTTP server's, before any broker code runs;
+  that is the HTTP server's, before any broker code runs; and each connection's attach time
+  in that storm (connect to response head), p99: what the same clients see of a server that
+  does nothing else;
 * its RSS once every client left and it gave memory back as the broker does (a full collection,
   then ``malloc_trim``: ``broker.memory.give_back``), over RSS before they came.
 
@@ -34,8 +36,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from benchmarks.fanout import _recv, client_processes, shares
+from benchmarks.figures import percentile
 from benchmarks.harness import Context, Outcome
-from benchmarks.idle import settle, viewer_process
+from benchmarks.idle import attach_histogram, settle, viewer_process
 from benchmarks.servers import REPO, cpu_seconds, status_kib
 from broker.memory import give_back
 
@@ -223,6 +226,7 @@ def _measure(ctx: Context, kind: str) -> tuple[dict[str, float], dict[str, Any]]
     figures = {
         "rss_per_connection_kib": (rss_loaded - rss_before) * 1024 / attached,
         "attach_cpu_ms_per_connection": (cpu1 - cpu0) * 1000 / attached,
+        "attach_p99_ms": percentile(attach_histogram(results), 99) or 0.0,
         "rss_after_over_before": rss_after / rss_before,
     }
     details = {

@@ -12,8 +12,10 @@ heartbeat arrives. Measured, on the broker process:
   connections;
 * the longest silence any connection saw, against the promise (a heartbeat period plus a quarter
   of it, at most the ticker's 0.25 s);
+* the open storm: the broker's and Redis's CPU while every connection opens, per connection,
+  and each connection's attach time (from its connect to its response head), p50 and p99;
 * after every client left: RSS against before the load, its open file descriptors and the
-  Redis connections, against their baseline.
+  Redis connections, against their baseline (as a difference and as a ratio).
 
 The viewer processes talk to the benchmark over pipes:
 
@@ -39,6 +41,7 @@ from typing import Any, cast
 import httpx
 
 from benchmarks.fanout import _recv, client_processes, shares
+from benchmarks.figures import percentile
 from benchmarks.harness import Context, Outcome, Sizes, wait_status
 from benchmarks.servers import commandstats, status_kib
 from benchmarks.sse import turn_body
@@ -57,14 +60,16 @@ LEASE_RENEWALS_S = 8.0  # a little over two lease renewals at the default lease 
 class _Quiet(asyncio.Protocol):
     """One SSE read that only notes when bytes arrive, and whether a heartbeat is among them."""
 
-    __slots__ = ("_tail", "group", "last", "opened", "transport", "worst")
+    __slots__ = ("_tail", "began", "group", "head_s", "last", "opened", "transport", "worst")
 
-    def __init__(self, group: _Group) -> None:
+    def __init__(self, group: _Group, began: float) -> None:
         self.group = group
         self.transport: asyncio.Transport | None = None
         self.opened: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self.last = 0.0  # when bytes last arrived
         self.worst = 0.0  # the longest silence inside the measured window
+        self.began = began  # when its connect began
+        self.head_s = 0.0  # from the connect to the response head's first bytes
         self._tail = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -74,6 +79,7 @@ class _Quiet(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         now = time.monotonic()
         if not self.opened.done():
+            self.head_s = now - self.began
             self.opened.set_result(data.startswith(b"HTTP/1.1 200"))
         group = self.group
         if group.measuring_since is not None:
@@ -124,25 +130,26 @@ def viewer_process(conn: Connection, base_url: str, connections: int) -> None:
         slots = asyncio.Semaphore(CONNECT_CONCURRENCY)
         readers: list[_Quiet] = []
         failed = 0
-        attach_ms: collections.Counter[int] = collections.Counter()  # 1 ms buckets
 
         async def attach(index: int) -> None:
             nonlocal failed
             async with slots:
-                began = time.monotonic()
                 try:
-                    _, reader = await loop.create_connection(lambda: _Quiet(group), host, port)
+                    connecting = time.monotonic()
+                    _, reader = await loop.create_connection(
+                        lambda: _Quiet(group, connecting), host, port
+                    )
                     readers.append(reader)
                     if not await asyncio.wait_for(reader.opened, 60):
                         failed += 1
-                    else:  # connect to response head, while the others attach too
-                        attach_ms[int((time.monotonic() - began) * 1000)] += 1
                 except (OSError, TimeoutError):
                     failed += 1
 
         began = time.monotonic()
         await asyncio.gather(*(attach(i) for i in range(connections)))
         attach_s = time.monotonic() - began
+        # Each connection's attach, in whole milliseconds (a histogram travels light).
+        heads = collections.Counter(round(r.head_s * 1000) for r in readers if r.head_s > 0)
         conn.send(("attached",))
         await loop.run_in_executor(None, conn.recv)  # "measure"
         group.measuring_since = time.monotonic()
@@ -165,7 +172,7 @@ def viewer_process(conn: Connection, base_url: str, connections: int) -> None:
             "connections": len(readers) - failed,
             "failed": failed,
             "attach_s": round(attach_s, 2),
-            "attach_ms": dict(attach_ms),
+            "attach_ms": dict(heads),
             "silence_max_s": round(worst, 3),
             "pings": pings,
             "lost_while_quiet": lost,
@@ -175,6 +182,14 @@ def viewer_process(conn: Connection, base_url: str, connections: int) -> None:
     result = asyncio.run(run())
     conn.send(("result", result))
     conn.close()
+
+
+def attach_histogram(results: list[dict[str, Any]]) -> dict[int, int]:
+    """The viewer processes' attach times (whole milliseconds: connections), merged."""
+    heads: collections.Counter[int] = collections.Counter()
+    for result in results:
+        heads.update({int(ms): n for ms, n in result["attach_ms"].items()})
+    return dict(heads)
 
 
 def open_fds(pid: int) -> int:
@@ -270,12 +285,22 @@ class Idle:
         with client_processes(viewer_process, args, "bench-idle-viewers") as (pipes, processes):
             for conn in pipes:
                 _recv(conn, 60, "ready")
+            storm = ctx.meter([p.pid for p in processes])
+            storm_calls = commandstats(ctx.nodes)
             began = time.monotonic()
             for conn, own in zip(pipes, owns, strict=True):
                 conn.send((own, heartbeat_s))
             for conn in pipes:
                 _recv(conn, 300, "attached")
             attach_s = time.monotonic() - began
+            storm_s = storm.seconds()
+            storm_cores = storm.cores()
+            storm_calls = {
+                name: n - storm_calls.get(name, 0)
+                for name, n in commandstats(ctx.nodes).items()
+                if n - storm_calls.get(name, 0) > 0 and name != "info"
+            }
+            clients_storm = redis_clients(ctx)
             viewers = broker_gauge(ctx.broker.base_url, 'broker_stream_viewers{mode="sse"}')
             time.sleep(min(2.0, heartbeat_s))  # the last attaches' replays are written
             for conn in pipes:
@@ -303,6 +328,7 @@ class Idle:
         # pool trim (BROKER_POOL_TRIM_S) after the last reader went (a connection is closed
         # once a whole period went by without a call taking it).
         settle(lambda: broker_gauge(ctx.broker.base_url, 'broker_stream_viewers{mode="sse"}'))
+        fds_left, clients_left = open_fds(pid), redis_clients(ctx)  # as the crowd left them
         time.sleep(2 * sizes.idle_pool_trim_s + 2)
         rss_after = settle(lambda: status_kib(pid, "VmRSS"), timeout=30, steady_s=3) / 1024
         fds_after = settle(lambda: open_fds(pid), timeout=30, steady_s=3)
@@ -320,6 +346,8 @@ class Idle:
         reader_calls = sum(calls.get(name, 0) for name in READER_COMMANDS)
         silence = max(r["silence_max_s"] for r in results)
         promise = heartbeat_s + min(heartbeat_s / 4, TICK_MAX_S)
+        heads = attach_histogram(results)
+        open_cpu_s = storm_s["broker"] + storm_s["redis"]
         return Outcome(
             values={
                 "idle.rss_per_connection_kib": (rss_loaded - rss_before) * 1024 / attached,
@@ -328,6 +356,9 @@ class Idle:
                 "idle.reader_commands_per_connection_period": reader_calls / attached / periods,
                 "idle.silence_past_promise_s": silence - promise,
                 "idle.rss_after_over_before": rss_after / rss_before,
+                "idle.open_cpu_ms_per_connection": open_cpu_s * 1000 / attached,
+                "idle.attach_p99_ms": percentile(heads, 99) or 0.0,
+                "idle.fds_after_over_before": fds_after / max(1, fds_before),
                 "idle.fds_after_minus_before": fds_after - fds_before,
                 "idle.redis_clients_after_minus_before": clients_after - clients_before,
             },
@@ -339,6 +370,13 @@ class Idle:
                 "viewer_processes": len(results),
                 "viewers_gauge": viewers,
                 "attach_s": round(attach_s, 2),
+                "attach_p50_ms": percentile(heads, 50),
+                "open_cpu_s": {k: round(v, 3) for k, v in storm_s.items()},
+                "open_cpu_cores": storm_cores,
+                "open_commands_per_connection": {
+                    name: round(n / attached, 3)
+                    for name, n in sorted(storm_calls.items(), key=lambda kv: -kv[1])
+                },
                 "heartbeat_s": heartbeat_s,
                 "window_s": window_s,
                 "pings_in_window": sum(r["pings"] for r in results),
@@ -349,10 +387,17 @@ class Idle:
                     "loaded": round(rss_loaded, 1),
                     "after": round(rss_after, 1),
                 },
-                "fds": {"before": fds_before, "loaded": fds_loaded, "after": fds_after},
+                "fds": {
+                    "before": fds_before,
+                    "loaded": fds_loaded,
+                    "left": fds_left,
+                    "after": fds_after,
+                },
                 "redis_clients": {
                     "before": clients_before,
+                    "opened": clients_storm,
                     "loaded": clients_loaded,
+                    "left": clients_left,
                     "after": clients_after,
                     "after_by_last_command": left_open,
                 },

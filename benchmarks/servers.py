@@ -569,6 +569,13 @@ class CpuMeter:
         redis_cpu = sum(cpu_seconds(pid) for pid in self._redis_pids)
         return time.monotonic(), system_busy_seconds(), broker, redis_cpu, own
 
+    def seconds(self) -> dict[str, float]:
+        """CPU seconds used since the meter started: broker, redis, client, other."""
+        end = self._read()
+        system, broker, redis_cpu, client = (end[i] - self._start[i] for i in range(1, 5))
+        other = max(0.0, system - broker - redis_cpu - client)
+        return {"broker": broker, "redis": redis_cpu, "client": client, "other": other}
+
     def cores(self) -> dict[str, float]:
         """Cores busy since the meter started: broker, redis, client, other (foreign load)."""
         end = self._read()

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -44,6 +45,8 @@ from broker.api.stream_reads import FrontDoor, StreamReads
 from broker.auth import Authenticator
 from broker.compression import Compression
 from broker.connection import (
+    POOL_KEEP_IDLE,
+    POOL_MIN_IDLE,
     check_eviction_policy,
     client,
     connect,
@@ -65,7 +68,7 @@ from broker.http import Services
 from broker.jobs import JobQueue
 from broker.keys import Keys
 from broker.ledger import Dispatcher, Ledger
-from broker.memory import GIVE_BACK_AFTER_READERS, give_back
+from broker.memory import CrowdWatch, give_back
 from broker.metrics import Metrics
 from broker.notifier import Notifier
 from broker.periodic import Periodic
@@ -88,6 +91,7 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 WEBHOOK_DRAIN_S = 2.0
 # How often a worker process denies the approvals whose time ran out (BROKER_APPROVAL_TTL_S).
 APPROVAL_SWEEP_S = 5.0
+CROWD_WATCH_S = 1.0  # how often the process looks whether a crowd of readers left
 
 
 class Runtime:
@@ -174,7 +178,8 @@ class Runtime:
         self.worker: Worker | None = None
         self._pool_trim: Periodic | None = None
         self._approval_sweep: Periodic | None = None
-        self._readers_at_trim = 0  # the live readers at the last trim
+        self._crowd = CrowdWatch()
+        self._trimmed_at = 0.0  # (time.monotonic) the pools' last regular trim
         self._drained = False
         self._closed = False
 
@@ -247,7 +252,9 @@ class Runtime:
             if embedded is not None:
                 embedded.stop()
             raise
-        rt._pool_trim = Periodic(rt.trim_pools, settings.pool_trim_s, name="redis pool trim")
+        watch_s = min(CROWD_WATCH_S, settings.pool_trim_s)
+        rt._trimmed_at = time.monotonic()
+        rt._pool_trim = Periodic(rt.trim_pools, watch_s, name="redis pool trim")
         if settings.runs_worker:
             rt.worker = Worker(
                 rt.deps, blocking, rt.providers, rt.jobs, rt.dispatcher, rt.admission
@@ -279,23 +286,27 @@ class Runtime:
             self.wakes.nudge()
 
     async def trim_pools(self) -> bool:
-        """Give back what a burst took: the idle Redis connections it left behind (see
-        trim_idle_connections), and the memory its readers freed (see memory.give_back)."""
-        readers = self.hub.readers
-        if self._readers_at_trim - readers >= GIVE_BACK_AFTER_READERS:
-            give_back()
-        self._readers_at_trim = readers
+        """Every ``BROKER_POOL_TRIM_S``, close the idle Redis connections a burst left (see
+        trim_idle_connections); once a crowd of readers left (CrowdWatch), at once every idle
+        one (the load since reopens what it needs), then the memory it freed (memory.give_back)."""
+        now = time.monotonic()
+        if crowd_left := self._crowd.left(self.hub.readers):
+            await self._trim(keep=0, floor=0)
+            give_back()  # after the trim: the closed connections' cycles go too
+        if crowd_left or now - self._trimmed_at >= self.settings.pool_trim_s:
+            await self._trim()
+            self._trimmed_at = now
+        return True
+
+    async def _trim(self, keep: int = POOL_KEEP_IDLE, floor: int = POOL_MIN_IDLE) -> None:
         for redis in (self.redis, self.blocking_redis, self.replica_reads):
-            if redis is None:
-                continue
             try:
-                closed = await trim_idle_connections(redis)
+                closed = 0 if redis is None else await trim_idle_connections(redis, keep, floor)
             except Exception:
                 log.exception("trimming a Redis connection pool failed")
                 continue
             if closed:
                 log.debug("closed %d idle Redis connections", closed)
-        return True
 
     async def drain(self) -> None:
         """Stop work in the order that loses nothing; safe to call more than once."""

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
-from operator import attrgetter
 from typing import Any, Final, cast
 
 from redis.asyncio import Redis
@@ -31,7 +30,8 @@ from redis.exceptions import RedisError
 from broker import redis_calls as rc
 from broker.frames import ORIGIN, Chunk, Cursor, Entry
 from broker.metrics import Metrics
-from broker.sse import PING, Sink
+from broker.sse import Sink
+from broker.ticker import beat
 from broker.vocabulary import FINAL_STATUSES
 
 log = logging.getLogger("broker.fanout")
@@ -203,6 +203,7 @@ class _Feed:
         turn_key: str | None,
         seen: bool = False,
         bare: bool = False,
+        running: str | None = None,
     ) -> None:
         self.hub = hub
         self.key = key
@@ -215,6 +216,10 @@ class _Feed:
         # The newest entry this feed read from Redis (None: none yet): every entry up to it is
         # stored for good, whatever a reader's resume point said.
         self.seen: Cursor | None = start if seen else None
+        # The status of a turn not at rest, as its first reader saw it before this feed began
+        # reading; None once the feed read an ``end`` or a look found the turn at rest (or
+        # never known). See Hub.running_at.
+        self.running = running
         # The readers' shared look at whether the turn is at rest, after a heartbeat (see
         # shared_look), and when it began.
         self.rest_look: asyncio.Future[bool] | None = None
@@ -340,6 +345,7 @@ class _Feed:
             if not future.done():  # cancelled, the hub closing: its readers end and resume
                 future.set_exception(HubClosed())
         if future.exception() is not None or future.result():
+            self.running = None
             parked, self.parked = self.parked, []
             self.in_order = True
             for subscription in parked:
@@ -387,6 +393,8 @@ class _Feed:
                     entries = [Entry.from_redis(i, f) for i, f in reply]
                 batch = Batch(after, entries)
                 after = self.read_after = self.seen = entries[-1].cursor
+                if batch.ends:
+                    self.running = None  # the attempt ended: whether the turn rests is asked
                 if self.turn_key is not None and batch.ends:
                     status, attempt = await rc.hmget(
                         self.hub.redis, self.turn_key, ["status", "attempt"]
@@ -416,18 +424,6 @@ class _Feed:
 def _retrieved(future: asyncio.Future[bool]) -> None:
     if not future.cancelled():
         future.exception()
-
-
-def _write_heartbeat(subscription: Subscription) -> bool:
-    """Whether a heartbeat was written to a parked reader's sink at once."""
-    sink = subscription.sink
-    if sink is None or subscription.waiter is None or subscription.waiter.done():
-        return False
-    try:
-        return sink.write_now(PING)
-    except Exception:  # one response's failure must not stop the others' heartbeats
-        log.exception("writing a heartbeat failed")
-        return False
 
 
 class Hub:
@@ -470,55 +466,11 @@ class Hub:
         self._ticker = None  # the next reader to wait starts another (unless closed)
 
     async def _tick(self) -> None:
-        """Heartbeats for the parked readers whose quiet time is up.
-
-        A reader with a sink gets its heartbeat written by the ticker itself and stays parked
-        (no task switch); the feed then looks at its turn once for all of them (at most once
-        per heartbeat period), and wakes them only if the turn came to rest. Any other reader
-        (a long poll, a dialect's, one whose write cannot be done at once) is woken, and its
-        own heartbeat follows.
-        """
+        """Heartbeats for the parked readers whose quiet time is up (:mod:`broker.ticker`)."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self._tick_s)
-            now = loop.time()
-            # Due by the middle of the next period counts as due now: a heartbeat is written
-            # up to half a period early rather than up to a whole one (and the tick's own work)
-            # late, so the silence stays within the period plus one tick.
-            horizon = now + self._tick_s / 2
-            for feed in list(self._feeds.values()):
-                parked = feed.parked
-                if not parked:
-                    continue
-                if feed.in_order:
-                    # In deadline order: the due readers are a prefix, found without a look at
-                    # the others (ten thousand quiet readers cost a look per feed per tick).
-                    due = 0
-                    while due < len(parked) and parked[due].deadline <= horizon:
-                        due += 1
-                    if not due:
-                        continue
-                    kept, looked_at = parked[due:], parked[:due]
-                else:
-                    kept, looked_at = [], parked
-                feed.parked, feed.in_order = kept, True
-                period: float | None = None  # the shortest heartbeat period written to
-                for subscription in looked_at:
-                    if subscription.deadline > horizon:
-                        feed.park(subscription)
-                    elif _write_heartbeat(subscription):
-                        subscription.deadline = now + subscription.timeout
-                        feed.park(subscription)
-                        timeout = subscription.timeout
-                        period = timeout if period is None else min(period, timeout)
-                    else:
-                        subscription.ticked = True
-                        subscription.wake()
-                if not feed.in_order:
-                    feed.parked.sort(key=attrgetter("deadline"))
-                    feed.in_order = True
-                if period is not None:
-                    feed.shared_look(now, period)
+            beat(self._feeds.values(), loop.time(), self._tick_s)
 
     def _start(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
@@ -534,6 +486,7 @@ class Hub:
         *,
         seen: bool = False,
         bare: bool = False,
+        running: str | None = None,
     ) -> Subscription:
         """Join (or start, reading after ``start``; by default the stream's tail) the feed of one
         stream.
@@ -542,11 +495,13 @@ class Hub:
         ``end`` event, for all its readers at once. With ``seen``, ``start`` is an entry the
         subscriber read from the stream (not only a place a client asked for): a feed started
         there has seen it (see :meth:`seen`). With ``bare``, the feed's entries are their places
-        only (no kind, data or frame): for a stream whose payloads are bytes, not text.
+        only (no kind, data or frame): for a stream whose payloads are bytes, not text. With
+        ``running`` (a status not at rest the subscriber read before the events it read up to
+        ``start``), a feed started here vouches for the turn (see :meth:`running_at`).
         """
         feed = self._feeds.get(key)
         if feed is None or feed.task is None or feed.task.done():
-            feed = _Feed(self, key, start, turn_key, seen and start is not None, bare)
+            feed = _Feed(self, key, start, turn_key, seen and start is not None, bare, running)
             self._feeds[key] = feed
             self.metrics.live_streams.set(len(self._feeds))
         subscription = Subscription(feed)
@@ -560,10 +515,32 @@ class Hub:
     def seen(self, key: str) -> Cursor | None:
         """The newest entry of stream ``key`` that its running feed in this process has read
         (None: no feed, or none read yet): the stream up to it will never change."""
+        feed = self._live(key)
+        return None if feed is None else feed.seen
+
+    def covers(self, key: str, cursor: Cursor) -> bool:
+        """Whether a running feed of stream ``key`` has read nothing past ``cursor``: a reader
+        that joins it now gets every entry past ``cursor`` from it, and needs no replay."""
+        feed = self._live(key)
+        read_after = None if feed is None else feed.read_after
+        return read_after is not None and read_after.key <= cursor.key
+
+    def running_at(self, key: str, cursor: Cursor) -> str | None:
+        """The status (not at rest) of the turn of stream ``key`` if its running feed stands at
+        ``cursor`` and vouches for the turn (else None): its first reader saw that status
+        before it began reading, and it read no ``end`` since, nor did a look find the turn at
+        rest. A turn comes to rest only with an ``end`` as its stream's last event (its keys
+        expire only after that), so a reader at ``cursor`` meets that rest through the feed."""
+        feed = self._live(key)
+        if feed is None or feed.running is None or feed.read_after is None:
+            return None
+        return feed.running if feed.read_after.key == cursor.key else None
+
+    def _live(self, key: str) -> _Feed | None:
         feed = self._feeds.get(key)
         if feed is None or feed.task is None or feed.task.done():
             return None
-        return feed.seen
+        return feed
 
     @property
     def readers(self) -> int:

@@ -67,7 +67,7 @@ class Follow:
         self.ended = False
         self.dry = False  # the last replay ended on an empty page (see stored)
 
-    async def stored(self) -> AsyncIterator[Chunk]:
+    async def stored(self, *, replay: bool = False) -> AsyncIterator[Chunk]:
         """The stored events past the cursor, a chunk per page, up to an ``end`` that ends the
         read; the cursor moves past each chunk as it is yielded.
 
@@ -75,10 +75,16 @@ class Follow:
         while a chunk is out: a reader whose client is slow to take a page holds that page's
         bytes, not its events' objects (several times their size; a full page's objects are
         kept for the next readers, a moment and within a bound: :mod:`broker.pages`).
+
+        A shared follow's ``replay`` (before it joins its stream's feed) reads nothing when that
+        feed here has read nothing past the cursor: once the follow joins it (no await
+        between), everything past the cursor comes from the feed.
         """
         pages = self._pages
         count = pages.next_count(None)
         self.dry = False
+        if replay and self.shared and self._hub.covers(self.key, self.cursor):
+            return
         while True:
             entries, more = await pages.page(
                 self.key,

@@ -7,8 +7,9 @@ objects that survived earlier passes have grown by a quarter: in a quiet process
 long time. And the C allocator keeps the freed pages in its heap for the next burst, so the
 process's RSS stays at its peak. :func:`give_back` runs the full pass, then glibc's
 ``malloc_trim``, which returns the free pages at the heap's top and every whole free page
-inside it. The broker calls it when many readers have left since its last look (see
-``Runtime.trim_pools``), not on every pass: it walks the objects and the heap.
+inside it. The broker calls it once a crowd of readers has left (:class:`CrowdWatch`, looked
+at every second by ``Runtime.trim_pools``), not on every pass: it walks the objects and the
+heap.
 
 :func:`settle` moves everything a started broker holds for good (modules, classes, the app)
 out of the collector's sight, so that its full passes, this one's and its own, walk only what
@@ -31,7 +32,7 @@ from typing import Final
 
 log = logging.getLogger("broker.memory")
 
-# Readers that must have left since the last look for memory to be given back.
+# Readers that must have left, from their peak, for a crowd to count as gone (CrowdWatch).
 GIVE_BACK_AFTER_READERS: Final = 200
 
 
@@ -73,3 +74,30 @@ def settle() -> None:
     """Once a process has started: what it holds now is kept out of the collector's passes."""
     gc.collect()
     gc.freeze()
+
+
+class CrowdWatch:
+    """Whether a crowd of readers came and went, from the process's reader count looked at
+    now and then: what it took (Redis connections, memory) can then be given back at once,
+    rather than at the next trim periods."""
+
+    __slots__ = ("_last", "_peak")
+
+    def __init__(self, readers: int = 0) -> None:
+        self._peak = self._last = readers
+
+    @property
+    def peak(self) -> int:
+        """The most readers seen at once since the last crowd left."""
+        return self._peak
+
+    def left(self, readers: int) -> bool:
+        """True, once, when ``GIVE_BACK_AFTER_READERS`` or more have left since the readers'
+        peak and none left since the last look (the crowd is gone, not still leaving)."""
+        settled = readers >= self._last
+        self._last = readers
+        self._peak = max(self._peak, readers)
+        if settled and self._peak - readers >= GIVE_BACK_AFTER_READERS:
+            self._peak = readers
+            return True
+        return False

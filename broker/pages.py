@@ -156,6 +156,11 @@ class StoredPages:
         else:
             entries = await self._read(key, after.entry_id, until, count)
         if len(entries) < count:
+            if shared and self._bounded and until == "+" and entries:
+                # All there was past ``after``: the page up to its last entry never changes,
+                # and it is the bounded page of the readers that come once a feed read that
+                # far (this reader's own, which it starts there).
+                self._cache.put((key, after.entry_id, entries[-1].entry_id, count), entries, now)
             return entries, False
         if shared:
             self._cache.put(asked, entries, now)

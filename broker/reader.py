@@ -16,9 +16,10 @@ never the events' objects, and never a catch-up of everything it missed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator
-from typing import Any, Final, Literal
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, Final, Literal, TypeVar
 
 import orjson
 from redis.asyncio import Redis
@@ -35,6 +36,8 @@ from broker.sse import Sink
 from broker.vocabulary import FINAL_STATUSES, STREAM_ID_PATTERN, decode_turn_ref, unscoped
 
 LOCATED_CACHE: Final = 8_192  # streams whose index lookup a process remembers
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,6 +153,10 @@ class Streams:
         # poll, a reattach) skips its read. Whether the stream's data still exists is looked
         # up every time.
         self._located: dict[str, str] = {}
+        # Openings asking Redis now, by stream and cursor: a crowd's first readers, which all
+        # arrive before the stream has a feed here, share one round trip (see opening).
+        self._opening: dict[tuple[str, str], asyncio.Future[Opening]] = {}
+        self._locating: dict[str, asyncio.Future[str | None]] = {}  # the same, for locate
         # Pages bounded by what the feed read (see StoredPages.page) need the feed and the
         # pages to read the same server: not so when reads go to a cluster's replicas.
         self.pages = StoredPages(
@@ -204,7 +211,8 @@ class Streams:
             raise NotFound(f"unknown stream {stream_id[:80]!r}")
         value = self._located.get(stream_id)
         if value is None:
-            value = await rc.get(self._redis, self._keys.stream_index(stream_id))
+            index = self._keys.stream_index(stream_id)
+            value = await _once(self._locating, index, lambda: rc.get(self._redis, index))
             if value is None:
                 raise NotFound(f"unknown stream {stream_id!r}")
             if len(self._located) >= LOCATED_CACHE:
@@ -241,16 +249,27 @@ class Streams:
         """What a read from ``cursor`` starts with, in one round trip at most (see
         :class:`Opening`)."""
         events_key, turn_key = self.events_key(location), self.turn_key(location)
-        if self.pages.kept(events_key, cursor):
-            # Its first page is kept (see broker.pages): events are stored past the cursor, which is
-            # all the read needs to know (see Opening.open). No round trip: a crowd that joins a
-            # live answer opens on the pages its first viewers read.
+        seen = self._hub.seen(events_key)
+        if (seen is not None and seen.key > cursor.key) or self.pages.kept(events_key, cursor):
+            # The stream's feed here read events past the cursor, or its first page is kept
+            # (see broker.pages): events are stored past the cursor, which is all the read needs
+            # to know (see Opening.open). No round trip: a crowd that joins a live answer opens
+            # on what its first viewers read.
             return Opening(cursor, None, True)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hget(turn_key, "status")
-            pipe.xrange(events_key, min="(" + cursor.entry_id, max="+", count=1)
-            status, page = await pipe.execute()
-        return Opening(cursor, status, bool(page))
+        running = self._hub.running_at(events_key, cursor)
+        if running is not None:
+            # The feed stands at the cursor and vouches that the turn is not at rest (see
+            # Hub.running_at): a crowd of a quiet turn opens on what its first viewer read.
+            return Opening(cursor, running, False)
+
+        async def ask() -> Opening:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hget(turn_key, "status")
+                pipe.xrange(events_key, min="(" + cursor.entry_id, max="+", count=1)
+                status, page = await pipe.execute()
+            return Opening(cursor, status, bool(page))
+
+        return await _once(self._opening, (events_key, cursor.entry_id), ask)
 
     async def follow(
         self, location: Location, after: Cursor | str, sink: Sink | None = None
@@ -294,7 +313,7 @@ class Streams:
         heartbeat_s = heartbeat_s or self._settings.sse_heartbeat_s
         subscription: Subscription | None = None
         try:
-            async for chunk in read.stored():  # the replay
+            async for chunk in read.stored(replay=True):
                 yield chunk
             if read.ended:
                 return
@@ -302,11 +321,7 @@ class Streams:
             # more what arrived in between: whatever the feed has already passed is in Redis by
             # now, so no event waits for a later one to surface. A feed that has read nothing
             # past this reader yet will bring all of it: no read then.
-            # A cursor the replay moved stands on an entry it read (a feed started there has
-            # seen it); one it did not is only where the client asked to start.
-            subscription = self._hub.subscribe(
-                read.key, read.cursor, read.turn_key, seen=read.cursor is not cursor
-            )
+            subscription = self._join(read, cursor, opening)
             subscription.sink = sink
             catch_up, first_look = not subscription.covers(read.cursor), True
             look, at_rest = _looks_first(opening, read.dry), False
@@ -346,6 +361,17 @@ class Streams:
         finally:
             if subscription is not None:
                 self._hub.unsubscribe(subscription)
+
+    def _join(self, read: Follow, start: Cursor, opening: Opening | None) -> Subscription:
+        """``read``'s place on its stream's feed, from where it stands (it started at ``start``).
+
+        A cursor the replay moved stands on an entry it read (a feed started there has seen
+        it); one it did not is only where the client asked to start. A feed started by a read
+        whose opening saw the turn running vouches for the turn (see Hub.running_at)."""
+        running = opening.status if opening is not None and opening.running else None
+        return self._hub.subscribe(
+            read.key, read.cursor, read.turn_key, seen=read.cursor is not start, running=running
+        )
 
     def _start(
         self, location: Location, after: Cursor | str, sink: Sink | None, direct: bool
@@ -434,6 +460,29 @@ class Streams:
             "up_to_date": up_to_date,
             "closed": at_rest and up_to_date,
         }
+
+
+async def _once(pending: dict[K, asyncio.Future[V]], key: K, call: Callable[[], Awaitable[V]]) -> V:
+    """``call()``'s result, one call for every caller asking for ``key`` while it runs (in
+    ``pending``). A caller whose shared call failed (or was cancelled) calls for itself:
+    nothing here waits on a cancellation reaching a Redis call."""
+    shared = pending.get(key)
+    if shared is not None:
+        await asyncio.wait((shared,))  # (raises only this caller's own cancellation)
+        if not shared.cancelled():
+            return shared.result()
+    future: asyncio.Future[V] = asyncio.get_running_loop().create_future()
+    pending.setdefault(key, future)
+    try:
+        value = await call()
+    except BaseException:
+        future.cancel()  # the callers waiting on it call for themselves
+        raise
+    finally:
+        if pending.get(key) is future:
+            del pending[key]
+    future.set_result(value)
+    return value
 
 
 def _page_event(entry: Entry) -> dict[str, Any]:

@@ -134,7 +134,8 @@ GROUPS = (
                 (
                     "how often each Redis connection pool closes its idle connections beyond the 16"
                     " most recently used, and those no call took since the last pass (what a burst "
-                    "opened comes back)"
+                    "opened comes back); once a crowd of readers left, every idle one is closed at"
+                    " once"
                 ),
             ),
             Row(

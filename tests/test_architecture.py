@@ -61,6 +61,7 @@ READING = {
     "broker.reader",
     "broker.relay",
     "broker.sequence_index",
+    "broker.ticker",
     "broker.viewer",
 }
 WRITING = {

@@ -15,7 +15,7 @@ import weakref
 
 import pytest
 
-from broker.memory import give_back, settle
+from broker.memory import GIVE_BACK_AFTER_READERS, CrowdWatch, give_back, settle
 
 SCRIPT = """
 import sys
@@ -76,3 +76,26 @@ def test_a_settled_process_keeps_what_it_holds_out_of_the_collectors_passes() ->
         assert gc.get_freeze_count() > frozen
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize(
+    ("looks", "left_at"),
+    [
+        # A crowd of 250 comes and goes: gone once the count stops falling, and only once.
+        ([0, 250, 250, 100, 0, 0, 0], [5]),
+        # Still leaving at each look: not yet; then settled.
+        ([300, 200, 90, 40, 40], [4]),
+        # Fewer than GIVE_BACK_AFTER_READERS left: no crowd.
+        ([0, 150, 0, 0], []),
+        # Readers turning over without the count falling that far: nothing to give back.
+        ([500, 450, 520, 400, 480, 400], []),
+        # A second crowd counts from where the first left off.
+        ([0, 300, 0, 0, 250, 0, 0], [3, 6]),
+    ],
+)
+def test_a_crowd_counts_as_gone_once_its_readers_stop_leaving(
+    looks: list[int], left_at: list[int]
+) -> None:
+    watch = CrowdWatch()
+    assert [i for i, readers in enumerate(looks) if watch.left(readers)] == left_at
+    assert GIVE_BACK_AFTER_READERS == 200  # (the table's sizes are chosen around it)

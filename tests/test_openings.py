@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from collections.abc import Callable
 
 import orjson
 import pytest
@@ -26,6 +27,7 @@ from broker.pages import Page, StoredPages
 from broker.reader import Location, Streams
 from broker.scripts import Scripts
 from broker.settings import Settings
+from broker.vocabulary import encode_turn_ref
 from tests.conftest import command_calls
 
 _n = itertools.count()
@@ -209,3 +211,112 @@ async def test_a_shared_read_that_fails_leaves_its_waiters_to_read_for_themselve
     assert [len(r[0]) for r in results[1:] if isinstance(r, tuple)] == [1, 1]
     assert pages.reads == 3
     assert pages._reading == {}
+
+
+async def _until(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    """Wait (on the event loop) until ``predicate()`` holds; fail after ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def _parked(streams: Streams, key: str) -> int:
+    feed = streams._hub._feeds.get(key)
+    return 0 if feed is None else len(feed.parked)
+
+
+@pytest.mark.parametrize("stored", [0, 3], ids=["quiet", "begun"])
+async def test_a_crowd_after_its_first_viewer_opens_and_joins_without_asking_redis(
+    aredis: Redis, raw_redis: redis.Redis, stored: int
+) -> None:
+    """The stream's feed here vouches for the crowd: it read the events past their start
+    (``begun``), or it stands where they start and its first viewer saw the turn running
+    (``quiet``, a turn that has said nothing yet). No opening, replay or look: the crowd costs
+    Redis nothing, and still reads every event to the turn's `end`."""
+    streams, keys, location = await _setup(aredis)
+    events_key, turn_key = keys.events("c", "t"), keys.turn("c", "t")
+    for i in range(stored):
+        await aredis.xadd(events_key, {"e": "delta", "d": _data(text=str(i))})
+    kinds: list[list[str]] = []
+
+    async def view() -> None:
+        opening = await streams.opening(location, ORIGIN)
+        assert opening.open
+        assert not opening.finished
+        seen: list[str] = []
+        kinds.append(seen)
+        async for item in streams.follow_chunks(location, ORIGIN, opening=opening, heartbeat_s=60):
+            if isinstance(item, Chunk):
+                seen += [entry.kind for entry in item.entries]
+
+    first = asyncio.create_task(view())
+    await _until(lambda: _parked(streams, events_key) == 1)
+    before = {name: command_calls(raw_redis, name) for name in ("hget", "hmget", "xrange")}
+    crowd = [asyncio.create_task(view()) for _ in range(20)]
+    await _until(lambda: _parked(streams, events_key) == 21)
+    calls = {name: command_calls(raw_redis, name) - before[name] for name in before}
+    assert calls == {"hget": 0, "hmget": 0, "xrange": 0}
+    await aredis.xadd(events_key, {"e": "delta", "d": _data(text="live")})
+    await aredis.hset(turn_key, "status", "complete")
+    await aredis.xadd(events_key, {"e": "end", "d": _data(status="complete")})
+    await asyncio.wait_for(asyncio.gather(first, *crowd), 10)
+    assert kinds == [["delta"] * (stored + 1) + ["end"]] * 21
+
+
+async def test_a_feed_that_read_an_end_no_longer_vouches_for_its_turn(
+    aredis: Redis, raw_redis: redis.Redis
+) -> None:
+    """Once the feed read an attempt's `end`, whether the turn rests is a question again: a
+    reader from past that `end` opens with a round trip, and learns the turn is at rest."""
+    streams, keys, location = await _setup(aredis)
+    events_key, turn_key = keys.events("c", "t"), keys.turn("c", "t")
+    opening = await streams.opening(location, ORIGIN)
+    assert opening.running
+
+    async def view() -> None:
+        async for _ in streams.follow_chunks(location, ORIGIN, opening=opening, heartbeat_s=60):
+            pass
+
+    reader = asyncio.create_task(view())
+    await _until(lambda: _parked(streams, events_key) == 1)
+    # An attempt ends, and a new one is queued at once: the first reader reads on.
+    await aredis.hset(turn_key, mapping={"status": "queued", "attempt": "2"})
+    await aredis.xadd(events_key, {"e": "end", "d": _data(status="interrupted")})
+    await _until(lambda: streams._hub.seen(events_key) is not None)
+    await _until(lambda: _parked(streams, events_key) == 1)
+    tail = streams._hub.seen(events_key)
+    assert tail is not None
+    assert streams._hub.running_at(events_key, tail) is None
+    await aredis.hset(turn_key, "status", "cancelled")
+    before = command_calls(raw_redis, "hget")
+    late = await streams.opening(location, tail)
+    assert command_calls(raw_redis, "hget") - before == 1
+    assert (late.status, late.finished) == ("cancelled", True)
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+
+
+async def test_the_first_readers_of_a_stream_share_their_opening_round_trip(
+    aredis: Redis, raw_redis: redis.Redis
+) -> None:
+    """A crowd's first readers all arrive before the stream has a feed here: their openings
+    at the same place share one round trip (not a Redis connection each)."""
+    streams, keys, location = await _setup(aredis)
+    before = command_calls(raw_redis, "hget")
+    openings = await asyncio.gather(*(streams.opening(location, ORIGIN) for _ in range(10)))
+    assert command_calls(raw_redis, "hget") - before == 1
+    assert all(o == openings[0] and o.running for o in openings)
+    assert streams._opening == {}  # nothing left behind
+    # And so do their look-ups of the stream's turn, before the process remembers it.
+    await aredis.set(keys.stream_index(location.stream_id), encode_turn_ref("c", "t"))
+    before = command_calls(raw_redis, "get")
+    found = await asyncio.gather(
+        *(streams.locate(location.stream_id, None, check=False) for _ in range(10))
+    )
+    assert command_calls(raw_redis, "get") - before == 1
+    assert found == [location] * 10
+    assert streams._locating == {}

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from typing import Any
 
+import httpx
 import pytest
 import redis
 
@@ -23,8 +25,8 @@ from broker.connection import (
     drop_idle_connections,
     trim_idle_connections,
 )
-from tests.conftest import sync_client
-from tests.helpers import wait_until
+from tests.conftest import BrokerFactory, sync_client
+from tests.helpers import start_turn, wait_until
 
 pytestmark = pytest.mark.single_node("a cluster client's per-node pools are left alone")
 BURST = 40
@@ -231,3 +233,70 @@ async def test_a_connection_taken_while_the_idle_ones_are_dropped_is_not_closed_
         assert await pool_client.get("pool-drop:k") == "v"
     finally:
         await pool_client.aclose()
+
+
+CROWD = 240  # readers: more than GIVE_BACK_AFTER_READERS, over as many streams as STREAMS
+STREAMS = 24
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _crowd(base_url: str, paths: list[str]) -> list[asyncio.StreamWriter]:
+    """CROWD SSE readers round ``paths``, each once its response head arrived."""
+    url = httpx.URL(base_url)
+    host, port = str(url.host), int(url.port or 80)
+
+    async def attach(path: str) -> asyncio.StreamWriter:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n\r\n".encode()
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        return writer
+
+    return list(await asyncio.gather(*(attach(paths[i % len(paths)]) for i in range(CROWD))))
+
+
+def test_a_crowd_that_leaves_gives_back_its_redis_connections_at_once(
+    broker_factory: BrokerFactory, redis_url: str
+) -> None:
+    """Each live stream's feed holds a blocking Redis connection: a crowd over STREAMS streams
+    grows the pool by as many, which go idle when it leaves. The broker sees the crowd go
+    (``CrowdWatch``, every second) and closes every idle connection then, not two trim periods
+    (a minute) later: its descriptors and Redis clients come back to what they were before the
+    crowd (what the turns' lease renewals take meanwhile aside)."""
+    broker = broker_factory(pool_trim_s=300.0)  # the regular trim stays out of it
+    observer = sync_client(redis_url)
+    try:
+        paths = []
+        for i in range(STREAMS):
+            turn = start_turn(broker.base_url, f"crowd-{i}", first_delta_after_ms=600_000)
+            paths.append(f"/v1/streams/{turn['stream_id']}")
+        clients_before = int(observer.info("clients")["connected_clients"])
+        fds_before = _open_fds()
+
+        async def come_and_go() -> int:
+            writers = await _crowd(broker.base_url, paths)
+            loaded = int(observer.info("clients")["connected_clients"])
+            # Until the broker has seen the whole crowd (it looks every second).
+            crowd = broker.runtime._crowd
+            await asyncio.to_thread(wait_until, lambda: crowd.peak >= CROWD)
+            for writer in writers:
+                writer.close()
+            return loaded
+
+        loaded = asyncio.run(come_and_go())
+        assert loaded >= clients_before + STREAMS  # a feed's connection per stream
+        renewing = 1  # a lease renewal may have a connection out, or opened one since
+        wait_until(
+            lambda: (
+                int(observer.info("clients")["connected_clients"]) <= clients_before + renewing
+                and _open_fds() <= fds_before + renewing
+            ),
+            timeout=10,
+        )
+    finally:
+        observer.close()
