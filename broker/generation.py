@@ -125,7 +125,10 @@ class Generation:
         self._usage: dict[str, int] | None = None
         self._stream_id: str | None = None
         self._output = AttemptOutput(
-            run.writer, run.attempt, linger_s=deps.settings.append_linger_ms / 1000
+            run.writer,
+            run.attempt,
+            linger_s=deps.settings.append_linger_ms / 1000,
+            burst=deps.settings.append_burst_deltas,
         )
         self._tools = ToolSteps(
             run.conversation_id,

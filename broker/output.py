@@ -34,25 +34,26 @@ from broker.lease import Event, TurnWriter
 MAX_QUEUED_DELTAS = 512
 # A burst: the last this many deltas came within the linger. Its appends then go as far apart
 # as those deltas took, so about this many share each.
-BURST_SHARE: Final = 8
+BURST_SHARE: Final = 8  # the default of BROKER_APPEND_BURST_DELTAS
 
 
 class Linger:
     """When an attempt's next append goes: at once, unless the deltas come in a burst.
 
-    It keeps the times of the last ``BURST_SHARE`` deltas. While they all came within
+    It keeps the times of the last ``burst`` deltas (``BROKER_APPEND_BURST_DELTAS``,
+    :data:`BURST_SHARE` by default). While they all came within
     ``cap_s``, the appends go as far apart as they took (so about that many share each),
     counted from the last append's start; otherwise (a paced model, a pause, the first deltas
     after one) an append goes as soon as the one in flight is done. A few deltas bunched by a
-    late wake-up are no burst: it takes ``BURST_SHARE`` of them. Pure: the caller says what
+    late wake-up are no burst: it takes ``burst`` of them. Pure: the caller says what
     time it is.
     """
 
     __slots__ = ("_arrivals", "_last_append", "cap_s")
 
-    def __init__(self, cap_s: float) -> None:
+    def __init__(self, cap_s: float, burst: int = BURST_SHARE) -> None:
         self.cap_s = max(0.0, cap_s)
-        self._arrivals: collections.deque[float] = collections.deque(maxlen=BURST_SHARE)
+        self._arrivals: collections.deque[float] = collections.deque(maxlen=max(2, burst))
         self._last_append = -math.inf
 
     def delta(self, now: float) -> None:
@@ -65,10 +66,10 @@ class Linger:
 
     @property
     def window_s(self) -> float:
-        """How far apart the appends go: what the last ``BURST_SHARE`` deltas took, in a
-        burst; else 0."""
+        """How far apart the appends go: what the last ``burst`` deltas took, in a burst;
+        else 0."""
         arrivals = self._arrivals
-        if len(arrivals) < BURST_SHARE:
+        if len(arrivals) < (arrivals.maxlen or BURST_SHARE):
             return 0.0
         span = max(0.0, arrivals[-1] - arrivals[0])
         return span if span <= self.cap_s and self.cap_s > 0 else 0.0
@@ -82,10 +83,12 @@ class AttemptOutput:
     """The stream side of one attempt: its queued deltas, the text appended so far, and whether
     anything of it reached readers."""
 
-    def __init__(self, writer: TurnWriter, attempt: int, *, linger_s: float = 0.0) -> None:
+    def __init__(
+        self, writer: TurnWriter, attempt: int, *, linger_s: float = 0.0, burst: int = BURST_SHARE
+    ) -> None:
         self._writer = writer
         self._n = attempt
-        self._linger = Linger(linger_s)
+        self._linger = Linger(linger_s, burst)
         self._hurry: asyncio.Future[None] | None = None  # ends the linger under way
         self._hurried = False  # someone waits for the queued deltas: no more lingering
         self.strategy: Any = None  # the attempt record's strategy, for its `attempt` event

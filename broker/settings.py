@@ -45,6 +45,7 @@ BOUNDED = {
     "long_poll_max_s": (0, 300),  # 0: no long polls (a ?wait= above 0 is refused)
     "sse_batch_max_ms": (0, 10_000),  # 0: no batching (a ?batch_ms= above 0 is refused)
     "append_linger_ms": (0, 1_000),  # 0: an append goes as soon as the last one is done
+    "append_burst_deltas": (2, 1_000),
     "sse_page_cache_s": (0, 60),  # 0: every reader reads its pages from Redis
     "ds_long_poll_s": (0.05, 300),
     "ds_sse_max_s": (1, 3_600),
@@ -87,6 +88,7 @@ class Settings:
     replica_wait_ms: int = 500  # how long a write waits for them before it goes on anyway
     worker_concurrency: int = 64
     append_linger_ms: float = 40.0  # how long an append waits for more deltas to share it
+    append_burst_deltas: int = 8  # that many deltas within the linger are a burst
     sse_heartbeat_s: float = 15.0
     sse_heartbeat_max_s: float = 120.0  # the longest heartbeat period a client may ask for
     sse_batch_max_ms: int = 1_000  # the longest ?batch_ms= an SSE reader may ask for

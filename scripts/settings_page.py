@@ -202,6 +202,18 @@ GROUPS = (
                     "calls, usage and the end never wait"
                 ),
             ),
+            Row(
+                ("append_burst_deltas",),
+                (
+                    "how many deltas within `BROKER_APPEND_LINGER_MS` make a burst whose "
+                    "appends wait to share (2 to 1000). With 8 and 40 ms, a model faster than "
+                    "200 deltas/s: a paced answer at 100 deltas/s costs an append per delta, "
+                    "and its readers get each about a millisecond after the model. 4 counts "
+                    "100 deltas/s as a burst: about a quarter of the appends (CPU and Redis "
+                    "calls) for such an answer, and about 20 ms more for its few readers "
+                    "(`benchmarks/RESULTS.md` has both sides)"
+                ),
+            ),
         ),
     ),
     Group(

@@ -20,6 +20,24 @@ def _paced(linger: Linger, gap_s: float, deltas: int, start: float = 0.0) -> flo
     return now
 
 
+@pytest.mark.parametrize(
+    ("burst", "gap_s", "waits"),
+    [
+        (4, 0.010, True),  # BROKER_APPEND_BURST_DELTAS=4: 100 deltas/s is a burst
+        (4, 0.015, False),  # 4 deltas take 45 ms: not within 40
+        (8, 0.010, False),  # the default: 100 deltas/s goes a delta per append
+        (2, 0.030, True),  # two within the linger are enough
+    ],
+)
+def test_the_burst_is_as_many_deltas_as_set(burst: int, gap_s: float, waits: bool) -> None:
+    linger = Linger(CAP, burst)
+    now = _paced(linger, gap_s, 20)
+    linger.appending(now)
+    assert (linger.wait_s(now) > 0) is waits
+    if waits:
+        assert linger.wait_s(now) == pytest.approx((burst - 1) * gap_s)
+
+
 def test_a_first_delta_goes_at_once() -> None:
     linger = Linger(CAP)
     linger.delta(10.0)
