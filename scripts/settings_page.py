@@ -209,8 +209,8 @@ GROUPS = (
                     "appends wait to share (2 to 1000). With 8 and 40 ms, a model faster than "
                     "200 deltas/s: a paced answer at 100 deltas/s costs an append per delta, "
                     "and its readers get each about a millisecond after the model. 4 counts "
-                    "100 deltas/s as a burst: about a quarter of the appends (CPU and Redis "
-                    "calls) for such an answer, and about 20 ms more for its few readers "
+                    "100 deltas/s as a burst: about a third of the appends (CPU and Redis "
+                    "calls) for such an answer, and about 15 ms more for its few readers "
                     "(`benchmarks/RESULTS.md` has both sides)"
                 ),
             ),
