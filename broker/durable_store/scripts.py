@@ -159,7 +159,9 @@ class StreamScripts:
         alone, with its own ``WAIT``."""
         calls = [_append_call(keys, appends, max_entries, quota) for keys, appends in groups]
         scripts = self._scripts
-        if len(calls) == 1 or scripts.replica_acks > 0:
+        if len(calls) == 1:  # (a lone writer's: no task, no pipeline)
+            sent = [await _caught(scripts("ds_append", *calls[0]))]
+        elif scripts.replica_acks > 0:
             sent = await asyncio.gather(*(_caught(scripts("ds_append", *call)) for call in calls))
         else:
             sent = await _pipelined(scripts, scripts.registered("ds_append"), calls)
