@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.server
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import httpx
 import orjson
+import pytest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,3 +256,13 @@ def pings_and_gaps(base_url: str, stream_id: str, params: dict[str, str]) -> lis
                 if len(seen) == 4:
                     break
     return [later - earlier for earlier, later in itertools.pairwise(seen)]
+
+
+@contextlib.contextmanager
+def answers_at_full_speed() -> Iterator[None]:
+    """The simulated model's default pace made none (it is 25 deltas/s) while the block runs,
+    for an in-process broker whose requests cannot ask for a pace (a fuzzer's generated ones):
+    otherwise every blocking create waits out a two-second answer."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("broker.providers.simulated.DEFAULT_TOKENS_PER_S", 0.0)
+        yield
