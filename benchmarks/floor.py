@@ -190,7 +190,7 @@ def _measure(ctx: Context, kind: str) -> tuple[dict[str, float], dict[str, Any]]
     try:
         _wait_listening(port, server)
         pid = server.pid if kind == "uvicorn" else _worker_pid(server)
-        rss_before = settle(lambda: status_kib(pid, "VmRSS"), steady_s=2) / 1024
+        rss_before = settle(lambda: status_kib(pid, "VmRSS"), steady_s=sizes.settle_s) / 1024
         counts = shares(connections, max(1, sizes.viewer_processes))
         base_url = f"http://127.0.0.1:{port}"
         args = [(base_url, count) for count in counts]
@@ -203,17 +203,17 @@ def _measure(ctx: Context, kind: str) -> tuple[dict[str, float], dict[str, Any]]
             for conn in pipes:
                 _recv(conn, 300, "attached")
             cpu1, attach_s = cpu_seconds(pid), time.monotonic() - began
-            time.sleep(2.0)  # the last responses' first writes are out
+            time.sleep(sizes.settle_s)  # the last responses' first writes are out
             rss_loaded = status_kib(pid, "VmRSS") / 1024
             for conn in pipes:
                 conn.send("measure")
             for conn in pipes:
                 conn.send("stop")
             results = [_recv(conn, 120, "result")[1] for conn in pipes]
-        time.sleep(2.0)  # the server saw every client leave
+        time.sleep(sizes.settle_s)  # the server saw every client leave
         with urllib.request.urlopen(f"{base_url}{GIVE_BACK}", timeout=30) as answer:
             answer.read()
-        rss_after = settle(lambda: status_kib(pid, "VmRSS"), steady_s=2) / 1024
+        rss_after = settle(lambda: status_kib(pid, "VmRSS"), steady_s=sizes.settle_s) / 1024
     finally:
         server.send_signal(signal.SIGTERM)
         try:

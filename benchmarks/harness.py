@@ -38,6 +38,8 @@ class Sizes:
     idle_window_s: float  # the quiet window measured
     idle_heartbeat_s: float  # the broker's BROKER_SSE_HEARTBEAT_S for it
     idle_pool_trim_s: float  # its BROKER_POOL_TRIM_S (the default, 30, but in smoke runs)
+    idle_baseline_s: float  # the idle streams run unread this long before the baseline
+    settle_s: float  # how long a process's RSS, files or connections must hold still to count
     replay_viewers: int  # readers that replay one finished turn at once
     replay_tokens: int  # that turn's deltas
     tail_viewers: tuple[int, ...]  # the live tail's matrix: viewers of one turn...
@@ -63,6 +65,8 @@ PROFILES: Final = {
         idle_window_s=45.0,
         idle_heartbeat_s=15.0,
         idle_pool_trim_s=30.0,
+        idle_baseline_s=8.0,
+        settle_s=3.0,
         replay_viewers=1_000,
         replay_tokens=2_000,
         tail_viewers=(1, 10, 100, 1_000),
@@ -86,6 +90,8 @@ PROFILES: Final = {
         idle_window_s=32.0,
         idle_heartbeat_s=15.0,
         idle_pool_trim_s=30.0,
+        idle_baseline_s=8.0,
+        settle_s=3.0,
         replay_viewers=1_000,
         replay_tokens=2_000,
         tail_viewers=(1, 10, 100, 1_000),
@@ -109,6 +115,8 @@ PROFILES: Final = {
         idle_window_s=3.0,
         idle_heartbeat_s=1.0,
         idle_pool_trim_s=1.0,
+        idle_baseline_s=1.0,
+        settle_s=0.5,
         replay_viewers=20,
         replay_tokens=100,
         tail_viewers=(1, 10),

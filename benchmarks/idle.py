@@ -54,7 +54,6 @@ SILENT_FOR_MS = 600_000  # the turns' first delta comes after the run is over
 # What readers send while quiet: the feeds' blocking reads and the looks at the turns (the
 # rest in the window is the silent generations' lease renewals and the job reclaims).
 READER_COMMANDS = ("xread", "hmget", "hget", "xrange", "xrevrange", "exists", "get")
-LEASE_RENEWALS_S = 8.0  # a little over two lease renewals at the default lease (10 s)
 
 
 class _Quiet(asyncio.Protocol):
@@ -223,11 +222,12 @@ def clients_by_last_command(ctx: Context, idle_s: float) -> dict[str, int]:
 
 
 def settle(probe: Any, timeout: float = 30.0, steady_s: float = 3.0) -> float:
-    """``probe()`` once it has stopped falling for ``steady_s`` (or at ``timeout``)."""
+    """``probe()`` once it has stopped falling for ``steady_s`` (or at ``timeout``), read at
+    least three times in that span."""
     deadline = time.monotonic() + timeout
     best, since = probe(), time.monotonic()
     while time.monotonic() < deadline and time.monotonic() - since < steady_s:
-        time.sleep(0.5)
+        time.sleep(min(0.5, steady_s / 3))
         value = probe()
         if value < best:
             best, since = value, time.monotonic()
@@ -275,8 +275,8 @@ class Idle:
             wait_status(ctx.redis, turn_id, turn_id, ("streaming",), timeout=60)
         # The baseline: the streams exist and run (their leases renewed a few times), nobody
         # reads them.
-        time.sleep(LEASE_RENEWALS_S)
-        rss_before = settle(lambda: status_kib(pid, "VmRSS")) / 1024
+        time.sleep(sizes.idle_baseline_s)
+        rss_before = settle(lambda: status_kib(pid, "VmRSS"), steady_s=sizes.settle_s) / 1024
         fds_before, clients_before = open_fds(pid), redis_clients(ctx)
         counts = shares(connections, max(1, sizes.viewer_processes))
         # Each process's connections go round the streams, starting at its own offset.
@@ -327,12 +327,16 @@ class Idle:
         # Every client left: what comes back, once the broker had the time of two passes of its
         # pool trim (BROKER_POOL_TRIM_S) after the last reader went (a connection is closed
         # once a whole period went by without a call taking it).
-        settle(lambda: broker_gauge(ctx.broker.base_url, 'broker_stream_viewers{mode="sse"}'))
+        steady = sizes.settle_s
+        settle(
+            lambda: broker_gauge(ctx.broker.base_url, 'broker_stream_viewers{mode="sse"}'),
+            steady_s=steady,
+        )
         fds_left, clients_left = open_fds(pid), redis_clients(ctx)  # as the crowd left them
-        time.sleep(2 * sizes.idle_pool_trim_s + 2)
-        rss_after = settle(lambda: status_kib(pid, "VmRSS"), timeout=30, steady_s=3) / 1024
-        fds_after = settle(lambda: open_fds(pid), timeout=30, steady_s=3)
-        clients_after = settle(lambda: redis_clients(ctx), timeout=30, steady_s=3)
+        time.sleep(2 * sizes.idle_pool_trim_s + steady)
+        rss_after = settle(lambda: status_kib(pid, "VmRSS"), steady_s=steady) / 1024
+        fds_after = settle(lambda: open_fds(pid), steady_s=steady)
+        clients_after = settle(lambda: redis_clients(ctx), steady_s=steady)
         left_open = clients_by_last_command(ctx, sizes.idle_pool_trim_s)
         with httpx.Client(base_url=ctx.broker.base_url, timeout=30, trust_env=False) as http:
             for turn_id in turns:
