@@ -213,7 +213,11 @@ def test_a_one_viewer_tokens_newest_sse_read_takes_over_on_every_door(
         assert next(line for line in lines if door.is_data(line))
         # The older connection ends at its next frame, with its door's signal, long before
         # the answer's own end.
-        assert first_ended.wait(10), "the older connection went on reading"
+        assert first_ended.wait(10), (
+            "the older connection went on reading",
+            first_lines[-4:],
+            _sse_viewers(broker),
+        )
         thread.join(10)
         assert any(door.is_replaced(line) for line in first_lines), first_lines[-5:]
         assert not any(door.is_end(line) for line in first_lines)
