@@ -33,6 +33,14 @@ from broker.sse import PING
 # --- Responses ---------------------------------------------------------------------------------
 
 
+def opening_frames(head: Head, starting_after: int) -> bytes:
+    """A response's ``response.created`` and ``response.in_progress``, those numbered past
+    ``starting_after``."""
+    if starting_after >= OPENING - 1:
+        return b""
+    return b"".join(frame(e) for e in opening(head) if e["sequence_number"] > starting_after)
+
+
 class ResponsesRenderer:
     """A response's events after sequence number ``starting_after`` (-1: all), the first stored
     event read numbered from ``base``. An ``end``'s facts are its :class:`AttemptEnd`.
@@ -53,11 +61,7 @@ class ResponsesRenderer:
         self.calls = calls
 
     def opening(self) -> bytes:
-        """``response.created`` and ``response.in_progress``, those past ``starting_after``."""
-        if self.starting_after >= OPENING - 1:
-            return b""
-        opened = opening(self.head)
-        return b"".join(frame(e) for e in opened if e["sequence_number"] > self.starting_after)
+        return opening_frames(self.head, self.starting_after)
 
     def render(self, entries: Sequence[Entry], facts: Facts) -> bytes:
         frames: list[bytes] = []
@@ -141,10 +145,7 @@ class ApprovalsRenderer:
         return bool(self.requests) and not self.finished
 
     def opening(self) -> bytes:
-        if self.starting_after >= OPENING - 1:
-            return b""
-        opened = opening(self.head)
-        return b"".join(frame(e) for e in opened if e["sequence_number"] > self.starting_after)
+        return opening_frames(self.head, self.starting_after)
 
     def render(self, entries: Sequence[Entry], facts: Facts) -> bytes:
         frames: list[bytes] = []
