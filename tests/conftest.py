@@ -47,6 +47,9 @@ from tests.redis_cluster import LocalCluster
 
 _prefixes = itertools.count()
 
+# Fixtures that test modules of several doors share.
+pytest_plugins = ("tests.approval_fixtures",)
+
 # The third pass: the whole session on a Redis Cluster of three primaries.
 CLUSTER_MODE = os.environ.get("BROKER_TEST_CLUSTER", "") not in ("", "0")
 

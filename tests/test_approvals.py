@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from broker.approval_rules import set_clock
 from broker_client import ApprovalDecision, ApprovalRequest, BrokerClient
+from tests.approval_fixtures import BIG, SMALL, tools_file
 from tests.conftest import BrokerFactory, BrokerProcess, RunningBroker
 from tests.helpers import (
     SSEEvent,
@@ -29,44 +28,6 @@ from tests.helpers import (
     wait_final,
     wait_until,
 )
-
-PAYMENT_SCHEMA = {
-    "type": "object",
-    "required": ["to", "amount"],
-    "properties": {"to": {"type": "string"}, "amount": {"type": "number"}},
-}
-OVER_100 = {"when": {"properties": {"amount": {"exclusiveMinimum": 100}}}}
-BIG = {"to": "bob", "amount": 500}
-SMALL = {"to": "bob", "amount": 10}
-
-
-@pytest.fixture
-def payments() -> Iterator[ToolEndpoint]:
-    endpoint = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
-    yield endpoint
-    endpoint.close()
-
-
-@pytest.fixture
-def approved_broker(
-    broker_factory: BrokerFactory, tmp_path: Path, payments: ToolEndpoint
-) -> RunningBroker:
-    return broker_factory(tools=str(tools_file(tmp_path, payments.url)))
-
-
-def tools_file(tmp_path: Path, url: str, **extra: Any) -> Path:
-    path = tmp_path / "tools.json"
-    tool = {
-        "name": "send_payment",
-        "class": "unkeyed_write",
-        "schema": PAYMENT_SCHEMA,
-        "endpoint": url,
-        "timeout_s": 5,
-        "approval": OVER_100,
-        **extra,
-    }
-    path.write_text(json.dumps({"tools": [tool]}))
-    return path
 
 
 def pay_turn(broker: RunningBroker, turn_id: str, args: dict[str, Any] = BIG, **knobs: Any) -> Any:

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +22,15 @@ from openai.types.responses.response_input_param import McpApprovalResponse
 from pydantic import TypeAdapter
 
 from broker.approval_rules import set_clock
-from tests.conftest import BrokerFactory, BrokerProcess, RunningBroker, _prefixes
+from tests.approval_fixtures import BIG
+from tests.conftest import BrokerProcess, RunningBroker, _prefixes
 from tests.doc_pages import ROOT, snippets
 from tests.helpers import ToolEndpoint, get_turn, read_sse, wait_final
 from tests.openai_spec import event_errors, sdk_extras, spec_errors
-from tests.test_approvals import BIG, decide, tools_file, wait_awaiting
+from tests.test_approvals import decide, wait_awaiting
 
 EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 ANSWER: TypeAdapter[Any] = TypeAdapter(McpApprovalResponse)
-
-
-@pytest.fixture
-def payments() -> Iterator[ToolEndpoint]:
-    endpoint = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
-    yield endpoint
-    endpoint.close()
-
-
-@pytest.fixture
-def approved_broker(
-    broker_factory: BrokerFactory, tmp_path: Path, payments: ToolEndpoint
-) -> RunningBroker:
-    return broker_factory(tools=str(tools_file(tmp_path, payments.url)))
 
 
 def sdk_of(broker: RunningBroker) -> openai.OpenAI:
