@@ -35,8 +35,9 @@ from tests.conftest import start_broker
 from tests.helpers import read_sse, start_turn
 from tests.redis_cluster import LocalCluster, TlsFiles
 
-# Clusters of its own, of the server the session names: a test of the server too.
-pytestmark = pytest.mark.server
+# Clusters of its own, of the server the session names: a test of the server too; never the
+# session's cluster, so the cluster pass leaves it to the first.
+pytestmark = [pytest.mark.server, pytest.mark.own_cluster]
 
 # -- the URL ------------------------------------------------------------------------------------
 

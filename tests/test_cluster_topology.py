@@ -36,8 +36,9 @@ from tests.conftest import RunningBroker, start_broker
 from tests.helpers import get_turn, read_sse, start_turn, wait_final, wait_until
 from tests.redis_cluster import LocalCluster
 
-# Clusters of its own, of the server the session names: a test of the server too.
-pytestmark = pytest.mark.server
+# Clusters of its own, of the server the session names: a test of the server too; never the
+# session's cluster, so the cluster pass leaves it to the first.
+pytestmark = [pytest.mark.server, pytest.mark.own_cluster]
 
 READER = AttachPolicy(max_retries=200, base_delay=0.05, max_delay=0.3, read_timeout=10)
 
