@@ -79,8 +79,12 @@ def test_readers_with_different_heartbeat_periods_each_hear_theirs(
                 periods,
             )
         )
+    slack = 0.25 + 0.2  # the ticker's quarter period at most, and this client's own delays
     for period, gaps in zip(periods, heard, strict=True):
         # Due every period, sent within a quarter of it (at most the ticker's 0.25 s) once due.
-        assert max(gaps) <= period + 0.25 + 0.2, (period, gaps)
-        assert min(gaps) >= period - 0.2, (period, gaps)  # not another reader's period
+        assert max(gaps) <= period + slack, (period, gaps)
+        # Not another reader's period (1 s and 2 s stay apart by more than twice the slack). A
+        # ping this client took late shortens the gap after it as much as it lengthened the
+        # one before (2.24 s then 1.78 s, in CI).
+        assert min(gaps) >= period - slack, (period, gaps)
     httpx.post(f"{broker.base_url}/v1/turns/{turn['turn_id']}/cancel", timeout=10)
