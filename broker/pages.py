@@ -11,6 +11,7 @@ a crowd that replays a finished answer, or joins a running one, reads each page 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Iterable, Sequence
 from typing import Final
@@ -66,14 +67,22 @@ class PageCache:
     whoever asks. A page that came short may grow and is not kept, unless it was read up to an
     entry that was read already (see :meth:`StoredPages.page`'s ``bound``). A page is kept
     ``ttl_s`` (``BROKER_SSE_PAGE_CACHE_S``) at most, so a stream that expires is not read from
-    here for longer than that, and ``PAGE_CACHE_EVENTS`` events in all, the oldest going first.
+    here for longer than that, and ``PAGE_CACHE_EVENTS`` events in all. A page that finds no
+    room once the pages whose time ran out are gone pushes out other streams' pages, oldest
+    first, never its own stream's: then it is not kept. (A reader of a stream longer than the
+    bound pushed each of its pages out before the next reader of that stream asked for it, and
+    every read of it went to Redis; now the next readers take its first ``PAGE_CACHE_EVENTS``
+    events from here.)
     """
 
     __slots__ = ("_events", "_pages", "_ttl_s")
 
     def __init__(self, ttl_s: float) -> None:
         self._ttl_s = ttl_s
-        self._pages: dict[PageKey, tuple[float, list[Entry]]] = {}
+        # Oldest first, and so in the order their time runs out (one ``ttl_s`` for all).
+        self._pages: collections.OrderedDict[PageKey, tuple[float, list[Entry]]] = (
+            collections.OrderedDict()
+        )
         self._events = 0
 
     def get(self, page: PageKey, now: float) -> list[Entry] | None:
@@ -86,12 +95,31 @@ class PageCache:
         return kept[1]
 
     def put(self, page: PageKey, entries: list[Entry], now: float) -> None:
-        if self._ttl_s <= 0 or len(entries) > PAGE_CACHE_EVENTS or page in self._pages:
+        if self._ttl_s <= 0 or page in self._pages:
             return
-        self._pages[page] = (now + self._ttl_s, entries)  # dicts keep order: oldest first
+        pages = self._pages
+        while pages:  # the pages whose time ran out go first
+            oldest = next(iter(pages.values()))
+            if oldest[0] > now:
+                break
+            pages.popitem(last=False)
+            self._events -= len(oldest[1])
+        room = PAGE_CACHE_EVENTS - self._events
+        if room < len(entries):
+            # Other streams' pages make room, oldest first; the stream's own stay their time.
+            going = []
+            for kept, (_, events) in pages.items():
+                if kept[0] != page[0]:
+                    going.append(kept)
+                    room += len(events)
+                    if room >= len(entries):
+                        break
+            if room < len(entries):
+                return
+            for kept in going:
+                self._drop(kept)
+        pages[page] = (now + self._ttl_s, entries)
         self._events += len(entries)
-        while self._events > PAGE_CACHE_EVENTS:
-            self._drop(next(iter(self._pages)))
 
     def _drop(self, page: PageKey) -> None:
         self._events -= len(self._pages.pop(page)[1])

@@ -311,13 +311,27 @@ def test_kept_pages_expire_and_stay_within_their_bound() -> None:
     assert pages.get(("k", "0-0", "+", 2), 1.0) is None  # its time ran out
     half = [entry] * (PAGE_CACHE_EVENTS // 2)
     for n in range(3):
-        pages.put(("k", str(n), "+", len(half)), half, 0.0)
-    assert pages.get(("k", "0", "+", len(half)), 0.1) is None  # the oldest went for the third
-    assert pages.get(("k", "1", "+", len(half)), 0.1) == half
-    assert pages.get(("k", "2", "+", len(half)), 0.1) == half
-    pages.put(("k", "big", "+", PAGE_CACHE_EVENTS + 1), [entry] * (PAGE_CACHE_EVENTS + 1), 0.0)
-    assert pages.get(("k", "big", "+", PAGE_CACHE_EVENTS + 1), 0.1) is None  # never kept
-    assert pages.get(("k", "2", "+", len(half)), 0.1) == half  # and pushed nothing out
+        pages.put(("k", str(n), "+", len(half)), half, 2.0)
+    # The first two fill the room and stay their time: the third is not kept (a reader going
+    # through a stream longer than the bound leaves its first pages to the next readers).
+    assert pages.get(("k", "0", "+", len(half)), 2.1) == half
+    assert pages.get(("k", "1", "+", len(half)), 2.1) == half
+    assert pages.get(("k", "2", "+", len(half)), 2.1) is None
+    pages.put(("k", "big", "+", PAGE_CACHE_EVENTS + 1), [entry] * (PAGE_CACHE_EVENTS + 1), 3.5)
+    assert pages.get(("k", "big", "+", PAGE_CACHE_EVENTS + 1), 3.6) is None  # never kept
+    # Once their time ran out, a page finds room (they are gone, found or not).
+    pages.put(("k", "3", "+", len(half)), half, 3.5)
+    assert pages.get(("k", "3", "+", len(half)), 3.6) == half
+    assert pages.get(("k", "0", "+", len(half)), 3.6) is None
+    for n in range(4, 6):
+        pages.put(("k", str(n), "+", len(half)), half, 3.6)
+    assert pages.get(("k", "4", "+", len(half)), 3.7) == half
+    assert pages.get(("k", "5", "+", len(half)), 3.7) is None  # full again
+    # Another stream's page pushes out the oldest pages of others.
+    pages.put(("other", "0", "+", len(half)), half, 3.8)
+    assert pages.get(("other", "0", "+", len(half)), 3.9) == half
+    assert pages.get(("k", "3", "+", len(half)), 3.9) is None
+    assert pages.get(("k", "4", "+", len(half)), 3.9) == half
 
 
 def test_json_catch_up_pages(broker_factory: BrokerFactory) -> None:
