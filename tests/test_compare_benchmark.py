@@ -225,7 +225,7 @@ def test_schedules_are_named_by_letter_or_word_and_run_in_order(
     assert _schedules(only) == expected
 
 
-@pytest.mark.server
+# (Not marked `server`: a benchmark's smoke run, run once, in CI's first pass.)
 @pytest.mark.single_node("the benchmark starts servers of its own")
 @pytest.mark.timeout(180)
 def test_a_smoke_run_of_the_late_reader_prints_a_figure_per_system(tmp_path: Path) -> None:

@@ -7,10 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-# Brokers of its own processes, on the server the session names: a test of the server too.
-pytestmark = pytest.mark.server
+# Brokers of its own processes. Not marked `server`: a benchmark's smoke run exercises the broker
+# only as the functional tests do, so CI runs it once, in the first pass.
 
 REPO = Path(__file__).resolve().parent.parent
 
