@@ -1,6 +1,7 @@
-"""A payment tool whose calls over 100 wait for a person's approval, as the approval tests of
-every door use it: its tools file, its endpoint, and a broker that serves it (the fixtures are
-registered for every test module by ``tests/conftest.py``)."""
+"""A payment endpoint for the tool tests (``payments``, which counts what it is asked to do), and
+a payment tool over it whose calls over 100 wait for a person's approval, as the approval tests
+of every door use it: its tools file and a broker that serves it (``approved_broker``). The
+fixtures are registered for every test module by ``tests/conftest.py``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ SMALL = {"to": "bob", "amount": 10}
 
 @pytest.fixture
 def payments() -> Iterator[ToolEndpoint]:
+    """A payment endpoint that counts what it is asked to do."""
     endpoint = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
     yield endpoint
     endpoint.close()

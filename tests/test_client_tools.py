@@ -315,13 +315,6 @@ def test_a_reader_cut_mid_call_resumes_and_sees_each_event_once(broker: RunningB
 
 
 @pytest.fixture
-def payments() -> Iterator[ToolEndpoint]:
-    endpoint = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
-    yield endpoint
-    endpoint.close()
-
-
-@pytest.fixture
 def server_tools(tmp_path: Path, payments: ToolEndpoint) -> str:
     path = tmp_path / "tools.json"
     tool = {"name": "send_payment", "class": "unkeyed_write", "endpoint": payments.url}

@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +103,6 @@ def send(
     turn_id = f"turn-{next(_ids)}"
     request = DOORS[door](broker.base_url, turn_id, provider, {"simulate": knobs})
     return httpx.post(request["url"], json=request["json"], headers=bearer(auth), timeout=20)
-
-
-@pytest.fixture
-def payments() -> Iterator[ToolEndpoint]:
-    endpoint = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
-    yield endpoint
-    endpoint.close()
 
 
 @pytest.fixture

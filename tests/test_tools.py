@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +33,6 @@ PAYMENT_SCHEMA = {
     "required": ["to", "amount"],
     "properties": {"to": {"type": "string"}, "amount": {"type": "number", "exclusiveMinimum": 0}},
 }
-
-
-@pytest.fixture
-def payments() -> Iterator[ToolEndpoint]:
-    """A payment endpoint that counts what it is asked to do."""
-    endpoint = ToolEndpoint("/pay", lambda n: {"payment_id": f"pay_{n}"})
-    yield endpoint
-    endpoint.close()
 
 
 @pytest.fixture
