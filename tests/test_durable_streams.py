@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,10 +53,51 @@ def test_the_official_conformance_suite_passes_at_the_gate(
     node = _node()
     # The suite's webhook receivers listen on loopback; 10.0.0.1 must still be refused.
     broker = broker_factory(cors_origins="*", webhook_allow_loopback=1, **LONG_POLL)
-    report = tmp_path / "report.json"
+    tests = _suite(node, broker, tmp_path / "report.json")
+    failed = _failures(tests)
+    if failed and all(name.startswith(TIMED) for name in failed):
+        # Once more, alone: these wait out TTLs and long polls on the wall clock, and a loaded
+        # CI machine has failed one now and then (a sliding TTL read 404 once). A second
+        # failure stands.
+        pattern = "|".join(re.escape(name) for name in failed)
+        again = _suite(node, broker, tmp_path / "again.json", pattern)
+        rerun = {t["fullName"]: t for t in again if t["fullName"] in failed}
+        ran = [t["status"] in ("passed", "failed") for t in rerun.values()]
+        assert len(rerun) == len(failed), "the re-run left out a test that failed"
+        assert all(ran), "the re-run skipped a test that failed"
+        tests = [rerun.get(t["fullName"], t) for t in tests]
+        failed = _failures(tests)
+    passed = sum(1 for t in tests if t["status"] == "passed")
+    skipped = len(tests) - passed - len(failed)
+    with capsys.disabled():  # in the test run's output, passed or not
+        print(
+            f"\nDurable Streams conformance (0.3.6): {passed} passed, {len(failed)} failed, "
+            f"{skipped} skipped of {len(tests)}"
+        )
+    assert not failed, "failed:\n" + "\n".join(f"{name}: {why}" for name, why in failed.items())
+    assert passed >= GATE, f"{passed} passed, below the gate of {GATE}"
+
+
+# The suite's groups whose tests wait on the wall clock (TTLs, long polls).
+TIMED = (
+    "TTL Expiration Behavior ",
+    "Fork - TTL and Expiry ",
+    "Long-Poll Operations ",
+    "Long-Poll Edge Cases ",
+)
+
+
+def _suite(
+    node: str, broker: RunningBroker, report: Path, names: str | None = None
+) -> list[dict[str, Any]]:
+    """The conformance suite's tests (those whose full names match ``names``, a regular
+    expression, if given), run against ``broker``, as vitest reports them."""
     vitest = FOLDER / "node_modules" / "vitest" / "vitest.mjs"
+    command = [node, str(vitest), "run", "--reporter=json", f"--outputFile={report}"]
+    if names is not None:
+        command += ["-t", names]
     result = subprocess.run(
-        [node, str(vitest), "run", "--reporter=json", f"--outputFile={report}"],
+        command,
         cwd=FOLDER,
         capture_output=True,
         text=True,
@@ -70,21 +112,16 @@ def test_the_official_conformance_suite_passes_at_the_gate(
     )
     assert report.exists(), f"vitest wrote no report:\n{result.stdout[-3000:]}\n{result.stderr}"
     outcome = json.loads(report.read_text())
-    tests = [t for suite in outcome["testResults"] for t in suite["assertionResults"]]
-    failed = [
-        f"{t['fullName']}: {' '.join(t.get('failureMessages', []))[:2000]}"
+    return [t for suite in outcome["testResults"] for t in suite["assertionResults"]]
+
+
+def _failures(tests: list[dict[str, Any]]) -> dict[str, str]:
+    """The failed tests' full names, and why each failed."""
+    return {
+        t["fullName"]: " ".join(t.get("failureMessages", []))[:2000]
         for t in tests
         if t["status"] == "failed"
-    ]
-    passed = sum(1 for t in tests if t["status"] == "passed")
-    skipped = len(tests) - passed - len(failed)
-    with capsys.disabled():  # in the test run's output, passed or not
-        print(
-            f"\nDurable Streams conformance (0.3.6): {passed} passed, {len(failed)} failed, "
-            f"{skipped} skipped of {len(tests)}"
-        )
-    assert not failed, "failed:\n" + "\n".join(failed)
-    assert passed >= GATE, f"{passed} passed, below the gate of {GATE}"
+    }
 
 
 def _generation(broker: RunningBroker, turn_id: str, auth: str | None = None) -> dict[str, Any]:
